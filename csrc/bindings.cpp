@@ -1,0 +1,38 @@
+// Registrations only: the schema of every op in the torch.ops.radixserve namespace and its
+// CUDA implementation. Python reaches them through pysrc/radixserve/ops/__init__.py.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops/ops.h"
+
+TORCH_LIBRARY(radixserve, m) {
+  m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_indices) -> ()");
+  m.def("build_kv_indices(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
+        "Tensor(a!) kv_indptr, Tensor(b!) kv_indices) -> ()");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, "
+        "Tensor kv_indices, float sm_scale) -> Tensor");
+  m.def("paged_extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor qo_indptr, "
+        "Tensor kv_indptr, Tensor kv_indices, float sm_scale) -> Tensor");
+  m.def("bitmask_sample(Tensor logits, Tensor? bitmask, Tensor temperature, Tensor top_k, "
+        "Tensor top_p, Tensor min_p, Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CUDA, m) {
+  m.impl("store_kv", &radixserve::store_kv);
+  m.impl("build_kv_indices", &radixserve::build_kv_indices);
+  m.impl("paged_decode_attention", &radixserve::paged_decode_attention);
+  m.impl("paged_extend_attention", &radixserve::paged_extend_attention);
+  m.impl("bitmask_sample", &radixserve::bitmask_sample);
+  m.impl("rms_norm", &radixserve::rms_norm);
+  m.impl("fused_add_rms_norm", &radixserve::fused_add_rms_norm);
+  m.impl("rotary_embedding", &radixserve::rotary_embedding);
+  m.impl("silu_and_mul", &radixserve::silu_and_mul);
+}
+
+// The module itself carries nothing: importing radixserve._C runs the registrations above.
+static struct PyModuleDef radixserve_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&radixserve_c_module); }

@@ -1,0 +1,41 @@
+// Host-side entry points of every op, one declaration each. Implemented in csrc/ops/*.cu,
+// registered in csrc/bindings.cpp. Contracts (shapes, dtypes, mutation) are documented once,
+// in pysrc/radixserve/ops/__init__.py; each implementation checks every input it is given.
+#pragma once
+
+#include <optional>
+#include <tuple>
+
+#include <ATen/ATen.h>
+
+namespace radixserve {
+
+// kv.cu
+void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_indices);
+void build_kv_indices(const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                      const at::Tensor& seq_lens, at::Tensor kv_indptr, at::Tensor kv_indices);
+
+// attention.cu
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& kv_indptr,
+                                  const at::Tensor& kv_indices, double sm_scale);
+at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& qo_indptr,
+                                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                                  double sm_scale);
+
+// sampling.cu
+std::tuple<at::Tensor, at::Tensor> bitmask_sample(
+    const at::Tensor& logits, const std::optional<at::Tensor>& bitmask,
+    const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+    const at::Tensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets);
+
+// elementwise.cu
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
+                      const at::Tensor& cos_sin_cache);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+}  // namespace radixserve

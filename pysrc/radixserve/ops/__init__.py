@@ -1,0 +1,168 @@
+"""The op seam: every compute op radixserve runs, each with one signature.
+
+On CUDA tensors, when the extension radixserve._C is built, an op runs our kernel
+(torch.ops.radixserve.*); otherwise it runs the plain-torch reference in ops/reference.py,
+which is also the test oracle. Kernels and references are interchangeable: same shapes,
+same dtypes, same mutation contract.
+
+Index dtypes: slot indices and indptrs are int32 on the kernel path; references accept
+int32 or int64. Naming: *_indptr has length batch + 1; *_indices are KV pool slots.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from radixserve.ops import reference as ref
+from radixserve.ops._ext import kernels_available
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    return t.is_cuda and kernels_available()
+
+
+class SampleOutput(NamedTuple):
+    ids: torch.Tensor       # [batch] int64
+    logprobs: torch.Tensor  # [batch] float32: log softmax of the raw logits at ids
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_indices: torch.Tensor) -> None:
+    """Write new K/V rows into the pool, in place.
+
+    k_cache, v_cache: [num_slots, num_kv_heads, head_dim] (bf16/fp16/fp32, contiguous)
+    k, v:             [num_tokens, num_kv_heads, head_dim], same dtype as the cache
+    slot_indices:     [num_tokens] int32/int64, each < num_slots, no duplicates
+    Mutates k_cache[slot_indices], v_cache[slot_indices]; nothing else.
+    """
+    if _use_kernel(k_cache):
+        torch.ops.radixserve.store_kv(k_cache, v_cache, k, v, slot_indices)
+    else:
+        ref.store_kv(k_cache, v_cache, k, v, slot_indices)
+
+
+def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     seq_lens: torch.Tensor, kv_indptr: torch.Tensor,
+                     kv_indices: torch.Tensor) -> None:
+    """Radix-aware gather: flatten a batch's token-to-slot rows for attention, on the device.
+
+    req_to_token:     [max_running_reqs, max_context_len] int32 (row r = slots of request r,
+                      prefix slots from the radix tree followed by newly allocated slots)
+    req_pool_indices: [batch] int32/int64, rows of req_to_token
+    seq_lens:         [batch] int32/int64, tokens of each request to expose (prefix + new)
+    kv_indptr (out):  [batch + 1] int32; kv_indptr[0] = 0, kv_indptr[b+1] = sum(seq_lens[:b+1])
+    kv_indices (out): [>= sum(seq_lens)] int32; kv_indices[kv_indptr[b]:kv_indptr[b+1]]
+                      = req_to_token[req_pool_indices[b], :seq_lens[b]]
+    No host synchronisation on the kernel path (safe under CUDA graph capture).
+    """
+    if _use_kernel(req_to_token):
+        torch.ops.radixserve.build_kv_indices(req_to_token, req_pool_indices, seq_lens,
+                                              kv_indptr, kv_indices)
+    else:
+        ref.build_kv_indices(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                           sm_scale: float) -> torch.Tensor:
+    """One query token per request over its paged KV (page size 1).
+
+    q:        [batch, num_q_heads, head_dim]; num_q_heads % num_kv_heads == 0 (GQA)
+    k_cache:  [num_slots, num_kv_heads, head_dim], v_cache likewise, same dtype as q
+    kv_indptr:[batch + 1] int32, kv_indices: [nnz] int32 (as build_kv_indices makes them);
+              every request has at least one KV token (its own)
+    returns   [batch, num_q_heads, head_dim], dtype of q: softmax(q k^T * sm_scale) v
+    """
+    if _use_kernel(q):
+        return torch.ops.radixserve.paged_decode_attention(q, k_cache, v_cache, kv_indptr,
+                                                           kv_indices, sm_scale)
+    return ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale)
+
+
+def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                           kv_indices: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """New query tokens over [cached prefix + themselves], causal among the new tokens.
+
+    q:         [num_q_tokens, num_q_heads, head_dim], requests concatenated
+    qo_indptr: [batch + 1] int32: request b's queries are q[qo_indptr[b]:qo_indptr[b+1]]
+    kv_indptr, kv_indices: request b's KV slots (prefix, then its new tokens, already stored
+               with store_kv); extend_len_b = qo_len_b <= kv_len_b
+    Query i of request b sits at position kv_len_b - qo_len_b + i and attends KV positions <= it.
+    returns    [num_q_tokens, num_q_heads, head_dim], dtype of q
+    """
+    if _use_kernel(q):
+        return torch.ops.radixserve.paged_extend_attention(q, k_cache, v_cache, qo_indptr,
+                                                           kv_indptr, kv_indices, sm_scale)
+    return ref.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
+                                      sm_scale)
+
+
+def bitmask_sample(logits: torch.Tensor, bitmask: Optional[torch.Tensor],
+                   temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> SampleOutput:
+    """Mask, filter and sample one token per row, without a host sync on the kernel path.
+
+    logits:      [batch, vocab] float32 or bfloat16
+    bitmask:     None or [batch, ceil(vocab / 32)] int32; bit (t % 32) of word t // 32 set = allowed
+    temperature: [batch] float32; 0 means greedy (argmax of the masked logits)
+    top_k:       [batch] int32; <= 0 disables
+    top_p:       [batch] float32 in (0, 1]; 1 disables
+    min_p:       [batch] float32 in [0, 1); 0 disables
+    seeds, offsets: [batch] int64; the draw of a row is a pure function of (seed, offset, probs),
+                 the engine passes the request's seed and its output length as offset
+    Filter order: bitmask -> temperature -> top_k -> top_p -> min_p (reference.filtered_probs).
+    Returns SampleOutput(ids [batch] int64, logprobs [batch] float32), where logprobs is the
+    model's own log-probability of the id: log_softmax(logits) before mask and temperature.
+    A token whose bit is 0 is never returned (unless a row masks every token).
+    """
+    if _use_kernel(logits):
+        ids, logprobs = torch.ops.radixserve.bitmask_sample(logits, bitmask, temperature, top_k,
+                                                            top_p, min_p, seeds, offsets)
+    else:
+        ids, logprobs = ref.bitmask_sample(logits, bitmask, temperature, top_k, top_p, min_p,
+                                           seeds, offsets)
+    return SampleOutput(ids, logprobs)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [num_tokens, hidden], weight: [hidden] -> [num_tokens, hidden] (new tensor)."""
+    if _use_kernel(x):
+        return torch.ops.radixserve.rms_norm(x, weight, eps)
+    return ref.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> None:
+    """In place: residual <- residual + x, then x <- rms_norm(residual) * weight.
+
+    x, residual: [num_tokens, hidden] same dtype, contiguous; weight: [hidden].
+    """
+    if _use_kernel(x):
+        torch.ops.radixserve.fused_add_rms_norm(x, residual, weight, eps)
+    else:
+        ref.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> None:
+    """Neox-style rotary embedding, in place on q and k.
+
+    positions:     [num_tokens] int64
+    q:             [num_tokens, num_q_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
+                   (may be strided views into a fused qkv buffer: last dim contiguous)
+    cos_sin_cache: [max_position, rotary_dim] float32, row p = [cos(p*f) | sin(p*f)], with any
+                   rope scaling (llama3) already folded into the frequencies f
+    """
+    if _use_kernel(q):
+        torch.ops.radixserve.rotary_embedding(positions, q, k, cos_sin_cache)
+    else:
+        ref.rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * inter] = [gate | up] -> silu(gate) * up: [num_tokens, inter]."""
+    if _use_kernel(x):
+        return torch.ops.radixserve.silu_and_mul(x)
+    return ref.silu_and_mul(x)
