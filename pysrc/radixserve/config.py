@@ -1,0 +1,154 @@
+"""Configuration: ServerArgs (every flag of `radixserve serve`) and ModelConfig (from config.json).
+
+Configuration flows from ServerArgs; nothing reads flags or environment variables elsewhere
+(except RADIXSERVE_DISABLE_KERNELS in ops/_ext.py, a debugging switch).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+
+@dataclass
+class ServerArgs:
+    # model
+    model_path: Optional[str] = None          # None: the embedded default (SmolLM2-135M-Instruct)
+    tokenizer_path: Optional[str] = None      # default: model_path
+    served_model_name: Optional[str] = None   # default: the model directory's name
+    load_format: str = "auto"                 # auto | safetensors | dummy
+    dtype: str = "auto"                       # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
+    device: str = "auto"                      # auto | cpu | cuda
+    context_length: Optional[int] = None      # default: max_position_embeddings of the model
+    trust_remote_code: bool = False
+    # server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    log_level: str = "info"
+    # memory and scheduling
+    mem_fraction_static: Optional[float] = None  # default: 0.85 on GPU, 0.10 of free RAM on CPU
+    max_total_tokens: Optional[int] = None
+    max_running_requests: Optional[int] = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: Optional[int] = None   # default: 8192 on GPU, 512 on CPU; -1 disables
+    schedule_policy: str = "fcfs"                # fcfs | lpm
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    page_size: int = 1
+    # parallelism
+    tp_size: int = 1
+    # runtime
+    random_seed: int = 0
+    disable_cuda_graph: bool = False
+    debug_integrity: bool = False
+    cpu_threads: Optional[int] = None            # torch threads for the CPU forward (default: torch's)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+        return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "half": torch.float16}[self.dtype]
+
+    def resolved_chunked_prefill_size(self) -> Optional[int]:
+        if self.chunked_prefill_size is None:
+            return 8192 if self.resolved_device() == "cuda" else 512
+        return None if self.chunked_prefill_size <= 0 else self.chunked_prefill_size
+
+    def check(self) -> None:
+        """Raise ValueError naming the flag to change."""
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"--schedule-policy must be fcfs or lpm, not {self.schedule_policy!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"--load-format must be auto, safetensors or dummy, not {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
+            raise ValueError(f"--dtype {self.dtype!r} is not supported")
+        if self.page_size < 1:
+            raise ValueError("--page-size must be >= 1")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.tp_size != 1:
+            raise ValueError("--tp-size > 1 is not supported yet")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=f.default)
+                continue
+            base = {"int": int, "float": float, "str": str, "Optional[int]": int,
+                    "Optional[float]": float, "Optional[str]": str}[str(f.type)]
+            parser.add_argument(flag, type=base, default=f.default)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass
+class ModelConfig:
+    """The model facts the runtime needs, read from an HF config.json."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: List[int] = field(default_factory=list)
+    bos_token_id: Optional[int] = None
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelConfig":
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            hf_config=cfg,
+        )
+
+    @classmethod
+    def from_path(cls, model_path: str) -> "ModelConfig":
+        with open(os.path.join(model_path, "config.json")) as f:
+            return cls.from_dict(json.load(f))
