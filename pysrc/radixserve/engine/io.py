@@ -1,0 +1,41 @@
+"""The engine's request and output types: what the server (and the offline Engine) hand to
+AsyncEngine.generate and what comes back, one GenerateOutput per step that produced text."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from radixserve.sampling.params import SamplingParams
+
+# One logprob entry: (logprob, token_id, token_text or None)
+LogprobEntry = Tuple[float, int, Optional[str]]
+
+
+@dataclass
+class GenerateReqInput:
+    """One sequence to generate (the server expands batches and n>1 into several of these)."""
+    rid: str
+    input_ids: List[int]                      # already tokenized (templates applied upstream)
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1               # -1: no prompt logprobs; k: prompt positions >= k
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+
+@dataclass
+class GenerateOutput:
+    """A step's result for one request. Text and ids are deltas since the previous output."""
+    rid: str
+    text_delta: str
+    output_ids_delta: List[int]
+    finished: bool
+    finish_reason: Optional[Dict[str, Any]] = None   # {"type": "stop"|"length"|"abort", "matched": str|int|None}
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_token_logprobs_delta: List[LogprobEntry] = field(default_factory=list)
+    output_top_logprobs_delta: List[List[LogprobEntry]] = field(default_factory=list)
+    input_token_logprobs: Optional[List[LogprobEntry]] = None   # once, with the first output
+    input_top_logprobs: Optional[List[List[LogprobEntry]]] = None
