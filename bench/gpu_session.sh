@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, build radixserve._C for sm_90a, then run the
+# stage(s) named in $@ with logs under $OUT. Used from the device tool as
+#   bash bench/gpu_session.sh build tests kernels
+# The GGUF of the default model travels in two halves (.gguf/part.aa, .gguf/part.ab: over one
+# call's 64 MiB together); stage `gguf` copies whichever half is carried to /tmp and joins them
+# once both are there.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD/pysrc:${PYTHONPATH:-}
+export RADIXSERVE_CACHE_DIR=/tmp/rscache
+for stage in "$@"; do
+  echo "=== stage $stage" | tee -a "$OUT/log.txt"
+  case $stage in
+    build)
+      if ! ls pysrc/radixserve/_C*.so >/dev/null 2>&1; then
+        RADIXSERVE_CUDA=1 RADIXSERVE_CUDA_ARCHS=90a MAX_JOBS=16 python3 setup.py build_ext --inplace \
+          2>&1 | tail -20 | tee -a "$OUT/log.txt"
+      fi
+      python3 -c "import radixserve._C, torch; print('ext ok', torch.__version__)" 2>&1 | tee -a "$OUT/log.txt" ;;
+    gguf)
+      mkdir -p /tmp/gguf
+      cp .gguf/part.* /tmp/gguf/ 2>/dev/null
+      ls -la /tmp/gguf | tee -a "$OUT/log.txt"
+      if [ -f /tmp/gguf/part.aa ] && [ -f /tmp/gguf/part.ab ]; then
+        cat /tmp/gguf/part.aa /tmp/gguf/part.ab > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+        sha256sum /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a "$OUT/log.txt"
+      fi ;;
+    tests)
+      python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.txt" | tail -40 ;;
+    kernels)
+      python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -60
+      cp bench/results/kernels-h200.json "$OUT/" 2>/dev/null ;;
+    model)
+      RADIXSERVE_GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
+        python3 -m pytest -q -p no:cacheprovider -m slow tests/gpu 2>&1 | tee "$OUT/gpu_model.txt" | tail -40 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
