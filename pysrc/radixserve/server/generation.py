@@ -1,0 +1,136 @@
+"""Running a request's sequences on the engine: expand prompts x n into GenerateReqInputs,
+validate them all before anything starts, and drive their engine generators together.
+
+The one invariant every helper here keeps: when the consumer stops early (client gone, error,
+cancellation), every engine generator started for the request is closed, which aborts its
+sequence in the engine and frees its KV slots.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import AsyncIterator, List, Optional, Sequence, Tuple
+
+from starlette.types import Receive
+
+from radixserve.engine.io import GenerateOutput, GenerateReqInput
+from radixserve.sampling.params import SamplingParams
+from radixserve.server.errors import bad_request
+from radixserve.server.protocol import SeqResult
+from radixserve.server.sse import wait_for_disconnect
+
+
+def expand_requests(rid: str, prompt_ids: Sequence[List[int]], n: int,
+                    sampling: Sequence[SamplingParams], stream: bool,
+                    return_logprob: Sequence[bool], logprob_start_len: Sequence[int],
+                    top_logprobs_num: Sequence[int], return_text_in_logprobs: bool,
+                    rids: Optional[Sequence[str]] = None) -> List[GenerateReqInput]:
+    """One GenerateReqInput per (prompt, sample): index p * n + j. With a single sequence the
+    rid is `rid` (or rids[0]); otherwise "<rid>-<index>" (or "<rids[p]>-<j>" when the client
+    named each prompt). A seed s gives sample j the seed s + j, so samples differ but each is
+    reproducible. Per-prompt settings are sequences with one entry per prompt."""
+    total = len(prompt_ids) * n
+    reqs = []
+    for p, ids in enumerate(prompt_ids):
+        for j in range(n):
+            index = p * n + j
+            sp = sampling[p]
+            sp = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+            if rids is not None:
+                seq_rid = rids[p] if n == 1 else f"{rids[p]}-{j}"
+            else:
+                seq_rid = rid if total == 1 else f"{rid}-{index}"
+            reqs.append(GenerateReqInput(
+                rid=seq_rid, input_ids=list(ids), sampling_params=sp, stream=stream,
+                return_logprob=return_logprob[p], logprob_start_len=logprob_start_len[p],
+                top_logprobs_num=top_logprobs_num[p],
+                return_text_in_logprobs=return_text_in_logprobs))
+    return reqs
+
+
+def validate_all(engine, reqs: Sequence[GenerateReqInput]) -> None:
+    """engine.validate on every sequence; its ValueError becomes a 400."""
+    for req in reqs:
+        try:
+            engine.validate(req)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+
+async def merge_generations(engine, reqs: Sequence[GenerateReqInput]
+                            ) -> AsyncIterator[Tuple[int, GenerateOutput]]:
+    """Yield (index into reqs, output) from all sequences, in the order the engine produces
+    them. A ValueError from the engine (a request it refuses) is raised as a 400 ApiError; any
+    other engine exception propagates. However this generator ends, it closes every engine
+    generator it opened (aborting the unfinished ones)."""
+    if len(reqs) == 1:
+        agen = engine.generate(reqs[0])
+        try:
+            async for out in agen:
+                yield 0, out
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        finally:
+            await agen.aclose()
+        return
+
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def drive(i: int, req: GenerateReqInput) -> None:
+        agen = engine.generate(req)
+        try:
+            async for out in agen:
+                queue.put_nowait((i, out))
+        except Exception as e:  # handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+            return
+        finally:
+            await agen.aclose()
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(drive(i, r)) for i, r in enumerate(reqs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, ValueError):
+                raise bad_request(str(item))
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before a non-streamed response was ready (its sequences aborted)."""
+
+
+async def collect(engine, reqs: Sequence[GenerateReqInput], results: Sequence[SeqResult],
+                  receive: Optional[Receive] = None) -> None:
+    """Run every sequence to its end, feeding results[i] with sequence i's outputs. With
+    `receive` (the request's ASGI receive, body already read), a client disconnect cancels the
+    run (aborting the sequences) and raises ClientDisconnected."""
+    async def run() -> None:
+        async for i, out in merge_generations(engine, reqs):
+            results[i].feed(out)
+
+    if receive is None:
+        await run()
+        return
+    run_task = asyncio.ensure_future(run())
+    watch = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({run_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (run_task, watch):
+            t.cancel()
+        await asyncio.gather(run_task, watch, return_exceptions=True)
+    if run_task.cancelled():
+        raise ClientDisconnected()
+    run_task.result()

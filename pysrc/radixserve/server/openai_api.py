@@ -1,0 +1,186 @@
+"""OpenAI-compatible routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+
+Each handler: parse + validate the body (protocol.py), tokenize, check the context, expand
+prompts x n into engine requests, validate them all with the engine, then either collect the
+outputs into one JSON body or stream SSE chunks. Errors before the first byte are 4xx bodies;
+an error after the stream started is sent as an error event followed by [DONE].
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import AsyncIterator, List, Sequence
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from radixserve.engine.io import GenerateReqInput
+from radixserve.server import protocol as P
+from radixserve.server.errors import ApiError, bad_request
+from radixserve.server.generation import (ClientDisconnected, collect, expand_requests,
+                                          merge_generations, validate_all)
+from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
+
+logger = logging.getLogger(__name__)
+
+
+def _max_param(body: dict) -> str:
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+def _model_aliases(engine) -> List[str]:
+    return [a for a in (getattr(engine, "model_path", None),) if a]
+
+
+async def _stream_errors_as_events(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Pass events through; an exception turns into an error event. [DONE] always ends it
+    (unless the stream was cancelled: the client is gone then)."""
+    try:
+        async for e in events:
+            yield e
+    except ApiError as e:
+        yield encode_event(e.body())
+    except Exception as e:  # noqa: BLE001 - the headers are out; tell the client in-band
+        logger.exception("error while streaming")
+        yield encode_event(ApiError(f"internal server error: {type(e).__name__}: {e}", 500).body())
+    finally:
+        await events.aclose()
+    yield DONE_EVENT
+
+
+# --------------------------------------------------------------------------- chat
+
+async def chat_completions(request: Request, engine) -> Response:
+    body = P.parse_json_body(await request.body())
+    P.check_model(body, engine.served_model_name, _model_aliases(engine))
+    req = P.parse_chat_request(body)
+    try:
+        prompt_ids = engine.tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                                  tools=req.tools)
+    except ValueError as e:
+        raise bad_request(f"messages cannot be rendered by the chat template: {e}", param="messages")
+    P.check_prompt_ids(prompt_ids, engine.model_config.vocab_size, engine.context_len,
+                       req.sampling.max_new_tokens, "messages", _max_param(body))
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    reqs = expand_requests(rid, [prompt_ids], req.n, [req.sampling], req.stream,
+                           return_logprob=[req.logprobs], logprob_start_len=[-1],
+                           top_logprobs_num=[req.top_logprobs], return_text_in_logprobs=True)
+    validate_all(engine, reqs)
+    created = int(time.time())
+    model = engine.served_model_name
+    if req.stream:
+        return EventStreamResponse(_stream_errors_as_events(
+            _chat_events(engine, rid, created, model, req, reqs, prompt_ids)))
+    results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
+    try:
+        await collect(engine, reqs, results, request.receive)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(P.chat_response(rid, created, model, results, req.n, req.logprobs,
+                                        req.top_logprobs, engine.tokenizer.token_text))
+
+
+async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRequest,
+                       reqs: Sequence[GenerateReqInput], prompt_ids: List[int]) -> AsyncIterator[bytes]:
+    results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
+    usage_null = req.include_usage
+    for i in range(len(reqs)):
+        yield encode_event(P.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""},
+                                        usage_null=usage_null))
+    async for i, out in merge_generations(engine, reqs):
+        results[i].feed(out)
+        logprobs = None
+        if req.logprobs and out.output_token_logprobs_delta:
+            logprobs = P.chat_logprobs(out.output_token_logprobs_delta, out.output_top_logprobs_delta,
+                                       req.top_logprobs, engine.tokenizer.token_text)
+        if not (out.text_delta or logprobs or out.finished):
+            continue
+        delta = {"content": out.text_delta} if out.text_delta else {}
+        finish = P.finish_reason_str(out.finish_reason) if out.finished else None
+        extra = {"matched_stop": P.matched_stop(out.finish_reason)} if out.finished else None
+        yield encode_event(P.chat_chunk(rid, created, model, i, delta, finish, logprobs,
+                                        usage_null=usage_null, extra=extra))
+    if req.include_usage:
+        yield encode_event(P.usage_chunk(rid, "chat.completion.chunk", created, model,
+                                         P.usage_dict(results, req.n)))
+
+
+# --------------------------------------------------------------------------- completions
+
+async def completions(request: Request, engine) -> Response:
+    body = P.parse_json_body(await request.body())
+    P.check_model(body, engine.served_model_name, _model_aliases(engine))
+    req = P.parse_completion_request(body)
+    tok = engine.tokenizer
+    prompt_ids = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
+    for ids in prompt_ids:
+        P.check_prompt_ids(ids, engine.model_config.vocab_size, engine.context_len,
+                           req.sampling.max_new_tokens, "prompt", _max_param(body))
+    echo_texts = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in req.prompts]
+    want_logprobs = req.logprobs is not None
+    count = len(prompt_ids)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    reqs = expand_requests(rid, prompt_ids, req.n, [req.sampling] * count, req.stream,
+                           return_logprob=[want_logprobs] * count,
+                           logprob_start_len=[0 if (want_logprobs and req.echo) else -1] * count,
+                           top_logprobs_num=[req.logprobs or 0] * count, return_text_in_logprobs=True)
+    validate_all(engine, reqs)
+    created = int(time.time())
+    model = engine.served_model_name
+    # sequence i belongs to prompt i // n
+    seq_prompts = [prompt_ids[i // req.n] for i in range(len(reqs))]
+    seq_echo = [echo_texts[i // req.n] for i in range(len(reqs))]
+    if req.stream:
+        return EventStreamResponse(_stream_errors_as_events(
+            _completion_events(engine, rid, created, model, req, reqs, seq_prompts, seq_echo)))
+    results = [P.SeqResult(i, seq_prompts[i]) for i in range(len(reqs))]
+    try:
+        await collect(engine, reqs, results, request.receive)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = [P.completion_choice(r, seq_echo[r.index], req.logprobs, tok.token_text) for r in results]
+    return JSONResponse(P.completion_response(rid, created, model, choices, results, req.n))
+
+
+async def _completion_events(engine, rid: str, created: int, model: str, req: P.CompletionRequest,
+                             reqs: Sequence[GenerateReqInput], seq_prompts: Sequence[List[int]],
+                             seq_echo: Sequence[str]) -> AsyncIterator[bytes]:
+    results = [P.SeqResult(i, seq_prompts[i]) for i in range(len(reqs))]
+    sent_chars = [0] * len(reqs)      # characters of choice i's text already streamed
+    started = [False] * len(reqs)
+    token_text = engine.tokenizer.token_text
+    usage_null = req.include_usage
+    async for i, out in merge_generations(engine, reqs):
+        r = results[i]
+        r.feed(out)
+        text = out.text_delta
+        entries, tops = list(out.output_token_logprobs_delta), list(out.output_top_logprobs_delta)
+        if not started[i]:
+            started[i] = True
+            text = seq_echo[i] + text
+            if seq_echo[i] and req.logprobs is not None:
+                p_entries, p_tops = P.prompt_logprob_entries(r)
+                entries, tops = p_entries + entries, p_tops + tops
+        logprobs = None
+        if req.logprobs is not None and entries:
+            logprobs = P.completion_logprobs(entries, tops, req.logprobs, token_text, sent_chars[i])
+        if not (text or logprobs or out.finished):
+            continue
+        sent_chars[i] += len(text)
+        finish = P.finish_reason_str(out.finish_reason) if out.finished else None
+        extra = {"matched_stop": P.matched_stop(out.finish_reason)} if out.finished else None
+        yield encode_event(P.completion_chunk(rid, created, model, i, text, finish, logprobs,
+                                              usage_null=usage_null, extra=extra))
+    if req.include_usage:
+        yield encode_event(P.usage_chunk(rid, "text_completion", created, model,
+                                         P.usage_dict(results, req.n)))
+
+
+# --------------------------------------------------------------------------- models
+
+async def list_models(request: Request, engine) -> Response:
+    return JSONResponse({"object": "list", "data": [{
+        "id": engine.served_model_name, "object": "model", "created": 0,
+        "owned_by": "radixserve", "root": engine.model_path,
+        "max_model_len": engine.context_len}]})

@@ -1,0 +1,475 @@
+"""The HTTP app over a small fake engine with AsyncEngine's interface: routing, OpenAI and
+native shapes, n>1 choice indexing, the usage chunk, logprob shapes, error bodies, a 500 on an
+engine exception while the app keeps serving, and abort on client disconnect."""
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from starlette.testclient import TestClient
+
+from radixserve.config import ServerArgs
+from radixserve.engine.io import GenerateOutput
+from radixserve.server.app import create_app
+
+REPLY = "Paris is the capital of France. "
+CONTEXT_LEN = 64
+
+
+class FakeTokenizer:
+    """Byte-level: token id == UTF-8 byte."""
+    eos_token_ids = [0]
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def token_text(self, tid):
+        return bytes([tid]).decode("latin-1")
+
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None):
+        if any("BADTEMPLATE" in m["content"] for m in messages):
+            raise ValueError("the template cannot render this conversation")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+class FakeEngine:
+    """Emits REPLY (rotated by the seed) one byte-token per step; honours max_new_tokens,
+    stop strings and logprobs; 'BOOM' in the prompt raises after the first output; 'HANG'
+    makes every step sleep 10 ms."""
+
+    def __init__(self):
+        self.server_args = ServerArgs(model_path="/models/fake")
+        self.model_config = SimpleNamespace(vocab_size=256, architecture="FakeForCausalLM")
+        self.tokenizer = FakeTokenizer()
+        self.model_path = "/models/fake"
+        self.served_model_name = "fake"
+        self.context_len = CONTEXT_LEN
+        self.running = set()
+        self.aborted = []
+        self.seen = []
+        self.started = False
+
+    def start(self):
+        self.started = True
+
+    async def shutdown(self):
+        self.started = False
+
+    def validate(self, req):
+        if len(req.input_ids) >= self.context_len:
+            raise ValueError("prompt too long")
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+    async def flush_cache(self):
+        return not self.running
+
+    def server_info(self):
+        return {"num_running_reqs": len(self.running)}
+
+    def metrics(self):
+        return {"prompt_tokens_total": 12, "num_running_reqs": len(self.running), "note": "x"}
+
+    def is_healthy(self):
+        return True
+
+    async def generate(self, req):
+        self.validate(req)
+        self.seen.append(req)
+        self.running.add(req.rid)
+        sp = req.sampling_params
+        finished = False
+        try:
+            prompt = bytes(req.input_ids)
+            shift = (sp.seed or 0) % len(REPLY)
+            reply = REPLY[shift:] + REPLY[:shift]
+            limit = sp.max_new_tokens if sp.max_new_tokens is not None else self.context_len - len(req.input_ids)
+            text = ""
+            step = 0
+            while True:
+                await asyncio.sleep(0)
+                if b"HANG" in prompt:
+                    await asyncio.sleep(0.01)
+                ch = reply[step % len(reply)]
+                step += 1
+                text += ch
+                tid = ord(ch)
+                reason = None
+                delta = ch
+                for s in sp.stop_strs:
+                    if text.endswith(s):
+                        reason = {"type": "stop", "matched": s}
+                        delta = "" if not sp.no_stop_trim else ch
+                if reason is None and step >= limit:
+                    reason = {"type": "length", "matched": None}
+                lp = (-0.25 * step, tid, ch if req.return_text_in_logprobs else None)
+                out = GenerateOutput(
+                    rid=req.rid, text_delta=delta, output_ids_delta=[tid], finished=reason is not None,
+                    finish_reason=reason, prompt_tokens=len(req.input_ids), completion_tokens=step,
+                    cached_tokens=1 if req.rid.endswith("-1") else 0)
+                if req.return_logprob:
+                    out.output_token_logprobs_delta = [lp]
+                    out.output_top_logprobs_delta = [[lp, (-9.0, 120, "x")][:req.top_logprobs_num]]
+                    if step == 1 and req.logprob_start_len >= 0:
+                        ids = req.input_ids[req.logprob_start_len:]
+                        out.input_token_logprobs = [(None if req.logprob_start_len + k == 0 else -1.0, t, None)
+                                                    for k, t in enumerate(ids)]
+                        out.input_top_logprobs = [None if req.logprob_start_len + k == 0 else [(-1.0, t, None)]
+                                                  for k, t in enumerate(ids)]
+                if b"BOOM" in prompt and step == 2:
+                    raise RuntimeError("kaboom")
+                finished = reason is not None
+                yield out
+                if finished:
+                    return
+        finally:
+            self.running.discard(req.rid)
+            if not finished:
+                self.aborted.append(req.rid)
+
+
+@pytest.fixture()
+def engine():
+    return FakeEngine()
+
+
+@pytest.fixture()
+def client(engine):
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        yield c
+
+
+def sse_events(resp):
+    """Split an SSE body into decoded JSON events, checking the framing and the final [DONE]."""
+    raw = resp.content.decode("utf-8")
+    assert raw.endswith("data: [DONE]\n\n")
+    parts = raw.split("\n\n")
+    assert parts[-1] == "" and parts[-2] == "data: [DONE]"
+    assert all(p.startswith("data: ") for p in parts[:-1])
+    return [json.loads(p[len("data: "):]) for p in parts[:-2]]
+
+
+def err_of(resp, status, param=None):
+    assert resp.status_code == status, resp.text
+    body = resp.json()["error"]
+    assert body["code"] == status and body["message"]
+    if param is not None:
+        assert body["param"] == param, body
+    return body
+
+
+# --------------------------------------------------------------------------- lifecycle, info
+
+def test_lifespan_starts_engine_and_info_routes(engine):
+    with TestClient(create_app(engine)) as c:
+        assert engine.started
+        r = c.get("/health")
+        assert r.status_code == 200 and r.content == b""
+        models = c.get("/v1/models").json()
+        assert models["object"] == "list"
+        assert [(m["id"], m["owned_by"]) for m in models["data"]] == [("fake", "radixserve")]
+        info = c.get("/get_model_info").json()
+        assert info["model_path"] == "/models/fake" and info["is_generation"] is True
+        assert info["tokenizer_path"] == "/models/fake"
+        assert c.get("/get_server_info").json() == {"num_running_reqs": 0}
+        assert c.post("/flush_cache").status_code == 200
+        text = c.get("/metrics").text
+        assert 'radixserve:prompt_tokens_total{model_name="fake"} 12.0' in text
+        assert "# TYPE radixserve:prompt_tokens_total counter" in text
+        assert 'radixserve:num_running_reqs{model_name="fake"} 0.0' in text
+        assert "# TYPE radixserve:num_running_reqs gauge" in text
+        assert c.get("/health_generate").status_code == 200
+    assert not engine.started
+
+
+def test_unknown_route_and_method(client):
+    err_of(client.get("/v1/nope"), 404)
+    assert client.get("/v1/nope").json()["error"]["type"] == "not_found_error"
+    err_of(client.get("/v1/chat/completions"), 405)
+
+
+def test_flush_cache_refused_while_running(client, engine):
+    engine.running.add("busy")
+    body = err_of(client.post("/flush_cache"), 400)
+    assert "running" in body["message"]
+
+
+# --------------------------------------------------------------------------- chat
+
+def test_chat_non_streaming(client, engine):
+    r = client.post("/v1/chat/completions", json={
+        "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == "fake"
+    assert body["id"].startswith("chatcmpl-")
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Paris"},
+                                "logprobs": None, "finish_reason": "length", "matched_stop": None}]
+    prompt_len = len("<user>hi<assistant>")
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 5,
+                             "total_tokens": prompt_len + 5, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert engine.seen[0].input_ids == list(b"<user>hi<assistant>")
+    assert engine.seen[0].rid == body["id"]
+
+
+def test_chat_stop_string_and_model_alias(client):
+    r = client.post("/v1/chat/completions", json={
+        "model": "/models/fake", "messages": [{"role": "user", "content": "hi"}], "stop": ["X", "i"]})
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == "Par"
+    assert (choice["finish_reason"], choice["matched_stop"]) == ("stop", "i")
+
+
+def test_chat_n_choices_indexed(client, engine):
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 3, "seed": 1})
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in body["choices"]] == ["ari", "ris", "is "]
+    rid = body["id"]
+    assert sorted(req.rid for req in engine.seen) == [f"{rid}-0", f"{rid}-1", f"{rid}-2"]
+    assert all(req.input_ids == engine.seen[0].input_ids for req in engine.seen)
+    u = body["usage"]
+    assert u["prompt_tokens"] == len(engine.seen[0].input_ids)            # the prompt, once
+    assert u["completion_tokens"] == 9 and u["prompt_tokens_details"]["cached_tokens"] == 1
+
+
+def test_chat_streaming_with_usage_and_n(client):
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    for e in events:
+        assert e["object"] == "chat.completion.chunk" and e["model"] == "fake" and "created" in e
+        assert e["id"] == events[0]["id"]
+    firsts = {e["choices"][0]["index"]: e["choices"][0]["delta"] for e in events[:2]}
+    assert firsts == {0: {"role": "assistant", "content": ""}, 1: {"role": "assistant", "content": ""}}
+    *body, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
+    assert all(e["usage"] is None for e in body)
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for e in body:
+        c = e["choices"][0]
+        texts[c["index"]] += c["delta"].get("content", "")
+        if c["finish_reason"]:
+            finishes[c["index"]] = c["finish_reason"]
+    assert texts == {0: "Pari", 1: "Pari"} and finishes == {0: "length", 1: "length"}
+
+
+def test_chat_logprobs(client, engine):
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+        "top_logprobs": 2})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["P", "a"]
+    assert [c["logprob"] for c in content] == [-0.25, -0.5]
+    assert content[0]["bytes"] == [ord("P")]
+    assert content[0]["top_logprobs"] == [{"token": "P", "logprob": -0.25, "bytes": [80]},
+                                          {"token": "x", "logprob": -9.0, "bytes": [120]}]
+    assert engine.seen[0].return_logprob and engine.seen[0].top_logprobs_num == 2
+    # streamed: each content chunk carries its token's logprobs
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+        "stream": True})
+    lps = [e["choices"][0]["logprobs"] for e in sse_events(r) if e["choices"][0]["logprobs"]]
+    assert [lp["content"][0]["token"] for lp in lps] == ["P", "a"]
+    assert all(lp["content"][0]["top_logprobs"] == [] for lp in lps)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "warm"}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 2}, 400, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
+    ({"messages": [{"role": "bot", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "BADTEMPLATE"}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x" * 80}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 60}, 400,
+     "max_completion_tokens"),
+    ({}, 400, "messages"),
+])
+def test_chat_errors(client, engine, body, status, param):
+    err_of(client.post("/v1/chat/completions", json=body), status, param)
+    assert engine.seen == []
+
+
+def test_malformed_json_and_non_object(client):
+    r = client.post("/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
+    assert "JSON" in err_of(r, 400)["message"]
+    err_of(client.post("/v1/completions", json=[1, 2]), 400)
+    err_of(client.post("/generate", content=b"\xff"), 400)
+
+
+def test_engine_exception_is_500_and_server_keeps_serving(client, engine):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "BOOM"}]})
+    body = err_of(r, 500)
+    assert "kaboom" in body["message"] and body["type"] == "internal_server_error"
+    assert engine.running == set()
+    # streamed: the error arrives in-band, then [DONE]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "BOOM"}],
+                                                  "stream": True})
+    events = sse_events(r)
+    assert events[-1]["error"]["code"] == 500 and "kaboom" in events[-1]["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Pa"
+
+
+# --------------------------------------------------------------------------- completions
+
+def test_completions_batch_and_n(client, engine):
+    r = client.post("/v1/completions", json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 2})
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == ["Pa"] * 4
+    by_rid = {req.rid: bytes(req.input_ids) for req in engine.seen}
+    rid = body["id"]
+    assert by_rid == {f"{rid}-0": b"ab", f"{rid}-1": b"ab", f"{rid}-2": b"cd", f"{rid}-3": b"cd"}
+    assert body["usage"]["prompt_tokens"] == 4 and body["usage"]["completion_tokens"] == 8
+
+
+def test_completions_token_prompts_default_max_tokens(client, engine):
+    r = client.post("/v1/completions", json={"prompt": [[104, 105], [106]]})
+    assert [c["text"] for c in r.json()["choices"]] == [REPLY[:16]] * 2
+    assert [req.input_ids for req in engine.seen] == [[104, 105], [106]]
+    err_of(client.post("/v1/completions", json={"prompt": [1, 300]}), 400, "prompt")
+
+
+def test_completions_echo_with_logprobs(client, engine):
+    r = client.post("/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1, "max_tokens": 2})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "hiPa"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["h", "i", "P", "a"]
+    assert lp["token_logprobs"] == [None, -1.0, -0.25, -0.5]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][2] == {"P": -0.25}
+    assert lp["text_offset"] == [0, 1, 2, 3]
+    assert engine.seen[0].logprob_start_len == 0
+    # streamed: the first chunk carries the prompt too
+    r = client.post("/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 0,
+                                             "max_tokens": 2, "stream": True})
+    events = sse_events(r)
+    assert all(e["object"] == "text_completion" for e in events)
+    assert "".join(e["choices"][0]["text"] for e in events) == "hiPa"
+    offsets = [o for e in events if e["choices"][0]["logprobs"] for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == [0, 1, 2, 3]
+
+
+def test_completions_stream_usage(client):
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    events = sse_events(r)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 5
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Par"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+# --------------------------------------------------------------------------- native
+
+def test_generate_single_and_batch(client, engine):
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3},
+                                       "rid": "mine"})
+    body = r.json()
+    assert body["text"] == "Par" and body["output_ids"] == list(b"Par")
+    assert body["meta_info"] == {"id": "mine", "prompt_tokens": 2, "completion_tokens": 3,
+                                 "cached_tokens": 0, "finish_reason": {"type": "length", "matched": None}}
+    r = client.post("/generate", json={"input_ids": [[1, 2], [3]], "return_logprob": True,
+                                       "logprob_start_len": 0, "top_logprobs_num": 1,
+                                       "sampling_params": {"max_new_tokens": 1}})
+    out = r.json()
+    assert isinstance(out, list) and len(out) == 2
+    meta = out[0]["meta_info"]
+    assert meta["input_token_logprobs"] == [[None, 1, None], [-1.0, 2, None]]
+    assert meta["output_token_logprobs"] == [[-0.25, 80, None]]
+    assert meta["output_top_logprobs"] == [[[-0.25, 80, None]]]
+    assert meta["input_top_logprobs"][0] is None
+
+
+def test_generate_stream_is_cumulative(client):
+    r = client.post("/generate", json={"text": "hi", "stream": True,
+                                       "sampling_params": {"max_new_tokens": 3}})
+    events = sse_events(r)
+    assert [e["text"] for e in events] == ["P", "Pa", "Par"]
+    assert events[-1]["output_ids"] == list(b"Par")
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_generate_errors(client, engine):
+    err_of(client.post("/generate", json={"sampling_params": {}}), 400, "text")
+    err_of(client.post("/generate", json={"text": "a", "sampling_params": {"top_p": 0}}), 400, "top_p")
+    err_of(client.post("/generate", json={"text": "x" * 70}), 400, "text")
+    err_of(client.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 64}}),
+           400, "max_new_tokens")
+    assert engine.seen == []
+
+
+def test_abort_request_route(client, engine):
+    assert client.post("/abort_request", json={"rid": "abc"}).status_code == 200
+    assert engine.aborted == ["abc"]
+    err_of(client.post("/abort_request", json={}), 400, "rid")
+
+
+# --------------------------------------------------------------------------- disconnect
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "HANG"}], "n": 2,
+                              "stream": True}),
+    ("/v1/completions", {"prompt": "HANG", "max_tokens": 50, "stream": True}),
+    ("/generate", {"text": "HANG", "stream": True, "sampling_params": {"max_new_tokens": 50}}),
+    ("/v1/completions", {"prompt": "HANG", "max_tokens": 50}),
+])
+def test_client_disconnect_aborts_requests(engine, path, body):
+    """Drive the ASGI app by hand: after two body chunks (or at once for a non-streamed
+    request) the client disconnects; every sequence must be aborted and none left running."""
+    app = create_app(engine)
+    raw = json.dumps(body).encode()
+
+    async def scenario():
+        gone = asyncio.Event()
+        sent = []
+        delivered = False
+
+        async def receive():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if message["type"] == "http.response.body" and message.get("body"):
+                if sum(1 for m in sent if m["type"] == "http.response.body" and m.get("body")) >= 2:
+                    gone.set()
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+                 "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+                 "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
+        task = asyncio.ensure_future(app(scope, receive, send))
+        if not body.get("stream"):
+            while not engine.seen:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            gone.set()
+        await asyncio.wait_for(task, 5)
+        return sent
+
+    sent = asyncio.run(scenario())
+    assert sent[0]["type"] == "http.response.start"
+    assert engine.seen, "the request never reached the engine"
+    assert engine.running == set()
+    assert sorted(engine.aborted) == sorted(r.rid for r in engine.seen)
+    body_bytes = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert b"[DONE]" not in body_bytes
