@@ -1,0 +1,148 @@
+"""Attention kernel benchmarks, each as a ratio to a limit or a peer measured in the same run.
+
+  decode: batch 32 x 4096 tokens, 32 q heads / 8 kv heads, head_dim 128, bf16. Bytes = K + V
+          read once + q + out; achieved bytes/s over a device-to-device copy (bytes read +
+          written, 2 GiB buffer). Peer: torch "gather K/V by slot, then SDPA" on the same bytes.
+  extend: one request of 4096 tokens, no prefix, 32 heads, head_dim 128, bf16, causal.
+          TFLOP/s (4 * S * S * D * H / 2) against torch SDPA with the flash and cuDNN backends
+          on contiguous [1, H, S, D].
+
+`run(results)` adds keys to results (bench/kernels.py calls it); `python bench/attention_bench.py
+[--json PATH]` prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pysrc"))
+
+from radixserve import ops  # noqa: E402
+from radixserve.ops._ext import kernels_available  # noqa: E402
+
+
+def _time_ms(fn, reps: int = 50, warmup: int = 5) -> float:
+    """Median of per-call CUDA-event times, in ms."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    n = 2 << 30  # 2 GiB
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), reps=30)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3)
+
+
+def bench_decode(results: dict, copy_bw: float) -> None:
+    batch, kv_len, hq, hkv, d, dtype = 32, 4096, 32, 8, 128, torch.bfloat16
+    nnz = batch * kv_len
+    num_slots = nnz + 1  # slot 0 is the padding slot
+    k_cache = torch.randn(num_slots, hkv, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn(num_slots, hkv, d, device="cuda", dtype=dtype)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
+    kv_indptr = torch.arange(0, nnz + 1, kv_len, dtype=torch.int32, device="cuda")
+    kv_seq = torch.arange(1, nnz + 1, dtype=torch.int32, device="cuda")
+    kv_shuf = (torch.randperm(nnz, device="cuda") + 1).to(torch.int32)
+    scale = 1.0 / math.sqrt(d)
+    nbytes = 2 * nnz * hkv * d * 2 + 2 * q.numel() * 2  # K + V + q + out
+
+    t_seq = _time_ms(lambda: ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_seq, scale))
+    t_shuf = _time_ms(lambda: ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_shuf, scale))
+
+    def torch_peer():
+        k = k_cache[kv_seq.long()].view(batch, kv_len, hkv, d).transpose(1, 2)
+        v = v_cache[kv_seq.long()].view(batch, kv_len, hkv, d).transpose(1, 2)
+        return F.scaled_dot_product_attention(q.view(batch, hq, 1, d), k, v, scale=scale,
+                                              enable_gqa=True)
+
+    t_peer = _time_ms(torch_peer, reps=20)
+    results["decode_attention_us"] = t_seq * 1e3
+    results["decode_attention_bytes_per_s"] = nbytes / (t_seq * 1e-3)
+    results["decode_attention_bw_fraction"] = nbytes / (t_seq * 1e-3) / copy_bw
+    results["decode_attention_shuffled_slots_bw_fraction"] = nbytes / (t_shuf * 1e-3) / copy_bw
+    results["decode_attention_torch_gather_sdpa_us"] = t_peer * 1e3
+    results["decode_attention_torch_gather_sdpa_bw_fraction"] = nbytes / (t_peer * 1e-3) / copy_bw
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+
+
+def bench_extend(results: dict) -> None:
+    seq, heads, d, dtype = 4096, 32, 128, torch.bfloat16
+    flops = 4 * seq * seq * d * heads / 2
+    q = torch.randn(seq, heads, d, device="cuda", dtype=dtype)
+    k_cache = torch.randn(seq + 1, heads, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn(seq + 1, heads, d, device="cuda", dtype=dtype)
+    qo_indptr = torch.tensor([0, seq], dtype=torch.int32, device="cuda")
+    kv_indptr = torch.tensor([0, seq], dtype=torch.int32, device="cuda")
+    kv_indices = torch.arange(1, seq + 1, dtype=torch.int32, device="cuda")
+    scale = 1.0 / math.sqrt(d)
+    t_ours = _time_ms(lambda: ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr,
+                                                         kv_indices, scale))
+    results["extend_attention_tflops"] = flops / (t_ours * 1e-3) / 1e12
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qs = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
+    ks = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
+    vs = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                t = _time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+        except RuntimeError as e:  # backend unavailable on this build
+            print(f"sdpa {name}: unavailable ({e})", file=sys.stderr)
+            continue
+        tf = flops / (t * 1e-3) / 1e12
+        results[f"extend_attention_sdpa_{name}_tflops"] = tf
+        results[f"extend_attention_vs_sdpa_{name}"] = results["extend_attention_tflops"] / tf
+
+
+def run(results: dict) -> None:
+    """Adds the attention keys to results (needs CUDA and radixserve._C)."""
+    if not (torch.cuda.is_available() and kernels_available()):
+        raise RuntimeError("attention bench needs CUDA and the radixserve._C extension")
+    results["device"] = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    results["copy_bandwidth_bytes_per_s"] = bw
+    bench_decode(results, bw)
+    bench_extend(results)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    results: dict = {}
+    run(results)
+    width = max(len(k) for k in results)
+    for k, v in results.items():
+        print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

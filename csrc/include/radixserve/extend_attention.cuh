@@ -1,0 +1,325 @@
+// Paged extend (prefill) attention on tensor cores, FlashAttention-2 style.
+//
+// One CTA = one tile of kBlockM query rows of one request, one q head. 8 warps, 16 query rows
+// each; the Q tile sits in registers (A fragments of mma.sync m16n8k16), K/V tiles of
+// kBlockN rows are gathered by slot index into shared memory with cp.async (two stages, the
+// next tile's slot indices fetched one tile ahead), softmax runs online in fp32 (log2 domain).
+// Shared-memory rows are D elements; 16-byte chunk c of row r is stored at chunk c ^ (r & 7),
+// so the 8 rows an ldmatrix phase reads hit 8 different bank groups.
+// Variable lengths in one launch: grid.x covers an upper bound of the number of query tiles
+// over all requests (ceil(num_q_tokens / kBlockM) + batch); a CTA finds its request by a warp
+// scan over qo_indptr, spare CTAs exit. Tiles are handed out last-first (causal tiles at the
+// end of a request carry the most work).
+#pragma once
+
+#include <cstdint>
+
+#include "radixserve/attention_common.cuh"
+
+namespace radixserve {
+namespace attn {
+
+struct ExtendParams {
+  const void* q;   // [num_q_tokens, num_q_heads, D], last dim contiguous
+  const void* k;   // [num_slots, num_kv_heads, D]
+  const void* v;
+  void* out;       // [num_q_tokens, num_q_heads, D] contiguous
+  const int32_t* qo_indptr;   // [batch + 1]
+  const int32_t* kv_indptr;   // [batch + 1]
+  const int32_t* kv_indices;  // [nnz]
+  int64_t q_stride_t, q_stride_h;
+  int64_t kv_stride_slot, kv_stride_h;
+  int batch, num_q_heads, group;
+  float scale_log2;
+};
+
+constexpr int kExtendBlockM = 128;
+constexpr int kExtendBlockN = 64;
+constexpr int kExtendWarps = 8;
+constexpr int kExtendThreads = kExtendWarps * 32;
+
+template <int D>
+constexpr int extend_smem_bytes() {
+  // Q tile + 2 stages of K + 2 stages of V, 2-byte elements
+  return (kExtendBlockM * D + 4 * kExtendBlockN * D) * 2;
+}
+
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kExtendThreads, 1)
+    paged_extend_kernel(const ExtendParams p) {
+  constexpr int BM = kExtendBlockM;
+  constexpr int BN = kExtendBlockN;
+  constexpr int kChunks = D / 8;                          // 16-byte chunks per row
+  constexpr int kKvRowsPerPass = kExtendThreads / kChunks;  // rows one pass of loads covers
+  constexpr int kKvPasses = BN / kKvRowsPerPass;
+  constexpr int kQPasses = BM / kKvRowsPerPass;
+  constexpr int kNT = BN / 8;   // S n-tiles per warp
+  constexpr int kDT = D / 8;    // O n-tiles per warp
+  constexpr int kKS = D / 16;   // k-steps of Q K^T
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + BM * D;          // [2][BN][D]
+  T* sV = sK + 2 * BN * D;      // [2][BN][D]
+
+  __shared__ int s_req, s_tile;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int qh = blockIdx.y;
+  const int kvh = qh / p.group;
+
+  // ---- which request and which of its tiles is this CTA's
+  if (warp == 0) {
+    const int tile_id = (int)gridDim.x - 1 - (int)blockIdx.x;
+    int seen = 0;
+    int req = -1, tile = 0;
+    for (int base = 0; base < p.batch; base += 32) {
+      const int bb = base + lane;
+      int n = 0;
+      if (bb < p.batch) n = (p.qo_indptr[bb + 1] - p.qo_indptr[bb] + BM - 1) / BM;
+      int incl = n;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        int y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += y;
+      }
+      const int excl = incl - n;
+      const bool mine = n > 0 && tile_id >= seen + excl && tile_id < seen + incl;
+      const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+      if (ballot) {
+        const int src = __ffs(ballot) - 1;
+        req = base + src;
+        tile = tile_id - seen - __shfl_sync(0xffffffffu, excl, src);
+        break;
+      }
+      seen += __shfl_sync(0xffffffffu, incl, 31);
+      if (seen > tile_id) break;
+    }
+    if (lane == 0) {
+      s_req = req;
+      s_tile = tile;
+    }
+  }
+  __syncthreads();
+  const int b = s_req;
+  if (b < 0) return;
+  const int m0 = s_tile * BM;
+
+  const int qo_start = p.qo_indptr[b];
+  const int qo_len = p.qo_indptr[b + 1] - qo_start;
+  const int kv_start = p.kv_indptr[b];
+  const int kv_len = p.kv_indptr[b + 1] - kv_start;
+  const int prefix = kv_len - qo_len;
+  const int rows_here = min(BM, qo_len - m0);
+  // last query row of the tile sits at prefix + m0 + rows_here - 1 and sees kv positions <= it
+  const int kv_end = prefix + m0 + rows_here;
+  const int n_tiles = (kv_end + BN - 1) / BN;
+  // from this tile on, some element may need the causal / length mask
+  const int first_masked = (prefix + m0) / BN;
+
+  const T* qg = static_cast<const T*>(p.q);
+  const T* kg = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_h;
+  const T* vg = static_cast<const T*>(p.v) + (int64_t)kvh * p.kv_stride_h;
+  const int32_t* idx = p.kv_indices + kv_start;
+
+  const int ld_chunk = tid % kChunks;
+  const int ld_row = tid / kChunks;
+
+  // ---- Q tile -> shared memory (zero rows past the request's queries)
+#pragma unroll
+  for (int i = 0; i < kQPasses; ++i) {
+    const int r = ld_row + i * kKvRowsPerPass;
+    const bool ok = m0 + r < qo_len;
+    const T* src = qg + (ok ? ((int64_t)(qo_start + m0 + r) * p.q_stride_t +
+                               (int64_t)qh * p.q_stride_h + ld_chunk * 8)
+                            : 0);
+    cp_async_16(smem_u32(sQ + swz<D>(r, ld_chunk)), src, ok);
+  }
+
+  int slots[kKvPasses];
+  auto fetch_slots = [&](int tile_n) {
+#pragma unroll
+    for (int i = 0; i < kKvPasses; ++i) {
+      const int pos = tile_n * BN + ld_row + i * kKvRowsPerPass;
+      slots[i] = pos < kv_len ? __ldg(idx + pos) : -1;
+    }
+  };
+  auto load_kv = [&](int stage) {
+    T* dk = sK + stage * BN * D;
+    T* dv = sV + stage * BN * D;
+#pragma unroll
+    for (int i = 0; i < kKvPasses; ++i) {
+      const int r = ld_row + i * kKvRowsPerPass;
+      const bool ok = slots[i] >= 0;
+      const int64_t off = ok ? (int64_t)slots[i] * p.kv_stride_slot + ld_chunk * 8 : 0;
+      cp_async_16(smem_u32(dk + swz<D>(r, ld_chunk)), kg + off, ok);
+      cp_async_16(smem_u32(dv + swz<D>(r, ld_chunk)), vg + off, ok);
+    }
+  };
+
+  fetch_slots(0);
+  load_kv(0);
+  cp_async_commit();
+  if (n_tiles > 1) fetch_slots(1);
+
+  uint32_t qf[kKS][4];
+  float o[kDT][4];
+#pragma unroll
+  for (int j = 0; j < kDT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float row_m[2] = {-INFINITY, -INFINITY};
+  float row_l[2] = {0.f, 0.f};
+
+  const int g4 = lane / 4;   // row within the 8-row half of the mma tile
+  const int t4 = lane % 4;   // column pair
+  const int q_row0 = warp * 16 + g4;                   // tile-local rows q_row0, q_row0 + 8
+  const int qpos0 = prefix + m0 + q_row0;               // kv position of those queries
+  const float sl2 = p.scale_log2;
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const int stage = n & 1;
+    if (n + 1 < n_tiles) {
+      load_kv(stage ^ 1);
+      cp_async_commit();
+      if (n + 2 < n_tiles) fetch_slots(n + 2);
+      cp_async_wait_then_barrier<1>();
+    } else {
+      cp_async_wait_then_barrier<0>();
+    }
+    __syncthreads();
+
+    if (n == 0) {
+#pragma unroll
+      for (int kk = 0; kk < kKS; ++kk) {
+        const int r = warp * 16 + (lane & 15);
+        const int c = 2 * kk + (lane >> 4);
+        ldmatrix_x4(smem_u32(sQ + swz<D>(r, c)), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+      }
+    }
+
+    const T* k_s = sK + stage * BN * D;
+    const T* v_s = sV + stage * BN * D;
+
+    // ---- S = Q K^T  (16 x BN per warp)
+    float s[kNT][4];
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kKS; ++kk) {
+#pragma unroll
+      for (int pr = 0; pr < kNT / 2; ++pr) {
+        const int r = pr * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int c = 2 * kk + ((lane >> 3) & 1);
+        uint32_t b0, b1, b2, b3;
+        ldmatrix_x4(smem_u32(k_s + swz<D>(r, c)), b0, b1, b2, b3);
+        mma_16816<T>(s[2 * pr], qf[kk], b0, b1);
+        mma_16816<T>(s[2 * pr + 1], qf[kk], b2, b3);
+      }
+    }
+
+    // ---- mask (causal and kv length), only on tiles that can need it
+    if (n >= first_masked) {
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int kpos = n * BN + j * 8 + 2 * t4 + (e & 1);
+          const int qpos = qpos0 + (e >> 1) * 8;
+          if (kpos > qpos || kpos >= kv_len) s[j][e] = -INFINITY;
+        }
+      }
+    }
+
+    // ---- online softmax, rows q_row0 (e = 0, 1) and q_row0 + 8 (e = 2, 3)
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(row_m[h], mx * sl2);
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      alpha[h] = fast_exp2(row_m[h] - base);
+      row_m[h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        s[j][2 * h] = fast_exp2(fmaf(s[j][2 * h], sl2, -base));
+        s[j][2 * h + 1] = fast_exp2(fmaf(s[j][2 * h + 1], sl2, -base));
+        sum += s[j][2 * h] + s[j][2 * h + 1];
+      }
+      row_l[h] = row_l[h] * alpha[h] + sum;
+    }
+#pragma unroll
+    for (int j = 0; j < kDT; ++j) {
+      o[j][0] *= alpha[0];
+      o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1];
+      o[j][3] *= alpha[1];
+    }
+
+    // ---- O += P V
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = TypeTraits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = TypeTraits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = TypeTraits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = TypeTraits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int jp = 0; jp < kDT / 2; ++jp) {
+        const int r = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int c = 2 * jp + (lane >> 4);
+        uint32_t b0, b1, b2, b3;
+        ldmatrix_x4_trans(smem_u32(v_s + swz<D>(r, c)), b0, b1, b2, b3);
+        mma_16816<T>(o[2 * jp], a, b0, b1);
+        mma_16816<T>(o[2 * jp + 1], a, b2, b3);
+      }
+    }
+    __syncthreads();  // this stage is overwritten by the next iteration's loads
+  }
+
+  // ---- normalise, stage through this warp's rows of sQ, 16-byte stores
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = row_l[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[h] = l > 0.f ? 1.f / l : 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < kDT; ++j) {
+    const int c = j;  // 8 columns = one chunk
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = q_row0 + h * 8;
+      uint32_t v = TypeTraits<T>::pack(o[j][2 * h] * inv[h], o[j][2 * h + 1] * inv[h]);
+      *reinterpret_cast<uint32_t*>(sQ + swz<D>(r, c) + 2 * t4) = v;
+    }
+  }
+  __syncwarp();
+  T* og = static_cast<T*>(p.out);
+#pragma unroll
+  for (int i = 0; i < 16 * kChunks / 32; ++i) {
+    const int e = lane + i * 32;
+    const int r = warp * 16 + e / kChunks;
+    const int c = e % kChunks;
+    if (m0 + r < qo_len) {
+      const uint4 v = *reinterpret_cast<const uint4*>(sQ + swz<D>(r, c));
+      *reinterpret_cast<uint4*>(og + ((int64_t)(qo_start + m0 + r) * p.num_q_heads + qh) * D +
+                                c * 8) = v;
+    }
+  }
+}
+
+}  // namespace attn
+}  // namespace radixserve

@@ -1,0 +1,232 @@
+// paged_decode_attention and paged_extend_attention: input checks, dtype / head_dim dispatch,
+// launch on the current stream. Kernels live in include/radixserve/{decode,extend}_attention.cuh;
+// contracts in pysrc/radixserve/ops/__init__.py.
+#include <cmath>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "ops/ops.h"
+#include "radixserve/decode_attention.cuh"
+#include "radixserve/extend_attention.cuh"
+
+namespace radixserve {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Integers go into error messages as strings: on one build machine (g++ from /opt/gcc against
+// the image's torch) streaming an integer through c10::str crashed while throwing.
+std::string num(int64_t v) { return std::to_string(v); }
+std::string shape(at::IntArrayRef sizes) {
+  std::string r = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) r += (i ? ", " : "") + num(sizes[i]);
+  return r + "]";
+}
+
+void check_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
+  TORCH_CHECK(q.dim() == 3, "q must be 3-D [tokens, num_q_heads, head_dim], got ", shape(q.sizes()));
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "q must be bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK(q.stride(2) == 1, "q's last dim must be contiguous");
+  TORCH_CHECK(q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0,
+              "q rows must be 16-byte aligned");
+  for (const at::Tensor* t : {&k_cache, &v_cache}) {
+    TORCH_CHECK(t->device() == q.device(), "k_cache/v_cache must be on q's device");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "k_cache/v_cache dtype must match q");
+    TORCH_CHECK(t->dim() == 3, "k_cache/v_cache must be [num_slots, num_kv_heads, head_dim]");
+    TORCH_CHECK(t->is_contiguous(), "k_cache/v_cache must be contiguous");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "k_cache/v_cache must be 16-byte aligned");
+  }
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  const int64_t d = q.size(2);
+  TORCH_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128, got ", num(d));
+  TORCH_CHECK(k_cache.size(2) == d, "k_cache head_dim ", num(k_cache.size(2)), " != q head_dim ",
+              num(d));
+  const int64_t hkv = k_cache.size(1);
+  TORCH_CHECK(hkv > 0 && q.size(1) % hkv == 0, "num_q_heads (", num(q.size(1)),
+              ") must be a multiple of num_kv_heads (", num(hkv), ")");
+}
+
+void check_index(const at::Tensor& t, const at::Tensor& q, const char* name) {
+  TORCH_CHECK(t.device() == q.device(), name, " must be on q's device");
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1, name, " must be 1-D");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+template <typename F>
+void dispatch_dtype_dim(at::ScalarType st, int64_t d, F&& f) {
+  if (st == at::kBFloat16) {
+    if (d == 64) f(__nv_bfloat16{}, std::integral_constant<int, 64>{});
+    else f(__nv_bfloat16{}, std::integral_constant<int, 128>{});
+  } else {
+    if (d == 64) f(__half{}, std::integral_constant<int, 64>{});
+    else f(__half{}, std::integral_constant<int, 128>{});
+  }
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& kv_indptr,
+                                  const at::Tensor& kv_indices, double sm_scale) {
+  check_cache(q, k_cache, v_cache);
+  check_index(kv_indptr, q, "kv_indptr");
+  check_index(kv_indices, q, "kv_indices");
+  const int64_t batch = q.size(0);
+  TORCH_CHECK(kv_indptr.numel() == batch + 1, "kv_indptr must have batch + 1 = ", num(batch + 1),
+              " entries, got ", num(kv_indptr.numel()));
+  TORCH_CHECK(std::isfinite(sm_scale) && sm_scale > 0, "sm_scale must be finite and > 0");
+  TORCH_CHECK(batch <= 65535, "batch must be <= 65535");
+  TORCH_CHECK(kv_indices.numel() < (int64_t(1) << 31), "kv_indices too long for int32");
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty({batch, q.size(1), q.size(2)}, q.options());  // [batch, hq, d]
+  if (batch == 0) return out;
+
+  const int hq = (int)q.size(1);
+  const int hkv = (int)k_cache.size(1);
+  const int group = hq / hkv;
+  // q heads per CTA: exact for groups 1-4 (3 is the default model's), padded up to 8 above
+  const int gmax = group <= 4 ? group : 8;
+  const int num_sub = (group + gmax - 1) / gmax;
+
+  // Splits: about four waves of CTAs (~3 resident per SM), never shorter than ~256 tokens on average. Only host-known
+  // shapes enter, so a captured graph replays with the same grid; each split finds its range
+  // on the device.
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t base_ctas = batch * hkv * num_sub;
+  const int64_t avg_len = std::max<int64_t>(1, kv_indices.numel() / batch);
+  int64_t splits = (4 * 4 * (int64_t)sms + base_ctas - 1) / base_ctas;
+  splits = std::min<int64_t>(splits, (avg_len + 255) / 256);
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, 64));
+  const int num_splits = (int)splits;
+
+  at::Tensor part_o, part_lse;
+  if (num_splits > 1) {
+    part_o = at::empty({batch, hq, num_splits, q.size(2)}, q.options().dtype(at::kFloat));
+    part_lse = at::empty({batch, hq, num_splits}, q.options().dtype(at::kFloat));
+  }
+
+  attn::DecodeParams p;
+  p.q = q.data_ptr();
+  p.k = k_cache.data_ptr();
+  p.v = v_cache.data_ptr();
+  p.out = out.data_ptr();
+  p.part_o = num_splits > 1 ? part_o.data_ptr<float>() : nullptr;
+  p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
+  p.kv_indptr = kv_indptr.data_ptr<int32_t>();
+  p.kv_indices = kv_indices.data_ptr<int32_t>();
+  p.q_stride_b = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.kv_stride_slot = k_cache.stride(0);
+  p.kv_stride_h = k_cache.stride(1);
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.group = group;
+  p.num_sub = num_sub;
+  p.num_splits = num_splits;
+  p.scale_log2 = (float)sm_scale * kLog2e;
+
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid((unsigned)(num_splits * num_sub), (unsigned)hkv, (unsigned)batch);
+
+  dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    constexpr int D = decltype(dim)::value;
+    auto launch = [&](auto gm) {
+      constexpr int G = decltype(gm)::value;
+      constexpr int smem = attn::kDecodeSmemBytes;
+      if (num_splits > 1) {
+        auto kernel = attn::paged_decode_kernel<T, D, G, true>;
+        C10_CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        kernel<<<grid, attn::kDecodeThreads, smem, stream>>>(p);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        attn::decode_merge_kernel<T, D><<<(unsigned)(batch * hq), 128, 0, stream>>>(
+            p.part_o, p.part_lse, static_cast<T*>(p.out), num_splits);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      } else {
+        auto kernel = attn::paged_decode_kernel<T, D, G, false>;
+        C10_CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        kernel<<<grid, attn::kDecodeThreads, smem, stream>>>(p);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    };
+    switch (gmax) {
+      case 1: launch(std::integral_constant<int, 1>{}); break;
+      case 2: launch(std::integral_constant<int, 2>{}); break;
+      case 3: launch(std::integral_constant<int, 3>{}); break;
+      case 4: launch(std::integral_constant<int, 4>{}); break;
+      default: launch(std::integral_constant<int, 8>{}); break;
+    }
+  });
+  return out;
+}
+
+at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& qo_indptr,
+                                  const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                                  double sm_scale) {
+  check_cache(q, k_cache, v_cache);
+  check_index(qo_indptr, q, "qo_indptr");
+  check_index(kv_indptr, q, "kv_indptr");
+  check_index(kv_indices, q, "kv_indices");
+  TORCH_CHECK(qo_indptr.numel() >= 1, "qo_indptr must have batch + 1 entries");
+  const int64_t batch = qo_indptr.numel() - 1;
+  TORCH_CHECK(kv_indptr.numel() == batch + 1, "kv_indptr and qo_indptr lengths differ");
+  TORCH_CHECK(std::isfinite(sm_scale) && sm_scale > 0, "sm_scale must be finite and > 0");
+  TORCH_CHECK(q.size(1) <= 65535, "num_q_heads must be <= 65535");
+  TORCH_CHECK(q.size(0) < (int64_t(1) << 31), "too many query tokens");
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());  // [nq, hq, d]
+  if (batch == 0 || q.size(0) == 0) return out;
+
+  const int hq = (int)q.size(1);
+  const int hkv = (int)k_cache.size(1);
+  attn::ExtendParams p;
+  p.q = q.data_ptr();
+  p.k = k_cache.data_ptr();
+  p.v = v_cache.data_ptr();
+  p.out = out.data_ptr();
+  p.qo_indptr = qo_indptr.data_ptr<int32_t>();
+  p.kv_indptr = kv_indptr.data_ptr<int32_t>();
+  p.kv_indices = kv_indices.data_ptr<int32_t>();
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.kv_stride_slot = k_cache.stride(0);
+  p.kv_stride_h = k_cache.stride(1);
+  p.batch = (int)batch;
+  p.num_q_heads = hq;
+  p.group = hq / hkv;
+  p.scale_log2 = (float)sm_scale * kLog2e;
+
+  // upper bound of sum_b ceil(qo_len_b / BM), from host-known shapes only
+  const int64_t tiles = (q.size(0) + attn::kExtendBlockM - 1) / attn::kExtendBlockM + batch;
+  TORCH_CHECK(tiles < (int64_t(1) << 31), "too many query tiles");
+  const dim3 grid((unsigned)tiles, (unsigned)hq);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    constexpr int D = decltype(dim)::value;
+    constexpr int smem = attn::extend_smem_bytes<D>();
+    auto kernel = attn::paged_extend_kernel<T, D>;
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<grid, attn::kExtendThreads, smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+}  // namespace radixserve

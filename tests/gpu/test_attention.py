@@ -1,0 +1,278 @@
+"""paged_decode_attention / paged_extend_attention kernels against the torch reference.
+
+Random inputs, KV slots scattered through a pool larger than needed, outputs poisoned with NaN
+through the caching allocator, odd sizes; bf16/fp16 against the fp32 reference on upcast inputs.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from radixserve.ops import _ext
+
+if not (torch.cuda.is_available() and _ext.kernels_available()):
+    pytest.skip("needs CUDA and radixserve._C", allow_module_level=True)
+
+from radixserve import ops  # noqa: E402
+from radixserve.ops import reference as ref  # noqa: E402
+
+DTYPES = [torch.bfloat16, torch.float16]
+HEAD_DIMS = [64, 128]
+GQA = [(8, 8), (9, 3), (32, 8), (16, 2)]  # ratios 1, 3, 4, 8
+# relative Frobenius error, max-abs tolerance (scaled by the reference's largest value)
+TOL = {torch.bfloat16: (1e-2, 3e-2), torch.float16: (2e-3, 5e-3)}
+
+
+def _check(out: torch.Tensor, expect: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == expect.shape and out.dtype == dtype
+    out = out.float()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
+    rel_tol, abs_tol = TOL[dtype]
+    rel = ((out - expect).norm() / expect.norm()).item()
+    max_abs = (out - expect).abs().max().item()
+    scale = max(1.0, expect.abs().max().item())
+    assert rel < rel_tol, f"relative error {rel:.3e}"
+    assert max_abs < abs_tol * scale, f"max abs error {max_abs:.3e}"
+
+
+def _poison(shape, dtype) -> None:
+    # the kernels allocate their outputs: leave a NaN block of that size in the caching allocator,
+    # so an element the kernel fails to write shows up as NaN
+    torch.empty(shape, dtype=dtype, device="cuda").fill_(float("nan"))
+    torch.cuda.synchronize()
+
+
+def _pool(kv_lens, num_kv_heads, head_dim, dtype, gen, extra=97):
+    """KV pool with each request's slots a random scatter over a larger pool."""
+    nnz = int(sum(kv_lens))
+    num_slots = nnz + nnz // 3 + extra
+    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen, device="cuda").to(dtype)
+    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen, device="cuda").to(dtype)
+    perm = torch.randperm(num_slots, generator=gen, device="cuda")[:nnz]
+    kv_indices = perm.to(torch.int32)
+    kv_indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int32, device="cuda")
+    kv_indptr[1:] = torch.tensor(kv_lens, device="cuda").cumsum(0)
+    return k_cache, v_cache, kv_indptr, kv_indices
+
+
+def _decode_lens(case: str, gen: torch.Generator):
+    if case == "b1":
+        return [4097]
+    if case == "b19":
+        base = [1, 17, 989, 4097]
+        rest = torch.randint(1, 1500, (15,), generator=gen, device="cpu").tolist()
+        return base + rest
+    if case == "b99":
+        base = [1, 17, 989, 4097, 2]
+        rest = torch.randint(1, 700, (94,), generator=gen, device="cpu").tolist()
+        return base + rest
+    raise ValueError(case)
+
+
+def _run_decode(dtype, head_dim, hq, hkv, kv_lens, seed, q=None):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    batch = len(kv_lens)
+    k_cache, v_cache, kv_indptr, kv_indices = _pool(kv_lens, hkv, head_dim, dtype, gen)
+    if q is None:
+        q = torch.randn(batch, hq, head_dim, generator=gen, device="cuda").to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    _poison((batch, hq, head_dim), dtype)
+    out = ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, scale)
+    expect = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), kv_indptr,
+                                        kv_indices, scale)
+    _check(out, expect, dtype)
+
+
+@pytest.mark.parametrize("case", ["b1", "b19", "b99"])
+@pytest.mark.parametrize("gqa", GQA, ids=lambda g: f"hq{g[0]}_hkv{g[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode(dtype, head_dim, gqa, case):
+    gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{case}{head_dim}{gqa}".encode()))
+    kv_lens = _decode_lens(case, gen)
+    _run_decode(dtype, head_dim, gqa[0], gqa[1], kv_lens, seed=len(kv_lens) * 7 + head_dim)
+
+
+@pytest.mark.parametrize("gqa", [(32, 2), (24, 2), (5, 5), (7, 1)], ids=str)
+def test_decode_other_groups(gqa):
+    # group 16 and 12 run as several q-head subgroups per kv head; 7 q heads on one kv head
+    _run_decode(torch.bfloat16, 128, gqa[0], gqa[1], [1, 17, 989, 300, 4097], seed=3)
+
+
+def test_decode_strided_q():
+    # q as a view into a fused qkv buffer: rows not contiguous
+    hq, hkv, d = 9, 3, 64
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    qkv = torch.randn(19, hq + 2 * hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
+    q = qkv[:, :hq]
+    assert not q.is_contiguous()
+    _run_decode(torch.bfloat16, d, hq, hkv, [5, 17, 989] + [33] * 16, seed=6, q=q)
+
+
+def test_decode_large_slot_offsets():
+    # slots >= 2^21 with 8 kv heads x 128: slot * stride exceeds 2^31 elements
+    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    num_slots = (1 << 21) + 4096
+    k_cache = torch.empty(num_slots, hkv, d, dtype=dtype, device="cuda")
+    v_cache = torch.empty(num_slots, hkv, d, dtype=dtype, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    kv_lens = [1000, 3000]
+    slots = (num_slots - 1 - torch.randperm(4000, generator=gen, device="cuda")).to(torch.int64)
+    k_cache[slots] = torch.randn(4000, hkv, d, generator=gen, device="cuda").to(dtype)
+    v_cache[slots] = torch.randn(4000, hkv, d, generator=gen, device="cuda").to(dtype)
+    kv_indptr = torch.tensor([0, 1000, 4000], dtype=torch.int32, device="cuda")
+    kv_indices = slots.to(torch.int32)
+    q = torch.randn(2, hq, d, generator=gen, device="cuda").to(dtype)
+    out = ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, 0.08)
+    kc, vc = k_cache[slots].float(), v_cache[slots].float()
+    idx = torch.arange(4000, dtype=torch.int32, device="cuda")
+    expect = ref.paged_decode_attention(q.float(), kc, vc, kv_indptr, idx, 0.08)
+    _check(out, expect, dtype)
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+
+
+def test_decode_cuda_graph():
+    """Capture once, replay with new contents and new lengths under the same nnz bound."""
+    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    batch, max_nnz, num_slots = 19, 19 * 600, 19 * 900
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    k_cache = torch.randn(num_slots, hkv, d, generator=gen, device="cuda").to(dtype)
+    v_cache = torch.randn(num_slots, hkv, d, generator=gen, device="cuda").to(dtype)
+    q = torch.randn(batch, hq, d, generator=gen, device="cuda").to(dtype)
+    kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
+    kv_indices = torch.zeros(max_nnz, dtype=torch.int32, device="cuda")
+
+    def fill(lens):
+        kv_indptr[1:] = torch.tensor(lens, device="cuda").cumsum(0).to(torch.int32)
+        nnz = sum(lens)
+        kv_indices.zero_()
+        kv_indices[:nnz] = torch.randperm(num_slots, generator=gen, device="cuda")[:nnz].to(torch.int32)
+        q.copy_(torch.randn(batch, hq, d, generator=gen, device="cuda").to(dtype))
+
+    fill([100] * batch)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, 0.1)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, 0.1)
+
+    for lens in ([1] * batch, [600] * batch, [1, 17, 989, 2000] + [400] * 15):
+        assert sum(lens) <= max_nnz
+        fill(lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(),
+                                            kv_indptr, kv_indices[:sum(lens)], 0.1)
+        _check(out, expect, dtype)
+
+
+# ----------------------------------------------------------------------------- extend
+
+
+def _extend_case(case: str, gen: torch.Generator):
+    """(qo_lens, prefix_lens)"""
+    if case == "q989_p0":
+        return [989], [0]
+    if case == "q17_p4080":
+        return [17], [4080]
+    if case == "q1_p988":
+        return [1], [988]
+    if case == "b19_mixed":
+        qo = [1, 17, 989, 300, 128, 129] + torch.randint(1, 200, (13,), generator=gen).tolist()
+        pre = [0, 5, 0, 1000, 64, 0] + torch.randint(0, 1500, (13,), generator=gen).tolist()
+        return qo, pre
+    if case == "b99_small":
+        qo = torch.randint(1, 40, (99,), generator=gen).tolist()
+        pre = torch.randint(0, 400, (99,), generator=gen).tolist()
+        pre[0], qo[1] = 0, 1
+        return qo, pre
+    raise ValueError(case)
+
+
+def _run_extend(dtype, head_dim, hq, hkv, qo_lens, prefix_lens, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv_lens = [a + b for a, b in zip(qo_lens, prefix_lens)]
+    k_cache, v_cache, kv_indptr, kv_indices = _pool(kv_lens, hkv, head_dim, dtype, gen)
+    num_q = sum(qo_lens)
+    qo_indptr = torch.zeros(len(qo_lens) + 1, dtype=torch.int32, device="cuda")
+    qo_indptr[1:] = torch.tensor(qo_lens, device="cuda").cumsum(0)
+    q = torch.randn(num_q, hq, head_dim, generator=gen, device="cuda").to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    _poison((num_q, hq, head_dim), dtype)
+    out = ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale)
+    expect = ref.paged_extend_attention(q.float(), k_cache.float(), v_cache.float(), qo_indptr,
+                                        kv_indptr, kv_indices, scale)
+    _check(out, expect, dtype)
+
+
+@pytest.mark.parametrize("case", ["q989_p0", "q17_p4080", "q1_p988", "b19_mixed", "b99_small"])
+@pytest.mark.parametrize("gqa", GQA, ids=lambda g: f"hq{g[0]}_hkv{g[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extend(dtype, head_dim, gqa, case):
+    gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{case}{head_dim}{gqa}".encode()))
+    qo_lens, prefix_lens = _extend_case(case, gen)
+    _run_extend(dtype, head_dim, gqa[0], gqa[1], qo_lens, prefix_lens, seed=head_dim + len(qo_lens))
+
+
+def test_extend_long_prefill():
+    # one 4097-token prefill (tiles of 128 rows, last tile 1 row) plus a request with prefix
+    _run_extend(torch.bfloat16, 128, 8, 2, [4097, 500], [0, 3000], seed=9)
+
+
+def test_extend_large_slot_offsets():
+    hq, hkv, d, dtype = 8, 8, 128, torch.float16
+    num_slots = (1 << 21) + 4096
+    k_cache = torch.empty(num_slots, hkv, d, dtype=dtype, device="cuda")
+    v_cache = torch.empty(num_slots, hkv, d, dtype=dtype, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    n = 700
+    slots = (num_slots - 1 - torch.randperm(n, generator=gen, device="cuda")).to(torch.int64)
+    k_cache[slots] = torch.randn(n, hkv, d, generator=gen, device="cuda").to(dtype)
+    v_cache[slots] = torch.randn(n, hkv, d, generator=gen, device="cuda").to(dtype)
+    qo_indptr = torch.tensor([0, 200], dtype=torch.int32, device="cuda")
+    kv_indptr = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    q = torch.randn(200, hq, d, generator=gen, device="cuda").to(dtype)
+    out = ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr,
+                                     slots.to(torch.int32), 0.09)
+    idx = torch.arange(n, dtype=torch.int32, device="cuda")
+    expect = ref.paged_extend_attention(q.float(), k_cache[slots].float(), v_cache[slots].float(),
+                                        qo_indptr, kv_indptr, idx, 0.09)
+    _check(out, expect, dtype)
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+
+
+def _bad_inputs():
+    q = torch.randn(2, 4, 64, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(10, 2, 64, device="cuda", dtype=torch.bfloat16)
+    indptr = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    idx = torch.tensor([3, 4], dtype=torch.int32, device="cuda")
+    return q, kc, indptr, idx
+
+
+@pytest.mark.parametrize("which", ["int32", "head_dim", "dtype", "multiple", "batch"])
+def test_input_checks(which):
+    q, kc, indptr, idx = _bad_inputs()
+    dec = torch.ops.radixserve.paged_decode_attention
+    with pytest.raises(RuntimeError, match=which):
+        if which == "int32":
+            dec(q, kc, kc, indptr.long(), idx, 0.1)
+        elif which == "head_dim":
+            q32, k32 = q[..., :32].contiguous(), kc[..., :32].contiguous()
+            dec(q32, k32, k32, indptr, idx, 0.1)
+        elif which == "dtype":
+            dec(q, kc.half(), kc.half(), indptr, idx, 0.1)
+        elif which == "multiple":
+            torch.ops.radixserve.paged_extend_attention(q[:, :3], kc, kc, indptr, indptr, idx, 0.1)
+        else:
+            dec(q, kc, kc, indptr[:2], idx, 0.1)
