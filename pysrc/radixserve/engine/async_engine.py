@@ -1,0 +1,235 @@
+"""AsyncEngine: the one object the server (and the offline Engine) talks to.
+
+Threads. Everything runs on the event-loop thread except one thing: the forward + sampling of a
+step, which runs in a dedicated single-thread executor so HTTP stays responsive while the model
+computes. The split of state:
+  * loop thread: the Scheduler (queues, requests, KV free list, ReqToToken rows, prefix cache),
+    detokenizers, output queues; schedule() and process_batch_result() run here;
+  * worker thread: ModelRunner.run_step(step_input): reads the StepInput tensors, the model
+    weights, and writes the K/V of that step's own (already allocated) slots. It never sees a Req.
+While a step is in flight the loop only enqueues new requests and marks aborts; slots are freed
+and reallocated only in schedule() / process_batch_result(), i.e. never under the running forward.
+The scheduling loop sleeps on an asyncio.Event when there is no work (no busy polling).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import os
+from typing import Any, AsyncIterator, Dict, Optional
+
+from radixserve.config import ModelConfig, ServerArgs
+from radixserve.engine.io import GenerateOutput, GenerateReqInput
+from radixserve.engine.req import Req
+from radixserve.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, server_args: ServerArgs):
+        """Blocking: resolves the model, loads tokenizer, config, weights, KV pool, scheduler."""
+        from radixserve.model.loader import resolve_model_path
+        from radixserve.model.runner import ModelRunner
+        from radixserve.tokenizer.tokenizer import Tokenizer
+
+        server_args.check()
+        self.server_args = server_args
+        self.model_path = resolve_model_path(server_args.model_path)
+        self.model_config = ModelConfig.from_path(self.model_path)
+        self.tokenizer = Tokenizer.from_path(server_args.tokenizer_path or self.model_path)
+        self.served_model_name = (server_args.served_model_name
+                                  or os.path.basename(os.path.normpath(self.model_path)))
+        self.context_len = server_args.context_length or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(server_args, self.model_config, self.model_path,
+                                  context_len=self.context_len)
+        self.scheduler = Scheduler(server_args, self.runner, tokenizer=self.tokenizer,
+                                   detokenizer_factory=self._make_detokenizer)
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._wakeup: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+        self._stopping = False
+        self._loop_error: Optional[BaseException] = None
+
+    def _make_detokenizer(self, req: Req):
+        from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
+
+        sp = req.sampling_params
+        return IncrementalDetokenizer(self.tokenizer, sp.stop_strs, sp.no_stop_trim,
+                                      sp.skip_special_tokens, sp.spaces_between_special_tokens)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the scheduling loop; call inside the running event loop (once)."""
+        if self._task is not None:
+            return
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="radixserve-forward")
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self._task = asyncio.get_running_loop().create_task(self._run_loop(),
+                                                            name="radixserve-scheduler")
+
+    async def shutdown(self) -> None:
+        """Abort every live request, stop the loop, release the worker thread."""
+        if self._task is None:
+            return
+        for rid in list(self.scheduler.reqs):
+            self.scheduler.abort(rid, "the server is shutting down")
+        self._stopping = True
+        self._wakeup.set()
+        try:
+            await self._task
+        except BaseException:   # the loop's own error was logged already
+            pass
+        self._task = None
+        self._executor.shutdown(wait=True)
+        self._executor = None
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        sched = self.scheduler
+        try:
+            while not self._stopping:
+                batch = sched.schedule()
+                if batch is None:
+                    if self.server_args.debug_integrity:
+                        sched.check_integrity()
+                    self._wakeup.clear()
+                    if not sched.has_work():
+                        await self._wakeup.wait()
+                    else:
+                        # work exists but nothing fits now (cannot last: schedule() drops a
+                        # request that can never fit); wait for a change, briefly
+                        try:
+                            await asyncio.wait_for(self._wakeup.wait(), 0.05)
+                        except asyncio.TimeoutError:
+                            pass
+                    continue
+                try:
+                    out = await loop.run_in_executor(self._executor, self.runner.run_step,
+                                                     batch.step_input)
+                except Exception as e:   # a failed forward fails its batch, not the server
+                    logger.exception("forward failed")
+                    sched.fail_batch(batch, e)
+                    continue
+                sched.process_batch_result(batch, out)
+                # let HTTP handlers and consumers run between steps
+                await asyncio.sleep(0)
+            # shutdown: let the aborts queued above reach their consumers
+            sched.schedule()
+        except BaseException as e:
+            self._loop_error = e
+            logger.exception("the scheduling loop stopped")
+            for rid in list(sched.reqs):
+                req = sched.reqs[rid]
+                sched._finish(req, {"type": "abort", "matched": None,
+                                    "message": f"internal error: {e}"})
+            raise
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, req: GenerateReqInput) -> None:
+        """Raise ValueError with an actionable message for a request the engine cannot run."""
+        ids = req.input_ids
+        n = len(ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                    or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is out of range: ids must be integers in "
+                             f"[0, {vocab})")
+        if n >= self.context_len:
+            raise ValueError(f"prompt has {n} tokens; the context length is {self.context_len}: "
+                             f"shorten the prompt")
+        sp = req.sampling_params
+        sp.verify()
+        if sp.max_new_tokens is not None and n + sp.max_new_tokens > self.context_len:
+            raise ValueError(f"prompt has {n} tokens and max_new_tokens is {sp.max_new_tokens}; "
+                             f"together they exceed the context length {self.context_len}: lower "
+                             f"max_new_tokens to at most {self.context_len - n}")
+        pool = self.runner.max_total_tokens
+        if n >= pool:
+            raise ValueError(f"prompt has {n} tokens; the KV pool holds {pool}: shorten the prompt "
+                             f"or raise --max-total-tokens")
+        if sp.json_schema is not None or sp.regex is not None or sp.ebnf is not None:
+            raise ValueError("constrained decoding (json_schema, regex, ebnf) is not supported by "
+                             "this engine; remove that field")
+        if req.return_logprob:
+            if req.logprob_start_len < -1:
+                raise ValueError("logprob_start_len must be -1 (no prompt logprobs) or >= 0")
+            if not 0 <= req.top_logprobs_num <= vocab:
+                raise ValueError(f"top_logprobs_num must be in [0, {vocab}]")
+
+    async def generate(self, req: GenerateReqInput) -> AsyncIterator[GenerateOutput]:
+        """Yield one GenerateOutput per step that produced tokens (deltas; the last has
+        finished=True). Raises ValueError before yielding anything for a bad request. Closing
+        the iterator early (client gone, task cancelled) aborts the request."""
+        self.validate(req)
+        if self._task is None:
+            raise RuntimeError("AsyncEngine.start() has not been called")
+        if self._loop_error is not None:
+            raise RuntimeError(f"the engine's scheduling loop failed: {self._loop_error}")
+        sp = req.sampling_params
+        max_new = (sp.max_new_tokens if sp.max_new_tokens is not None
+                   else self.context_len - len(req.input_ids))
+        queue: asyncio.Queue = asyncio.Queue()
+        r = Req(req.rid, req.input_ids, sp, max_new, return_logprob=req.return_logprob,
+                logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+                top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+                return_text_in_logprobs=req.return_text_in_logprobs, stream=req.stream,
+                sink=queue.put_nowait)
+        self.scheduler.add_request(r)
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                out: GenerateOutput = await queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(req.rid)
+
+    def abort(self, rid: str) -> None:
+        """Abort a request (no-op for an unknown or finished rid). Loop thread."""
+        if self.scheduler.abort(rid) and self._wakeup is not None:
+            self._wakeup.set()
+
+    async def flush_cache(self) -> bool:
+        ok = self.scheduler.flush_cache()
+        if ok:
+            logger.info("Cache flushed")
+        return ok
+
+    # ------------------------------------------------------------------ introspection
+    def server_info(self) -> Dict[str, Any]:
+        mc = self.model_config
+        return {
+            "server_args": dataclasses.asdict(self.server_args),
+            "model_path": self.model_path,
+            "served_model_name": self.served_model_name,
+            "context_len": self.context_len,
+            "max_total_tokens": self.runner.max_total_tokens,
+            "max_running_requests": self.scheduler.max_running_requests,
+            "chunked_prefill_size": self.scheduler.chunk_size,
+            "device": str(self.runner.device),
+            "dtype": str(self.runner.dtype).replace("torch.", ""),
+            "prefix_cache": type(self.scheduler.cache).__name__,
+            "model": {"architecture": mc.architecture, "vocab_size": mc.vocab_size,
+                      "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
+                      "num_attention_heads": mc.num_attention_heads,
+                      "num_key_value_heads": mc.num_key_value_heads, "head_dim": mc.head_dim,
+                      "max_position_embeddings": mc.max_position_embeddings},
+        }
+
+    def metrics(self) -> Dict[str, Any]:
+        return self.scheduler.metrics()
+
+    def is_healthy(self) -> bool:
+        return self._task is not None and not self._task.done() and self._loop_error is None

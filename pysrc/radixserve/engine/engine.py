@@ -1,0 +1,124 @@
+"""Engine: the offline API. `radixserve.Engine(model_path=None, **server_arg_overrides)`.
+
+    engine = Engine(max_total_tokens=8192)
+    out = engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+    out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
+    engine.shutdown()
+
+The Engine owns a background thread running its own (uv)loop with an AsyncEngine in it, so the
+synchronous generate() works from plain code and async_generate() works from inside a caller's
+own running loop (the work is handed over to the engine's loop and awaited from the caller's).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from typing import Any, Dict, List, Optional, Union
+
+from radixserve.config import ServerArgs
+from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.io import GenerateReqInput
+from radixserve.sampling.params import SamplingParams
+
+Prompt = Union[str, List[str], None]
+InputIds = Union[List[int], List[List[int]], None]
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+class Engine:
+    def __init__(self, model_path: Optional[str] = None, **server_arg_overrides: Any):
+        """Blocking: loads the model. Unknown keyword arguments raise TypeError (ServerArgs)."""
+        self._closed = True
+        self.server_args = ServerArgs(model_path=model_path, **server_arg_overrides)
+        self.async_engine = AsyncEngine(self.server_args)
+        self.tokenizer = self.async_engine.tokenizer
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine",
+                                        daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._submit(self._start()).result()
+
+    async def _start(self) -> None:
+        self.async_engine.start()
+
+    def _submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # ------------------------------------------------------------------ generation
+    def _requests(self, prompt: Prompt, sampling_params: Optional[Dict[str, Any]],
+                  input_ids: InputIds):
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts = [prompt] if single else list(prompt)
+            if not all(isinstance(p, str) for p in prompts):
+                raise ValueError("prompt must be a string or a list of strings")
+            ids_list = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            single = len(input_ids) == 0 or isinstance(input_ids[0], int)
+            ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
+        reqs = []
+        for ids in ids_list:
+            sp = SamplingParams.from_dict(sampling_params)
+            reqs.append(GenerateReqInput(rid=uuid.uuid4().hex, input_ids=ids, sampling_params=sp))
+        for r in reqs:
+            self.async_engine.validate(r)
+        return reqs, single
+
+    async def _run_one(self, req: GenerateReqInput) -> Dict[str, Any]:
+        text, ids, last = [], [], None
+        async for out in self.async_engine.generate(req):
+            text.append(out.text_delta)
+            ids += out.output_ids_delta
+            last = out
+        return {"text": "".join(text), "output_ids": ids,
+                "meta_info": {"id": req.rid, "prompt_tokens": last.prompt_tokens,
+                              "completion_tokens": last.completion_tokens,
+                              "cached_tokens": last.cached_tokens,
+                              "finish_reason": last.finish_reason}}
+
+    async def _run_all(self, reqs: List[GenerateReqInput]) -> List[Dict[str, Any]]:
+        return list(await asyncio.gather(*(self._run_one(r) for r in reqs)))
+
+    def generate(self, prompt: Prompt = None, sampling_params: Optional[Dict[str, Any]] = None,
+                 input_ids: InputIds = None):
+        """One prompt (str / list[int]) -> a dict; a list of them -> a list of dicts, in order.
+        Each dict: {"text", "output_ids", "meta_info": {prompt_tokens, completion_tokens,
+        cached_tokens, finish_reason}}. Bad input raises ValueError."""
+        reqs, single = self._requests(prompt, sampling_params, input_ids)
+        results = self._submit(self._run_all(reqs)).result()
+        return results[0] if single else results
+
+    async def async_generate(self, prompt: Prompt = None,
+                             sampling_params: Optional[Dict[str, Any]] = None,
+                             input_ids: InputIds = None):
+        """The async twin of generate(), to await from the caller's own event loop."""
+        reqs, single = self._requests(prompt, sampling_params, input_ids)
+        results = await asyncio.wrap_future(self._submit(self._run_all(reqs)))
+        return results[0] if single else results
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._submit(self.async_engine.shutdown()).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,111 @@
+"""Req: one sequence being generated, from enqueue to finish, as the scheduler sees it.
+
+KV bookkeeping while a request holds a ReqToTokenPool row (`req_pool_idx is not None`):
+  * positions [0, prefix_len) of the row are slots the prefix cache owns; the request keeps them
+    alive with one lock on `last_node`;
+  * positions [prefix_len, kv_len) are slots the request allocated and owns;
+  * `fill_ids` = origin_input_ids + output_ids; between steps a running (decoding) request has
+    kv_len == len(fill_ids) - 1: every token has KV except the last sampled one, which is the
+    next decode step's input.
+A request without a row owns nothing. Only the event-loop thread mutates a Req.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from radixserve.engine.io import GenerateOutput, LogprobEntry
+from radixserve.sampling.params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = 1    # in the waiting queue (new, or retracted)
+    PREFILL = 2    # admitted; prompt (or a chunk of it) being prefilled
+    RUNNING = 3    # in the decode batch
+    FINISHED = 4
+
+
+class Req:
+    def __init__(self, rid: str, input_ids: List[int], sampling_params: SamplingParams,
+                 max_new_tokens: int, *, return_logprob: bool = False,
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 return_text_in_logprobs: bool = False, stream: bool = False,
+                 sink: Optional[Callable[[GenerateOutput], None]] = None,
+                 detokenizer: Any = None):
+        self.rid = rid
+        self.origin_input_ids: List[int] = list(input_ids)
+        self.output_ids: List[int] = []
+        self.sampling_params = sampling_params
+        self.max_new_tokens = max_new_tokens          # resolved (never None)
+        self.stream = stream
+        # sampling: the seed is fixed at admission so a retracted request keeps its stream
+        self.seed: Optional[int] = sampling_params.seed
+        # prefix-cache match and KV bookkeeping (see the module docstring)
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)   # [prefix_len] CPU slots
+        self.last_node: Any = None
+        self.req_pool_idx: Optional[int] = None
+        self.kv_len = 0
+        self.cached_tokens: Optional[int] = None      # prompt tokens served by the cache, first admission
+        self.status = ReqStatus.WAITING
+        self.admit_order = -1                          # larger = admitted later (retraction order)
+        self.num_retractions = 0
+        # finishing
+        self.finish_reason: Optional[Dict[str, Any]] = None
+        self.to_abort = False
+        self.abort_message: Optional[str] = None
+        # logprobs
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.return_text_in_logprobs = return_text_in_logprobs
+        self.input_token_logprobs: Optional[List[LogprobEntry]] = None
+        self.input_top_logprobs: Optional[List[List[LogprobEntry]]] = None
+        self.input_logprobs_sent = False
+        self.prompt_logprobs_done = False             # every asked prompt position is scored
+        self.pending_logprobs: List[LogprobEntry] = []
+        self.pending_top_logprobs: List[List[LogprobEntry]] = []
+        # output streaming
+        self.detokenizer = detokenizer
+        self.sink = sink
+        self.pending_ids: List[int] = []
+        self.pending_text = ""
+        self.stop_str_matched = False                 # the detokenizer already trimmed the text
+
+    # ------------------------------------------------------------------ derived lengths
+    @property
+    def fill_ids(self) -> List[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def prefix_len(self) -> int:
+        return int(self.prefix_indices.numel())
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.max_new_tokens - len(self.output_ids), 0)
+
+    def max_prefix_len(self) -> int:
+        """How many leading fill tokens may come from the cache: the last one is always computed
+        (its logits give the next token), and prompt logprobs need logits from position
+        logprob_start_len - 1 on (a token's logprob comes from the previous position)."""
+        limit = self.seq_len - 1
+        if self.wants_prompt_logprobs and not self.prompt_logprobs_done:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return max(limit, 0)
+
+    def __repr__(self) -> str:
+        return (f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, "
+                f"out={len(self.output_ids)}, kv={self.kv_len}, status={self.status.name})")
