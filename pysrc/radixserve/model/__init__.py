@@ -1,0 +1,7 @@
+"""Models: the Llama-family decoder (llama.py), weight loading (loader.py), rope tables (rope.py),
+GGUF conversion (gguf_convert.py), the embedded default model (default_model.py) and the
+ForwardBatch the engine hands to a forward pass (forward_batch.py).
+
+Import the submodules directly (e.g. `from radixserve.model.loader import load_model`); this
+package module itself imports nothing so that light users (the CLI's `convert`) stay light.
+"""

@@ -1,0 +1,456 @@
+"""Llama-family decoder over the paged KV pool: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2.
+
+One file in the gpt-fast spirit: the tensor-parallel linear layers, the attention/MLP blocks,
+the decoder and the architecture registry. Every compute op goes through radixserve.ops, so the
+same code runs the CUDA kernels on a GPU and the torch references on a CPU.
+
+Contract of a model built here (see LlamaForCausalLM):
+  * forward(fb: ForwardBatch) -> hidden [num_tokens, hidden_size] with the final norm applied.
+    It writes the new tokens' K/V into fb.kv_pool at fb.out_cache_loc (every layer) and
+    mutates nothing else.
+  * compute_logits(hidden [n, hidden_size]) -> [n, vocab_size] float32 (LM head, tied to the
+    embedding when the config says so).
+  * load_weights(named tensors in HF naming) fills the parameters; q/k/v and gate/up are fused
+    here (qkv_proj, gate_up_proj) and loaded by slicing.
+
+Tensor parallelism: the layers take (tp_rank, tp_size) and hold only their rank's slice (heads
+for attention, intermediate columns for the MLP, vocabulary rows for embedding and LM head);
+row-parallel outputs and the vocab-parallel embedding are summed across ranks, LM-head shards
+are gathered. With tp_size 1 (the only size ServerArgs accepts today) no collective runs.
+
+Mistral: HF applies a sliding-window mask when config.sliding_window is set; we attend to the
+whole context, which is identical for every sequence no longer than the window (4096 or more in
+released Mistral checkpoints). Longer contexts would differ from HF.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve import ops
+from radixserve.config import ModelConfig
+from radixserve.model.forward_batch import ForwardBatch, ForwardMode
+from radixserve.model.rope import build_cos_sin_cache
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def tp_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Sum x over the tensor-parallel group (in place); identity for tp_size 1."""
+    if tp_size == 1:
+        return x
+    torch.distributed.all_reduce(x)
+    return x
+
+
+def tp_all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Concatenate every rank's x along the last dimension; identity for tp_size 1."""
+    if tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _check_shape(what: str, got: torch.Size, expected: Sequence[int]) -> None:
+    if tuple(got) != tuple(expected):
+        raise ValueError(f"checkpoint tensor {what} has shape {tuple(got)}, expected {tuple(expected)}")
+
+
+# ----------------------------------------------------------------------------- parallel layers
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with the output features split across ranks (no communication).
+
+    A fused layer lists several logical outputs (q|k|v, gate|up); each is split on its own, so
+    rank r holds rows [r * s / tp, (r + 1) * s / tp) of every logical output s, laid out one
+    after another. load_weight(name, tensor, shard_id) copies logical output shard_id's slice.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool,
+                 params_dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                 shard_rows: Optional[Sequence[Tuple[int, int]]] = None):
+        """shard_rows: (start in the full checkpoint tensor, rows) per logical output, for layers
+        that split unevenly (replicated KV heads); default: an even split by tp_rank."""
+        super().__init__()
+        if shard_rows is None:
+            for size in output_sizes:
+                if size % tp_size:
+                    raise ValueError(f"output size {size} is not divisible by tp_size {tp_size}")
+            shard_rows = [(tp_rank * (size // tp_size), size // tp_size) for size in output_sizes]
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        # (offset in our weight, start in the full checkpoint tensor, rows) per logical output
+        self.shards: List[Tuple[int, int, int]] = []
+        offset = 0
+        for src_start, rows in shard_rows:
+            self.shards.append((offset, src_start, rows))
+            offset += rows
+        # [sum of local rows, input_size]
+        self.weight = _frozen(torch.empty(offset, input_size, dtype=params_dtype))
+        self.bias = _frozen(torch.empty(offset, dtype=params_dtype)) if bias else None
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        dst_offset, src_start, rows = self.shards[shard_id]
+        full = self.output_sizes[shard_id]
+        expected = (full, self.input_size) if name == "weight" else (full,)
+        _check_shape(f"{name}[{shard_id}]", loaded.shape, expected)
+        param = self.weight if name == "weight" else self.bias
+        param.data.narrow(0, dst_offset, rows).copy_(loaded.narrow(0, src_start, rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)   # [num_tokens, local outputs]
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q|k|v projection. Shard ids: 0 = q, 1 = k, 2 = v.
+
+    Query heads are split across ranks; KV heads too when there are at least tp_size of them,
+    otherwise each KV head is replicated on tp_size / num_kv_heads ranks.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, params_dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+        if num_heads % tp_size:
+            raise ValueError(f"{num_heads} attention heads are not divisible by tp_size {tp_size}")
+        if num_kv_heads >= tp_size and num_kv_heads % tp_size:
+            raise ValueError(f"{num_kv_heads} KV heads are not divisible by tp_size {tp_size}")
+        if num_kv_heads < tp_size and tp_size % num_kv_heads:
+            raise ValueError(f"tp_size {tp_size} is not a multiple of {num_kv_heads} KV heads")
+        local_heads = num_heads // tp_size
+        local_kv_heads = max(1, num_kv_heads // tp_size)
+        replicas = max(1, tp_size // num_kv_heads)
+        q_local = local_heads * head_dim
+        kv_local = local_kv_heads * head_dim
+        kv_start = (tp_rank // replicas) * kv_local
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
+                                       num_kv_heads * head_dim], bias, params_dtype, tp_rank,
+                         tp_size, shard_rows=[(tp_rank * q_local, q_local), (kv_start, kv_local),
+                                              (kv_start, kv_local)])
+        self.local_heads, self.local_kv_heads = local_heads, local_kv_heads
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with the input features split across ranks; partial sums are all-reduced,
+    then the (unsplit) bias is added once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        if input_size % tp_size:
+            raise ValueError(f"input size {input_size} is not divisible by tp_size {tp_size}")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size, self.output_size = input_size, output_size
+        self.local_input = input_size // tp_size
+        # [output_size, input_size / tp]
+        self.weight = _frozen(torch.empty(output_size, self.local_input, dtype=params_dtype))
+        self.bias = _frozen(torch.empty(output_size, dtype=params_dtype)) if bias else None
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        if name == "weight":
+            _check_shape(name, loaded.shape, (self.output_size, self.input_size))
+            self.weight.data.copy_(loaded.narrow(1, self.tp_rank * self.local_input, self.local_input))
+        else:
+            _check_shape(name, loaded.shape, (self.output_size,))
+            self.bias.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = tp_all_reduce(F.linear(x, self.weight), self.tp_size)   # [num_tokens, output_size]
+        return out + self.bias if self.bias is not None else out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split across ranks (padded to a multiple of tp_size).
+
+    Rank r holds rows [r * rows_per_rank, (r + 1) * rows_per_rank); ids outside the slice embed
+    to zero locally and the all-reduce fills them in from the owning rank.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.rows_per_rank = -(-num_embeddings // tp_size)
+        self.vocab_start = tp_rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
+        # [rows_per_rank, embedding_dim]; rows past the real vocabulary stay zero
+        self.weight = _frozen(torch.zeros(self.rows_per_rank, embedding_dim, dtype=params_dtype))
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        _check_shape(name, loaded.shape, (self.num_embeddings, self.embedding_dim))
+        rows = self.vocab_end - self.vocab_start
+        self.weight.data[:rows].copy_(loaded[self.vocab_start:self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)          # [num_tokens, embedding_dim]
+        local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        out = F.embedding((input_ids - self.vocab_start) * local, self.weight)
+        out.masked_fill_(~local[:, None], 0)
+        return tp_all_reduce(out, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, vocab-parallel like the embedding; logits() gathers the shards."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return lm_head_logits(self, hidden)
+
+
+def lm_head_logits(head: VocabParallelEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [n, hidden] -> logits [n, vocab] float32 from a (possibly tied) vocab-parallel head."""
+    local = F.linear(hidden, head.weight)                          # [n, rows_per_rank]
+    full = tp_all_gather_last_dim(local, head.tp_size)             # [n, rows_per_rank * tp]
+    return full[:, :head.num_embeddings].float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = _frozen(torch.ones(hidden_size, dtype=params_dtype))   # [hidden_size]
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        _check_shape(name, loaded.shape, self.weight.shape)
+        self.weight.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        """In place: residual += x; x = norm(residual)."""
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool,
+                 params_dtype: torch.dtype, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim,
+                                          config.num_attention_heads, config.num_key_value_heads,
+                                          qkv_bias, params_dtype, tp_rank, tp_size)
+        self.num_heads = self.qkv_proj.local_heads
+        self.num_kv_heads = self.qkv_proj.local_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim ** -0.5
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim,
+                                        config.hidden_size, o_bias, params_dtype, tp_rank, tp_size)
+
+    def forward(self, fb: ForwardBatch, hidden: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)                        # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)       # strided views into qkv
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        ops.rotary_embedding(fb.positions, q, k, cos_sin_cache)
+        k_cache = fb.kv_pool.k_buffers[self.layer_id]     # [num_slots + 1, num_kv_heads, head_dim]
+        v_cache = fb.kv_pool.v_buffers[self.layer_id]
+        ops.store_kv(k_cache, v_cache, k.contiguous(), v.contiguous(), fb.out_cache_loc)
+        q = q.contiguous()                                 # [num_tokens, num_heads, head_dim]
+        if fb.mode is ForwardMode.DECODE:
+            out = ops.paged_decode_attention(q, k_cache, v_cache, fb.kv_indptr, fb.kv_indices,
+                                             self.scaling)
+        else:
+            out = ops.paged_extend_attention(q, k_cache, v_cache, fb.qo_indptr, fb.kv_indptr,
+                                             fb.kv_indices, self.scaling)
+        return self.o_proj(out.view(num_tokens, self.q_size))     # [num_tokens, hidden_size]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, bias: bool, params_dtype: torch.dtype,
+                 tp_rank: int, tp_size: int):
+        super().__init__()
+        act = config.hf_config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias,
+                                                 params_dtype, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, params_dtype,
+                                           tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)                     # [num_tokens, 2 * inter / tp]
+        return self.down_proj(ops.silu_and_mul(gate_up))   # [num_tokens, hidden_size]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool,
+                 mlp_bias: bool, params_dtype: torch.dtype, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, params_dtype,
+                                        tp_rank, tp_size)
+        self.mlp = LlamaMLP(config, mlp_bias, params_dtype, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
+
+    def forward(self, fb: ForwardBatch, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                cos_sin_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block. residual carries the un-normalised stream between layers (None before
+        the first layer); returns (block output not yet added to residual, residual)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            self.input_layernorm.forward_add(hidden, residual)
+        hidden = self.self_attn(fb, hidden, cos_sin_cache)
+        self.post_attention_layernorm.forward_add(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 params_dtype: torch.dtype, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   params_dtype, tp_rank, tp_size)
+        self.layers = nn.ModuleList([
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size)
+            for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
+        # [max_position_embeddings, head_dim] float32 = [cos | sin]
+        cache = build_cos_sin_cache(config.head_dim, config.max_position_embeddings,
+                                    config.rope_theta, config.rope_scaling,
+                                    device=self.norm.weight.device)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(fb.input_ids)           # [num_tokens, hidden_size]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(fb, hidden, residual, self.cos_sin_cache)
+        self.norm.forward_add(hidden, residual)
+        return hidden
+
+
+# ----------------------------------------------------------------------------- causal LMs
+
+# (fused parameter, HF name, shard id)
+_STACKED_PARAMS = (("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+                   ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+# checkpoint entries that carry no parameter of ours (recomputed buffers)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2/3/3.1 and SmolLM2 (also the base of Mistral and Qwen2). See the module docstring."""
+
+    qkv_bias_default = False   # q/k/v bias when config.json says nothing (Llama: attention_bias)
+    o_proj_follows_attention_bias = True
+
+    def __init__(self, config: ModelConfig, params_dtype: torch.dtype = torch.float32,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.config = config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        qkv_bias = self._qkv_bias(config)
+        o_bias = config.attention_bias and self.o_proj_follows_attention_bias
+        mlp_bias = bool(config.hf_config.get("mlp_bias", False))
+        self.model = LlamaModel(config, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size)
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype,
+                                          tp_rank, tp_size)
+        window = config.hf_config.get("sliding_window")
+        if window and config.hf_config.get("use_sliding_window", True):
+            logger.info("sliding_window=%s is not applied: outputs match HF for contexts up to "
+                        "%s tokens", window, window)
+
+    def _qkv_bias(self, config: ModelConfig) -> bool:
+        return config.attention_bias
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """fb -> hidden [num_tokens, hidden_size] (final norm applied); writes K/V into fb.kv_pool."""
+        with torch.inference_mode():
+            return self.model(fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
+        with torch.inference_mode():
+            return lm_head_logits(self.lm_head, hidden)
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[Tuple[str, int]]:
+        """Copy HF-named tensors into our (fused, sliced) parameters.
+
+        Returns the set of (parameter name, shard id) filled. Raises ValueError on a name that
+        maps to no parameter or a tensor of the wrong shape.
+        """
+        params: Dict[str, nn.Parameter] = dict(self.named_parameters())
+        loaded: Set[Tuple[str, int]] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard_id = name, 0
+            for fused, hf_name, sid in _STACKED_PARAMS:
+                if f".{hf_name}." in name:
+                    target, shard_id = name.replace(f".{hf_name}.", f".{fused}."), sid
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                                 f"{type(self).__name__}")
+            module_name, param_name = target.rsplit(".", 1)
+            self.get_submodule(module_name).load_weight(param_name, tensor, shard_id)
+            loaded.add((target, shard_id))
+        return loaded
+
+    def expected_weights(self) -> Set[Tuple[str, int]]:
+        """Every (parameter name, shard id) a complete checkpoint fills."""
+        expected = set()
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            shards = len(module.shards) if isinstance(module, ColumnParallelLinear) else 1
+            expected.update((name, sid) for sid in range(shards))
+        return expected
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama-shaped (no biases); sliding window ignored (see the module docstring)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: bias on q/k/v (always), none on o_proj; usually tied embeddings."""
+
+    o_proj_follows_attention_bias = False
+
+    def _qkv_bias(self, config: ModelConfig) -> bool:
+        return True
+
+
+MODEL_REGISTRY: Dict[str, Type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> Type[LlamaForCausalLM]:
+    """The model class for a config.json architecture name; ValueError naming the supported ones."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"model architecture {architecture!r} is not supported; supported: "
+                         f"{', '.join(sorted(MODEL_REGISTRY))}") from None

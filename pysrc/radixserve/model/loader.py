@@ -1,0 +1,115 @@
+"""Build a model from a model directory: safetensors weights (single file or sharded), or random
+("dummy") weights from config.json alone. Also resolves what --model-path names.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from radixserve.config import ModelConfig
+from radixserve.model.llama import get_model_class
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def resolve_model_path(model_path: Optional[str]) -> str:
+    """What --model-path names, as an HF-style directory.
+
+    None -> the default model (downloaded and converted on first use); a directory with a
+    config.json -> itself; a .gguf file -> converted once into the cache directory.
+    Raises ValueError for anything else.
+    """
+    from radixserve.model import default_model
+
+    if model_path is None:
+        return default_model.default_model_path()
+    if os.path.isdir(model_path):
+        if not os.path.isfile(os.path.join(model_path, "config.json")):
+            raise ValueError(f"model directory {model_path!r} has no config.json; pass an HF-style "
+                             f"model directory or a .gguf file")
+        return model_path
+    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+        return default_model.convert_cached(model_path, default_model.converted_dir_for(model_path))
+    raise ValueError(f"model path {model_path!r} is neither a directory with config.json nor a "
+                     f".gguf file")
+
+
+def safetensors_files(model_path: str) -> List[str]:
+    """The weight files of a directory: the shards named by model.safetensors.index.json if it
+    exists, else every *.safetensors file. Raises ValueError when there are none."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(model_path, name) for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {model_path!r}; convert the checkpoint "
+                         f"to safetensors or use --load-format dummy")
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise ValueError(f"weight shards listed in the index are missing: {missing}")
+    return files
+
+
+def _iterate_safetensors(files: List[str]) -> Iterator[Tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in tqdm(files, desc="Loading safetensors", unit="file"):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _init_dummy(model: nn.Module, seed: int = 0) -> None:
+    """Random weights with finite, moderate activations: normal(0, 0.02) for matrices and biases,
+    ones for norm weights (as the real checkpoints start)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)
+
+
+def load_model(model_path: str, model_config: ModelConfig, load_format: str,
+               dtype: torch.dtype, device: str) -> nn.Module:
+    """Build the model for model_config on device in dtype and fill its weights; eval mode.
+
+    load_format: "auto"/"safetensors" read model_path's safetensors (sharded or not), checking
+    that every parameter was filled; "dummy" draws random weights (no weight file is read, only
+    the config). Raises ValueError for an unknown format or architecture, missing or unexpected
+    tensors, or tensors of the wrong shape.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format {load_format!r} is not supported; use one of "
+                         f"{', '.join(LOAD_FORMATS)}")
+    model_cls = get_model_class(model_config.architecture)
+    with torch.device(device):
+        model = model_cls(model_config, params_dtype=dtype)   # parameters allocated on device
+    if load_format == "dummy":
+        _init_dummy(model)
+        logger.info("built %s with dummy weights on %s (%s)", model_config.architecture, device, dtype)
+    else:
+        files = safetensors_files(model_path)
+        loaded = model.load_weights(_iterate_safetensors(files))
+        missing = model.expected_weights() - loaded
+        if missing:
+            names = sorted(f"{n}[{s}]" if s else n for n, s in missing)
+            raise ValueError(f"checkpoint in {model_path!r} lacks {len(names)} tensors, e.g. "
+                             f"{names[:5]}")
+        logger.info("loaded %s from %d file(s) on %s (%s)", model_config.architecture, len(files),
+                    device, dtype)
+    return model.eval()

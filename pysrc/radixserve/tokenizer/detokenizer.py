@@ -1,0 +1,124 @@
+"""Incremental detokenization with stop strings, one instance per request.
+
+Text is produced by decoding a short window of ids: decode(ids[prefix_offset:]) minus
+decode(ids[prefix_offset:read_offset]). The window starts a few tokens back so that decoders
+which depend on neighbours (sentencepiece's leading-space rule, byte-level BPE) see them. While
+the window's text ends in U+FFFD (a UTF-8 character cut between tokens) nothing is released.
+
+Stop strings: released text is scanned for every stop string; the longest suffix of the
+unreleased text that is a prefix of some stop string is held back, so a stop string spanning
+token boundaries is still found before any part of it is emitted. On a match, the text up to
+the start of the stop string is emitted (up to its end with no_stop_trim) and nothing after.
+Concatenating every text_delta and the final flush() gives the full decode of the pushed ids
+(cut at the stop string when one matched).
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class DetokenizeResult(NamedTuple):
+    text_delta: str                 # new text to stream (may be empty)
+    stop_matched: Optional[str]     # the stop string that ended the output, else None
+
+
+class IncrementalDetokenizer:
+    """push(new_ids) per step, flush() at the end. Not thread-safe (one request, one owner).
+
+    tokenizer: anything with decode(ids, skip_special_tokens, spaces_between_special_tokens).
+    After a stop string matched, push() returns empty results and flush() returns "".
+    """
+
+    def __init__(self, tokenizer, stop_strs: Sequence[str] = (), no_stop_trim: bool = False,
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._stops: List[str] = [s for s in stop_strs if s]
+        self._no_stop_trim = no_stop_trim
+        self._skip_special = skip_special_tokens
+        self._spaces_between_special = spaces_between_special_tokens
+        self._ids: List[int] = []
+        self._prefix_offset = 0     # window start for decoding
+        self._read_offset = 0       # ids before this are already turned into text
+        self._pending = ""          # decoded text not yet emitted (held for stop matching)
+        self.stop_matched: Optional[str] = None
+        self.finished = False
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special,
+                                      spaces_between_special_tokens=self._spaces_between_special)
+
+    def _decode_new(self, final: bool) -> str:
+        """Text of the ids past read_offset; "" while it would end in a cut character
+        (unless final, when whatever is there is released)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset:])
+        if not final and (full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text)):
+            return ""
+        if not full_text.startswith(prefix_text):
+            # the decoder rewrote the window's start (rare); the difference is the best delta
+            new_text = full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
+        else:
+            new_text = full_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return new_text
+
+    def _earliest_stop(self, text: str):
+        """(start, end, stop) of the stop string that completes first in text, else None.
+        Ties on the end position go to the one starting first (the longer)."""
+        best = None
+        for stop in self._stops:
+            start = text.find(stop)
+            if start < 0:
+                continue
+            key = (start + len(stop), start)
+            if best is None or key < (best[1], best[0]):
+                best = (start, start + len(stop), stop)
+        return best
+
+    def _held_suffix_len(self, text: str) -> int:
+        """Length of the longest suffix of text that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _release(self, new_text: str, final: bool) -> DetokenizeResult:
+        self._pending += new_text
+        match = self._earliest_stop(self._pending)
+        if match is not None:
+            start, end, stop = match
+            delta = self._pending[:end if self._no_stop_trim else start]
+            self._pending = ""
+            self.stop_matched = stop
+            self.finished = True
+            return DetokenizeResult(delta, stop)
+        hold = 0 if final else self._held_suffix_len(self._pending)
+        cut = len(self._pending) - hold
+        delta, self._pending = self._pending[:cut], self._pending[cut:]
+        return DetokenizeResult(delta, None)
+
+    def push(self, new_ids: Sequence[int]) -> DetokenizeResult:
+        """Add the step's new token ids; return the text that can be streamed now."""
+        if self.finished:
+            return DetokenizeResult("", self.stop_matched)
+        self._ids.extend(int(i) for i in new_ids)
+        return self._release(self._decode_new(final=False), final=False)
+
+    def flush(self) -> str:
+        """End of output: the held-back text (a cut character decodes as U+FFFD, a partial stop
+        string is released as text). "" after a stop string matched."""
+        if self.finished:
+            return ""
+        result = self._release(self._decode_new(final=True), final=True)
+        self.finished = True
+        return result.text_delta
+
+    @property
+    def output_ids(self) -> List[int]:
+        return list(self._ids)
