@@ -1,0 +1,80 @@
+// Tiny helpers shared by the standalone kernel harnesses (no torch): error checks, a seeded RNG,
+// device buffers. Each harness exits non-zero on the first mismatch.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#define HX_CHECK(call)                                                                      \
+  do {                                                                                      \
+    cudaError_t e_ = (call);                                                                \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #call,                 \
+                   cudaGetErrorString(e_));                                                 \
+      std::exit(2);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+#define HX_EXPECT(cond, ...)                                                                \
+  do {                                                                                      \
+    if (!(cond)) {                                                                          \
+      std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                 \
+      std::fprintf(stderr, __VA_ARGS__);                                                    \
+      std::fprintf(stderr, "\n");                                                           \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+namespace hx {
+
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit DeviceBuffer(size_t count) : n(count) { HX_CHECK(cudaMalloc(&ptr, (count ? count : 1) * sizeof(T))); }
+  DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void upload(const std::vector<T>& host) {
+    HX_CHECK(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(n);
+    HX_CHECK(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+  void poison(unsigned char byte = 0xAB) { HX_CHECK(cudaMemset(ptr, byte, n * sizeof(T))); }
+};
+
+inline bool have_gpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    std::printf("no CUDA device: nothing to run (harness built fine)\n");
+    return false;
+  }
+  return true;
+}
+
+// bf16 <-> float on the host (round to nearest even), without cuda_bf16's host intrinsics.
+inline uint16_t f2bf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return (uint16_t)(u >> 16);
+}
+inline float bf2f(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace hx

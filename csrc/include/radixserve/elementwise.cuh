@@ -1,0 +1,281 @@
+// Fused elementwise kernels around attention: rms_norm, fused_add_rms_norm, rotary_embedding
+// (neox, rotate halves), silu_and_mul. Header-only, no torch. All arithmetic is fp32; inputs
+// and outputs are T in {float, __half, __nv_bfloat16}. Vector paths move 16 bytes per thread
+// access; the host picks them only when every row start is 16-byte aligned.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace radixserve {
+namespace elementwise {
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// N elements of T packed in one 16-byte word.
+template <typename T>
+struct alignas(16) Vec {
+  static constexpr int N = 16 / sizeof(T);
+  T v[N];
+};
+
+template <typename T, int N>
+struct Pack {  // VEC ? 16-byte pack : one element
+  T v[N];
+};
+
+template <typename T, bool VEC>
+struct Access {
+  static constexpr int N = VEC ? 16 / (int)sizeof(T) : 1;
+  __device__ __forceinline__ static void load(const T* p, float (&out)[N]) {
+    if constexpr (VEC) {
+      const Vec<T> w = *reinterpret_cast<const Vec<T>*>(p);
+#pragma unroll
+      for (int i = 0; i < N; ++i) out[i] = to_f(w.v[i]);
+    } else {
+      out[0] = to_f(*p);
+    }
+  }
+  __device__ __forceinline__ static void store(T* p, const float (&in)[N]) {
+    if constexpr (VEC) {
+      Vec<T> w;
+#pragma unroll
+      for (int i = 0; i < N; ++i) w.v[i] = from_f<T>(in[i]);
+      *reinterpret_cast<Vec<T>*>(p) = w;
+    } else {
+      *p = from_f<T>(in[0]);
+    }
+  }
+};
+
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float x, float* red /* [32] shared */) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  float t = lane < THREADS / 32 ? red[lane] : 0.f;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+  __syncthreads();  // red may be reused by the caller
+  return t;
+}
+
+// ----------------------------------------------------------------------------- rms_norm
+//
+// One CTA per token. Pass 1 accumulates sum(x^2) in fp32 (reading 16 bytes per access); pass 2
+// re-reads the row (from L1/L2: the row is at most 64 KB) and writes (x * rsqrt(mean + eps)) * w,
+// the reference's order of operations. fused_add_rms_norm reads x and residual in both passes
+// and writes residual only in pass 2, so the norm uses the fp32 sum (as the reference does),
+// never the rounded residual.
+
+template <typename T, bool VEC, int THREADS, bool FUSED_ADD>
+__global__ void __launch_bounds__(THREADS) rms_norm_kernel(T* out, int64_t out_stride,
+                                                           const T* x, int64_t x_stride,
+                                                           T* residual, int64_t res_stride,
+                                                           const T* __restrict__ weight,
+                                                           int64_t hidden, float eps) {
+  using A = Access<T, VEC>;
+  constexpr int N = A::N;
+  __shared__ float red[32];
+  const int64_t t = blockIdx.x;
+  const T* xr = x + t * x_stride;
+  T* rr = FUSED_ADD ? residual + t * res_stride : nullptr;
+  T* orow = out + t * out_stride;
+  const int64_t chunks = hidden / N;
+  float ss = 0.f;
+  for (int64_t c = threadIdx.x; c < chunks; c += THREADS) {
+    float a[N];
+    A::load(xr + c * N, a);
+    if constexpr (FUSED_ADD) {
+      float r[N];
+      A::load(rr + c * N, r);
+#pragma unroll
+      for (int i = 0; i < N; ++i) a[i] += r[i];
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) ss += a[i] * a[i];
+  }
+  ss = block_sum<THREADS>(ss, red);
+  const float scale = rsqrtf(ss / (float)hidden + eps);
+  for (int64_t c = threadIdx.x; c < chunks; c += THREADS) {
+    float a[N], w[N];
+    A::load(xr + c * N, a);
+    A::load(weight + c * N, w);
+    if constexpr (FUSED_ADD) {
+      float r[N];
+      A::load(rr + c * N, r);
+#pragma unroll
+      for (int i = 0; i < N; ++i) a[i] += r[i];
+      A::store(rr + c * N, a);
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) a[i] = (a[i] * scale) * w[i];
+    A::store(orow + c * N, a);
+  }
+}
+
+struct RmsNormParams {
+  void* out;
+  int64_t out_stride;
+  const void* x;
+  int64_t x_stride;
+  void* residual;  // fused_add only (then out == x)
+  int64_t res_stride;
+  const void* weight;
+  int64_t num_tokens;
+  int64_t hidden;
+  float eps;
+};
+
+template <typename T, bool FUSED_ADD>
+cudaError_t launch_rms_norm(const RmsNormParams& p, bool vec, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  const int64_t chunks = vec ? p.hidden / (16 / (int64_t)sizeof(T)) : p.hidden;
+  const dim3 grid((unsigned)p.num_tokens);
+#define RS_LAUNCH(VEC, THREADS)                                                                   \
+  rms_norm_kernel<T, VEC, THREADS, FUSED_ADD><<<grid, THREADS, 0, stream>>>(                      \
+      static_cast<T*>(p.out), p.out_stride, static_cast<const T*>(p.x), p.x_stride,               \
+      static_cast<T*>(p.residual), p.res_stride, static_cast<const T*>(p.weight), p.hidden, p.eps)
+  if (vec) {
+    if (chunks <= 128) RS_LAUNCH(true, 128);
+    else if (chunks <= 256) RS_LAUNCH(true, 256);
+    else if (chunks <= 512) RS_LAUNCH(true, 512);
+    else RS_LAUNCH(true, 1024);
+  } else {
+    if (chunks <= 256) RS_LAUNCH(false, 256);
+    else RS_LAUNCH(false, 1024);
+  }
+#undef RS_LAUNCH
+  return cudaGetLastError();
+}
+
+// ----------------------------------------------------------------------------- rotary_embedding
+//
+// Neox style over the first rotary_dim dims of each head: with h = rotary_dim / 2,
+//   x1' = x1 cos - x2 sin,  x2' = x2 cos + x1 sin,  x1 = x[:h], x2 = x[h:2h].
+// One CTA per token; a thread owns N consecutive pairs (N = 16 bytes of T on the vector path)
+// of one head and loops over q's heads then k's heads. q/k are addressed through their token and
+// head strides (they may be views into a fused qkv buffer); the last dim must be contiguous.
+
+struct RotaryParams {
+  const int64_t* positions;      // [num_tokens]
+  void* q;                       // [num_tokens, num_q_heads, head_dim] strided
+  void* k;                       // [num_tokens, num_kv_heads, head_dim] strided
+  const float* cos_sin_cache;    // [max_pos, rotary_dim]
+  int64_t num_tokens;
+  int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h;  // elements
+  int num_q_heads, num_kv_heads;
+  int rotary_dim;
+  int64_t max_pos;
+};
+
+template <typename T, bool VEC>
+__global__ void rotary_kernel(RotaryParams p) {
+  using A = Access<T, VEC>;
+  constexpr int N = A::N;
+  const int64_t t = blockIdx.x;
+  int64_t pos = p.positions[t];
+  if (pos < 0 || pos >= p.max_pos) return;  // device-side guard (host cannot check without sync)
+  const int half = p.rotary_dim / 2;
+  const int chunks = half / N;  // per head
+  const float* cs = p.cos_sin_cache + pos * p.rotary_dim;
+  const int total = (p.num_q_heads + p.num_kv_heads) * chunks;
+  for (int w = threadIdx.x; w < total; w += blockDim.x) {
+    const int head = w / chunks, c = w - head * chunks;
+    T* base = head < p.num_q_heads
+                  ? static_cast<T*>(p.q) + t * p.q_stride_t + (int64_t)head * p.q_stride_h
+                  : static_cast<T*>(p.k) + t * p.k_stride_t +
+                        (int64_t)(head - p.num_q_heads) * p.k_stride_h;
+    const int i0 = c * N;
+    float x1[N], x2[N], r1[N], r2[N];
+    A::load(base + i0, x1);
+    A::load(base + half + i0, x2);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float co = cs[i0 + i], si = cs[half + i0 + i];
+      r1[i] = x1[i] * co - x2[i] * si;
+      r2[i] = x2[i] * co + x1[i] * si;
+    }
+    A::store(base + i0, r1);
+    A::store(base + half + i0, r2);
+  }
+}
+
+template <typename T>
+cudaError_t launch_rotary(const RotaryParams& p, bool vec, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  const int n = vec ? 16 / (int)sizeof(T) : 1;
+  const int work = (p.num_q_heads + p.num_kv_heads) * (p.rotary_dim / 2 / n);
+  int threads = 32;
+  while (threads < work && threads < 512) threads *= 2;
+  if (vec)
+    rotary_kernel<T, true><<<(unsigned)p.num_tokens, threads, 0, stream>>>(p);
+  else
+    rotary_kernel<T, false><<<(unsigned)p.num_tokens, threads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// ----------------------------------------------------------------------------- silu_and_mul
+//
+// out[t, i] = silu(x[t, i]) * x[t, d + i]; silu(g) = g / (1 + exp(-g)). A 2-D grid (tokens x
+// column chunks) so both many tokens and one wide token fill the chip.
+
+template <typename T, bool VEC>
+__global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t d) {
+  using A = Access<T, VEC>;
+  constexpr int N = A::N;
+  const int64_t t = blockIdx.y;
+  const T* xr = x + t * 2 * d;
+  T* orow = out + t * d;
+  const int64_t chunks = d / N;
+  for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < chunks;
+       c += (int64_t)gridDim.x * blockDim.x) {
+    float g[N], u[N];
+    A::load(xr + c * N, g);
+    A::load(xr + d + c * N, u);
+#pragma unroll
+    for (int i = 0; i < N; ++i) g[i] = g[i] / (1.f + __expf(-g[i])) * u[i];
+    A::store(orow + c * N, g);
+  }
+}
+
+template <typename T>
+cudaError_t launch_silu_and_mul(void* out, const void* x, int64_t num_tokens, int64_t d, bool vec,
+                                cudaStream_t stream) {
+  if (num_tokens == 0 || d == 0) return cudaSuccess;
+  const int64_t chunks = vec ? d / (16 / (int64_t)sizeof(T)) : d;
+  const int threads = 256;
+  int64_t gx = (chunks + threads - 1) / threads;
+  if (gx > 1024) gx = 1024;
+  int64_t gy = num_tokens;
+  // gridDim.y is limited to 65535: fold extra tokens into launches of at most that many rows.
+  for (int64_t t0 = 0; t0 < gy; t0 += 65535) {
+    const int64_t rows = gy - t0 < 65535 ? gy - t0 : 65535;
+    const dim3 grid((unsigned)gx, (unsigned)rows);
+    T* o = static_cast<T*>(out) + t0 * d;
+    const T* xi = static_cast<const T*>(x) + t0 * 2 * d;
+    if (vec)
+      silu_and_mul_kernel<T, true><<<grid, threads, 0, stream>>>(o, xi, d);
+    else
+      silu_and_mul_kernel<T, false><<<grid, threads, 0, stream>>>(o, xi, d);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace elementwise
+}  // namespace radixserve

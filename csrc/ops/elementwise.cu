@@ -1,0 +1,197 @@
+// rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul: input checks, dtype dispatch,
+// launch on the current stream. Kernels: csrc/include/radixserve/elementwise.cuh.
+#include <string>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "ops/ops.h"
+#include "radixserve/elementwise.cuh"
+
+namespace radixserve {
+namespace {
+
+// Error messages are built without std::ostream: in this extension, inserting an integer into a
+// stream from nvcc-compiled host code crashed (SIGSEGV in basic_ostream::_M_insert<long>, seen on
+// the H200 image with torch 2.11), so numbers go through std::to_string and the message reaches
+// TORCH_CHECK as one const char*.
+inline std::string piece(const char* s) { return s; }
+inline std::string piece(const std::string& s) { return s; }
+inline std::string piece(int64_t v) { return std::to_string(v); }
+inline std::string piece(int v) { return std::to_string(v); }
+inline std::string piece(at::ScalarType t) { return c10::toString(t); }
+inline std::string piece(const at::Device& d) { return d.str(); }
+inline std::string piece(at::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+template <typename... A>
+std::string message(const A&... a) {
+  return (std::string() + ... + piece(a));
+}
+#define RS_CHECK(cond, ...) TORCH_CHECK(cond, message(__VA_ARGS__).c_str())
+
+
+namespace ew = radixserve::elementwise;
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+void check_float_dtype(const at::Tensor& t, const char* name) {
+  const auto d = t.scalar_type();
+  RS_CHECK(d == at::kBFloat16 || d == at::kHalf || d == at::kFloat, name,
+              " must be bf16, fp16 or fp32, got ", d);
+}
+
+void check_on(const at::Tensor& t, const char* name, const at::Tensor& ref) {
+  RS_CHECK(t.is_cuda() && t.device() == ref.device(), name, " must be a CUDA tensor on ",
+              ref.device());
+}
+
+#define RS_DISPATCH(dtype, ...)                                          \
+  [&] {                                                                  \
+    switch (dtype) {                                                     \
+      case at::kBFloat16: { using T = __nv_bfloat16; return __VA_ARGS__(); } \
+      case at::kHalf: { using T = __half; return __VA_ARGS__(); }        \
+      default: { using T = float; return __VA_ARGS__(); }                \
+    }                                                                    \
+  }()
+
+void check_err(cudaError_t err, const char* what) {
+  RS_CHECK(err == cudaSuccess, what, " launch failed: ", cudaGetErrorString(err));
+}
+
+void rms_norm_impl(at::Tensor out, const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight,
+                   double eps) {
+  const int64_t hidden = x.size(1);
+  ew::RmsNormParams p;
+  p.out = out.data_ptr();
+  p.out_stride = out.stride(0);
+  p.x = x.data_ptr();
+  p.x_stride = x.stride(0);
+  p.residual = residual ? residual->data_ptr() : nullptr;
+  p.res_stride = residual ? residual->stride(0) : 0;
+  p.weight = weight.data_ptr();
+  p.num_tokens = x.size(0);
+  p.hidden = hidden;
+  p.eps = static_cast<float>(eps);
+  const int64_t es = x.element_size();
+  bool vec = (hidden * es) % 16 == 0 && (p.out_stride * es) % 16 == 0 && (p.x_stride * es) % 16 == 0 &&
+             aligned16(p.out) && aligned16(p.x) && aligned16(p.weight);
+  if (residual) vec = vec && (p.res_stride * es) % 16 == 0 && aligned16(p.residual);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaError_t err = RS_DISPATCH(x.scalar_type(), [&] {
+    return residual ? ew::launch_rms_norm<T, true>(p, vec, stream)
+                    : ew::launch_rms_norm<T, false>(p, vec, stream);
+  });
+  check_err(err, residual ? "fused_add_rms_norm" : "rms_norm");
+}
+
+void check_norm_inputs(const at::Tensor& x, const at::Tensor& weight) {
+  check_on(x, "x", x);
+  check_on(weight, "weight", x);
+  check_float_dtype(x, "x");
+  RS_CHECK(x.dim() == 2, "x must be [num_tokens, hidden], got ", x.sizes());
+  RS_CHECK(x.stride(1) == 1, "x rows must be contiguous");
+  RS_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "weight must be [hidden=", x.size(1),
+              "], got ", weight.sizes());
+  RS_CHECK(weight.scalar_type() == x.scalar_type(), "weight dtype ", weight.scalar_type(),
+              " must equal x dtype ", x.scalar_type());
+  RS_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  RS_CHECK(x.size(0) < (1LL << 31), "too many tokens");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_inputs(x, weight);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());  // [num_tokens, hidden]
+  if (x.numel() == 0) return out;
+  rms_norm_impl(out, x, nullptr, weight, eps);
+  return out;
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_norm_inputs(x, weight);
+  check_on(residual, "residual", x);
+  RS_CHECK(x.is_contiguous() && residual.is_contiguous(), "x and residual must be contiguous");
+  RS_CHECK(residual.sizes() == x.sizes(), "residual shape ", residual.sizes(), " must equal x shape ",
+              x.sizes());
+  RS_CHECK(residual.scalar_type() == x.scalar_type(), "residual dtype must equal x dtype");
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  rms_norm_impl(x, x, &residual, weight, eps);
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
+                      const at::Tensor& cos_sin_cache) {
+  check_on(q, "q", q);
+  check_on(k, "k", q);
+  check_on(positions, "positions", q);
+  check_on(cos_sin_cache, "cos_sin_cache", q);
+  check_float_dtype(q, "q");
+  RS_CHECK(k.scalar_type() == q.scalar_type(), "k dtype must equal q dtype");
+  RS_CHECK(positions.dim() == 1 && positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "positions must be a contiguous int64 [num_tokens] tensor");
+  const int64_t num_tokens = positions.size(0);
+  RS_CHECK(q.dim() == 3 && k.dim() == 3, "q, k must be [num_tokens, heads, head_dim]");
+  RS_CHECK(q.size(0) == num_tokens && k.size(0) == num_tokens, "q, k must have num_tokens=",
+              num_tokens, " rows");
+  RS_CHECK(q.size(2) == k.size(2), "q and k head_dim differ");
+  RS_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q, k last dim must be contiguous");
+  RS_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.scalar_type() == at::kFloat &&
+                  cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be a contiguous float32 [max_pos, rotary_dim] tensor");
+  const int64_t rotary_dim = cos_sin_cache.size(1);
+  RS_CHECK(rotary_dim % 2 == 0 && rotary_dim >= 2 && rotary_dim <= q.size(2),
+              "rotary_dim must be even and <= head_dim, got ", rotary_dim);
+  RS_CHECK(num_tokens < (1LL << 31), "too many tokens");
+  if (num_tokens == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  ew::RotaryParams p;
+  p.positions = positions.data_ptr<int64_t>();
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.cos_sin_cache = cos_sin_cache.data_ptr<float>();
+  p.num_tokens = num_tokens;
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.k_stride_t = k.stride(0);
+  p.k_stride_h = k.stride(1);
+  p.num_q_heads = static_cast<int>(q.size(1));
+  p.num_kv_heads = static_cast<int>(k.size(1));
+  p.rotary_dim = static_cast<int>(rotary_dim);
+  p.max_pos = cos_sin_cache.size(0);
+  const int64_t es = q.element_size();
+  const int64_t n = 16 / es;
+  const bool vec = (rotary_dim / 2) % n == 0 && p.q_stride_t % n == 0 && p.q_stride_h % n == 0 &&
+                   p.k_stride_t % n == 0 && p.k_stride_h % n == 0 && aligned16(p.q) && aligned16(p.k);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaError_t err = RS_DISPATCH(q.scalar_type(), [&] { return ew::launch_rotary<T>(p, vec, stream); });
+  check_err(err, "rotary_embedding");
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_on(x, "x", x);
+  check_float_dtype(x, "x");
+  RS_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [num_tokens, 2 * inter], got ", x.sizes());
+  RS_CHECK(x.is_contiguous(), "x must be contiguous");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t d = x.size(1) / 2;
+  auto out = at::empty({x.size(0), d}, x.options());  // [num_tokens, inter]
+  if (out.numel() == 0) return out;
+  const int64_t es = x.element_size();
+  const bool vec = (d * es) % 16 == 0 && aligned16(x.data_ptr()) && aligned16(out.data_ptr());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaError_t err = RS_DISPATCH(x.scalar_type(), [&] {
+    return ew::launch_silu_and_mul<T>(out.data_ptr(), x.data_ptr(), x.size(0), d, vec, stream);
+  });
+  check_err(err, "silu_and_mul");
+  return out;
+}
+
+}  // namespace radixserve

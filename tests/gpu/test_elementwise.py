@@ -1,0 +1,96 @@
+"""rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul kernels against the reference."""
+import pytest
+import torch
+
+from _gpu import TOL, requires_kernels
+from radixserve.ops import reference as ref
+
+pytestmark = [pytest.mark.gpu, requires_kernels]
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _close(got, want):
+    atol, rtol = TOL[want.dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 19, 99])
+@pytest.mark.parametrize("hidden", [17, 989, 4096, 16384])
+def test_rms_norm(dtype, num_tokens, hidden):
+    x = torch.randn(num_tokens, hidden, device="cuda").to(dtype) * 3
+    w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+    out = torch.ops.radixserve.rms_norm(x, w, 1e-6)
+    assert out.shape == x.shape and out.dtype == dtype
+    _close(out, ref.rms_norm(x, w, 1e-6))
+
+
+def test_rms_norm_strided_rows():
+    base = torch.randn(19, 3 * 1024, device="cuda", dtype=torch.bfloat16)
+    x = base[:, 1024:2048]  # row stride 3072, contiguous rows
+    w = torch.rand(1024, device="cuda", dtype=torch.bfloat16) + 0.5
+    _close(torch.ops.radixserve.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 19, 99])
+@pytest.mark.parametrize("hidden", [17, 989, 4096, 16384])
+def test_fused_add_rms_norm_mutates_both(dtype, num_tokens, hidden):
+    x = torch.randn(num_tokens, hidden, device="cuda").to(dtype)
+    residual = torch.randn(num_tokens, hidden, device="cuda").to(dtype)
+    w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+    want_x, want_r = x.clone(), residual.clone()
+    ref.fused_add_rms_norm(want_x, want_r, w, 1e-6)
+    torch.ops.radixserve.fused_add_rms_norm(x, residual, w, 1e-6)
+    _close(residual, want_r)
+    _close(x, want_x)
+
+
+def _cos_sin_cache(max_pos, rotary_dim, base=10000.0):
+    inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], -1).float().cuda()  # [max_pos, rotary_dim]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 17, 99])
+@pytest.mark.parametrize("hq,hk,head_dim,rotary_dim", [(32, 8, 128, 128), (8, 1, 64, 64), (4, 4, 128, 64),
+                                                       (6, 2, 10, 6)])
+def test_rotary_on_fused_qkv_views(dtype, num_tokens, hq, hk, head_dim, rotary_dim):
+    qkv = torch.randn(num_tokens, (hq + 2 * hk) * head_dim, device="cuda").to(dtype)
+    q = qkv[:, :hq * head_dim].view(num_tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hk) * head_dim].view(num_tokens, hk, head_dim)
+    v_before = qkv[:, (hq + hk) * head_dim:].clone()
+    cache = _cos_sin_cache(4097, rotary_dim)
+    positions = torch.randint(0, 4097, (num_tokens,), device="cuda")
+    want_q, want_k = q.clone(), k.clone()
+    ref.rotary_embedding(positions, want_q, want_k, cache)
+    torch.ops.radixserve.rotary_embedding(positions, q, k, cache)
+    _close(q, want_q)
+    _close(k, want_k)
+    assert torch.equal(qkv[:, (hq + hk) * head_dim:], v_before), "v was touched"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 19, 99])
+@pytest.mark.parametrize("inter", [17, 989, 14336])
+def test_silu_and_mul(dtype, num_tokens, inter):
+    x = (torch.randn(num_tokens, 2 * inter, device="cuda") * 4).to(dtype)
+    out = torch.ops.radixserve.silu_and_mul(x)
+    assert out.shape == (num_tokens, inter)
+    _close(out, ref.silu_and_mul(x))
+
+
+def test_rejects_bad_inputs():
+    x = torch.randn(4, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.radixserve.rms_norm(x, torch.ones(63, device="cuda"), 1e-6)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.radixserve.rms_norm(x, torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="2 \\* inter"):
+        torch.ops.radixserve.silu_and_mul(torch.randn(4, 63, device="cuda"))
+    q = torch.randn(4, 2, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.radixserve.rotary_embedding(torch.zeros(4, device="cuda", dtype=torch.int32), q, q.clone(),
+                                              _cos_sin_cache(10, 64))

@@ -1,0 +1,193 @@
+"""bitmask_sample kernel: greedy rows, logprobs, masks, determinism, and the sampled distribution
+(many draws of one row, distinct offsets) against reference.filtered_probs."""
+import math
+
+import pytest
+import torch
+
+from _gpu import requires_kernels
+from radixserve.ops import reference as ref
+
+pytestmark = [pytest.mark.gpu, requires_kernels]
+
+
+def _sample(logits, bitmask, temperature, top_k, top_p, min_p, seeds, offsets):
+    return torch.ops.radixserve.bitmask_sample(logits, bitmask, temperature, top_k, top_p, min_p,
+                                               seeds, offsets)
+
+
+def _params(batch, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234):
+    dev = "cuda"
+    return dict(
+        temperature=torch.full((batch,), temperature, device=dev, dtype=torch.float32),
+        top_k=torch.full((batch,), top_k, device=dev, dtype=torch.int32),
+        top_p=torch.full((batch,), top_p, device=dev, dtype=torch.float32),
+        min_p=torch.full((batch,), min_p, device=dev, dtype=torch.float32),
+        seeds=torch.full((batch,), seed, device=dev, dtype=torch.int64),
+        offsets=torch.arange(batch, device=dev, dtype=torch.int64),
+    )
+
+
+def _random_mask(batch, vocab, keep=0.6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(batch, vocab, generator=g) < keep
+    words = (vocab + 31) // 32
+    padded = torch.zeros(batch, words * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    bits = (padded.view(batch, words, 32) << torch.arange(32)).sum(-1)
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    return bits.cuda(), allowed.cuda()
+
+
+def _distinct_logits(vocab, dtype, seed, num_top=256):
+    """Low bulk plus num_top distinct, exactly representable top values: no ties at any
+    threshold, so the kernel's tie-breaking (by token id) cannot differ from torch.sort's."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(vocab, generator=g) * 0.5 - 6.0
+    pos = torch.randperm(vocab, generator=g)[:num_top]
+    x[pos] = torch.arange(num_top, dtype=torch.float32) / 32.0  # 8 significant bits: exact in bf16
+    return x.to(dtype).cuda()
+
+
+def _tv_check(ids, probs, label):
+    n = ids.numel()
+    freq = torch.bincount(ids, minlength=probs.numel()).double() / n
+    p = probs.double().cpu()
+    freq = freq.cpu()
+    outside = (freq > 0) & (p == 0)
+    assert not outside.any(), f"{label}: sampled tokens outside the kept set: {outside.nonzero()[:5].flatten().tolist()}"
+    tv = 0.5 * (freq - p).abs().sum().item()
+    expected = 0.5 * torch.sqrt(2 * p * (1 - p) / (math.pi * n)).sum().item()
+    assert tv <= 1.5 * expected + 0.005, f"{label}: TV {tv:.4f} vs expected {expected:.4f}"
+    return tv
+
+
+CASES = [
+    # name, dtype, vocab, temperature, top_k, top_p, min_p
+    ("topk50_topp0.9", torch.float32, 32000, 1.0, 50, 0.9, 0.0),
+    ("topk20_bf16_oddvocab", torch.bfloat16, 50257, 0.8, 20, 1.0, 0.0),
+    ("topk1000_minp", torch.float32, 4097, 1.3, 1000, 1.0, 0.01),
+    ("topp0.8_stream", torch.float32, 8192, 0.7, 0, 0.8, 0.0),
+    ("topp0.9_bf16_stream", torch.bfloat16, 989, 1.0, 0, 0.9, 0.0),
+    ("minp0.05_stream", torch.float32, 17, 1.5, 0, 1.0, 0.05),
+    ("plain_stream", torch.float32, 4097, 1.0, 0, 1.0, 0.0),
+    ("topk2000_topp_stream", torch.float32, 8191, 2.0, 2000, 0.95, 0.0),
+]
+
+
+@pytest.mark.parametrize("name,dtype,vocab,temperature,top_k,top_p,min_p", CASES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_distribution_matches_filtered_probs(name, dtype, vocab, temperature, top_k, top_p, min_p, masked):
+    draws = 1 << 16
+    row = _distinct_logits(vocab, dtype, seed=vocab + top_k, num_top=min(256, vocab))
+    if masked:
+        bits, allowed = _random_mask(1, vocab, keep=0.6, seed=vocab)
+        bits_e = bits.expand(draws, -1)
+    else:
+        bits, allowed, bits_e = None, torch.ones(1, vocab, dtype=torch.bool, device="cuda"), None
+    logits = row[None, :].expand(draws, vocab)  # row stride 0: one row, 2^16 draws
+    prm = _params(draws, temperature, top_k, top_p, min_p)
+    ids, logprobs = _sample(logits, bits_e, **prm)
+    assert ids.dtype == torch.int64 and logprobs.dtype == torch.float32
+    assert allowed[0, ids].all(), "a masked token was sampled"
+    want_lp = torch.log_softmax(row.float(), -1)[ids]
+    torch.testing.assert_close(logprobs, want_lp, atol=1e-4, rtol=1e-5)
+    probs = ref.filtered_probs(row[None], bits, prm["temperature"][:1], prm["top_k"][:1],
+                               prm["top_p"][:1], prm["min_p"][:1])[0]
+    _tv_check(ids, probs, name)
+    ids2, _ = _sample(logits, bits_e, **prm)
+    assert torch.equal(ids, ids2), "same (seed, offset) must give the same draw"
+    prm["seeds"] += 1
+    ids3, _ = _sample(logits, bits_e, **prm)
+    assert not torch.equal(ids, ids3) or probs.max() > 0.999, "a new seed should change the draws"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,vocab", [(1, 128256), (19, 32000), (99, 989), (19, 17)])
+def test_mixed_batch_greedy_and_sampled_rows(dtype, batch, vocab):
+    g = torch.Generator(device="cuda").manual_seed(batch * vocab)
+    logits = (torch.randn(batch, vocab, device="cuda", generator=g) * 3).to(dtype)
+    bits, allowed = _random_mask(batch, vocab, keep=0.5, seed=batch)
+    # mask the raw argmax of every row so a correct kernel must look past it
+    top = logits.float().argmax(-1)
+    for b in range(batch):
+        t = int(top[b])
+        allowed[b, t] = False
+        bits[b, t // 32] &= ~(1 << (t % 32)) if (t % 32) != 31 else 0x7FFFFFFF
+    gen = torch.Generator().manual_seed(7)
+    temperature = torch.where(torch.rand(batch, generator=gen) < 0.4, 0.0,
+                              0.3 + torch.rand(batch, generator=gen)).cuda()
+    top_k = torch.randint(-1, 100, (batch,), generator=gen, dtype=torch.int32).cuda()
+    top_p = torch.where(torch.rand(batch, generator=gen) < 0.5, 1.0,
+                        0.5 + 0.5 * torch.rand(batch, generator=gen)).cuda()
+    min_p = torch.where(torch.rand(batch, generator=gen) < 0.7, 0.0,
+                        0.2 * torch.rand(batch, generator=gen)).cuda()
+    seeds = torch.randint(0, 2**62, (batch,), generator=gen).cuda()
+    offsets = torch.randint(0, 1000, (batch,), generator=gen).cuda()
+    ids, logprobs = _sample(logits, bits, temperature, top_k, top_p, min_p, seeds, offsets)
+    assert allowed.gather(1, ids[:, None]).all(), "a masked token was returned"
+    raw = torch.log_softmax(logits.float(), -1)
+    torch.testing.assert_close(logprobs, raw.gather(1, ids[:, None])[:, 0], atol=1e-4, rtol=1e-5)
+    masked_logits = ref.apply_bitmask(logits.float(), bits)
+    greedy = temperature == 0
+    assert torch.equal(ids[greedy], masked_logits.argmax(-1)[greedy])
+    sampled = ~greedy
+    if sampled.any():
+        probs = ref.filtered_probs(logits[sampled], bits[sampled], temperature[sampled], top_k[sampled],
+                                   top_p[sampled], min_p[sampled])
+        # kept set up to ties (bf16 logits tie often; the kernel breaks ties by token id, the
+        # reference by torch.sort's order): the id's logit is >= the smallest kept logit
+        x = masked_logits[sampled]
+        thr = torch.where(probs > 0, x, torch.full_like(x, float("inf"))).min(-1).values
+        assert (x.gather(1, ids[sampled][:, None])[:, 0] >= thr).all(), "id outside the kept set"
+
+
+def test_unmasked_rows_without_bitmask_and_extreme_params():
+    vocab = 5000
+    logits = torch.randn(4, vocab, device="cuda") * 2
+    prm = _params(4, temperature=1.0)
+    prm["top_k"] = torch.tensor([1, vocab, vocab + 10, -5], device="cuda", dtype=torch.int32)
+    prm["top_p"] = torch.tensor([1.0, 1e-6, 1.0, 1.0], device="cuda")
+    ids, _ = _sample(logits, None, **prm)
+    am = logits.argmax(-1)
+    assert ids[0] == am[0], "top_k=1 must be greedy"
+    assert ids[1] == am[1], "a tiny top_p keeps only the first token"
+    assert ((ids >= 0) & (ids < vocab)).all()
+
+
+def test_all_masked_row_returns_zero():
+    logits = torch.randn(2, 100, device="cuda")
+    bits = torch.zeros(2, 4, device="cuda", dtype=torch.int32)
+    prm = _params(2, temperature=1.0, top_k=5)
+    prm["temperature"][1] = 0.0
+    ids, logprobs = _sample(logits, bits, **prm)
+    assert ids.tolist() == [0, 0]
+    assert torch.isfinite(logprobs).all()
+
+
+def test_rejects_bad_inputs():
+    logits = torch.randn(2, 100, device="cuda")
+    prm = _params(2)
+    with pytest.raises(RuntimeError, match="bitmask"):
+        _sample(logits, torch.zeros(2, 3, device="cuda", dtype=torch.int32), **prm)
+    bad = dict(prm, top_k=prm["top_k"].long())
+    with pytest.raises(RuntimeError, match="top_k"):
+        _sample(logits, None, **bad)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        _sample(logits.half(), None, **prm)
+
+
+def test_no_host_sync_under_graph_capture():
+    batch, vocab = 8, 32000
+    logits = torch.randn(batch, vocab, device="cuda")
+    bits, _ = _random_mask(batch, vocab)
+    prm = _params(batch, temperature=1.0, top_k=50, top_p=0.9)
+    _sample(logits, bits, **prm)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _sample(logits, bits, **prm)
+    graph.replay()
+    ids_eager, _ = _sample(logits, bits, **prm)
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], ids_eager)
