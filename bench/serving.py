@@ -413,7 +413,7 @@ class LaunchedServer:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -497,7 +497,7 @@ def parse_args(argv=None):
     p.add_argument("--gsp-prompts-per-group", type=int, default=8)
     p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
     p.add_argument("--gsp-question-len", type=int, default=16)
-    p.add_argument("--gsp-output-len", type=int, default=8)
+    p.add_argument("--gsp-output-len", type=int, default=4)
     p.add_argument("--gsp-order", choices=["interleaved", "grouped", "shuffled"], default="interleaved")
     p.add_argument("--mt-turns", type=int, default=4)
     p.add_argument("--mt-first-len", type=int, default=256)
