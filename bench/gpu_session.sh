@@ -12,6 +12,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD/pysrc:${PYTHONPATH:-}
 export RADIXSERVE_CACHE_DIR=/tmp/rscache
+GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 for stage in "$@"; do
   echo "=== stage $stage" | tee -a "$OUT/log.txt"
   case $stage in
@@ -30,13 +31,23 @@ for stage in "$@"; do
         sha256sum /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a "$OUT/log.txt"
       fi ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.txt" | tail -40 ;;
+      python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15 ;;
     kernels)
       python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -60
       cp bench/results/kernels-h200.json "$OUT/" 2>/dev/null ;;
     model)
-      RADIXSERVE_GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
-        python3 -m pytest -q -p no:cacheprovider -m slow tests/gpu 2>&1 | tee "$OUT/gpu_model.txt" | tail -40 ;;
+      RADIXSERVE_TEST_GGUF=$GGUF python3 -m pytest -q -s -p no:cacheprovider -m slow tests/gpu \
+        2>&1 | tee "$OUT/gpu_model.txt" | tail -15 ;;
+    offline)
+      python3 bench/offline.py --device cuda --num-prompts 64 --input-len 256 --output-len 256 \
+        --model-path "$GGUF" --out "$OUT/offline-h200.json" 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
+    serve)
+      python3 -m radixserve.launch_server --model-path "$GGUF" --port 30123 > "$OUT/serve.txt" 2>&1 &
+      for i in $(seq 120); do curl -sf localhost:30123/health >/dev/null && break; sleep 1; done
+      curl -s localhost:30123/v1/chat/completions -H 'content-type: application/json' -d \
+        '{"messages":[{"role":"user","content":"What is the capital of France?"}],"temperature":0,"max_tokens":24}' \
+        | tee "$OUT/serve_reply.json"; echo
+      kill %1; sleep 1; tail -5 "$OUT/serve.txt" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -55,7 +55,9 @@ def run_hf(args, prompts, model_path):
     from transformers import AutoModelForCausalLM
 
     device = torch.device(args.device)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+    # the engine's dtype on each device: float32 on the CPU, bfloat16 on CUDA
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     pad = 0
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
