@@ -1,7 +1,8 @@
-"""`radixserve serve | convert`: the command line.
+"""`radixserve serve | convert | bench`: the command line.
 
     radixserve serve [--model-path DIR] [every ServerArgs flag]   (no model: the default model)
     radixserve convert --gguf FILE --out DIR                       (GGUF -> HF-style directory)
+    radixserve bench [ARGS...]      (bench/serving.py of a source checkout: the load generator)
 
 `python -m radixserve` is this CLI; `python -m radixserve.launch_server [flags]` is `serve`.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import runpy
 import sys
 from typing import List, Optional
 
@@ -55,6 +58,24 @@ def run_convert(ns: argparse.Namespace) -> int:
     return 0
 
 
+def bench_script() -> Optional[str]:
+    """bench/serving.py next to pysrc/ in a source checkout (or editable install); else None."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "bench", "serving.py")
+    return path if os.path.isfile(path) else None
+
+
+def run_bench(argv: List[str]) -> int:
+    script = bench_script()
+    if script is None:
+        print("radixserve: error: bench needs a source checkout (bench/serving.py was not found "
+              "next to the package); run it from the repository", file=sys.stderr)
+        return 2
+    sys.argv = [script] + list(argv)
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,10 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="convert a GGUF file into an HF-style model directory")
     convert.add_argument("--gguf", required=True, help="path of the .gguf file")
     convert.add_argument("--out", required=True, help="output directory")
+    sub.add_parser("bench", help="run the serving load generator (bench/serving.py; --help for "
+                   "its flags)", add_help=False)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return run_bench(argv[1:])
     ns = build_parser().parse_args(argv)
     if ns.command == "serve":
         return run_serve(ns)

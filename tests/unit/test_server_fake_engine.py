@@ -38,7 +38,8 @@ class FakeTokenizer:
 
 class FakeEngine:
     """Emits REPLY (rotated by the seed) one byte-token per step; honours max_new_tokens,
-    stop strings and logprobs; 'BOOM' in the prompt raises after the first output; 'HANG'
+    stop strings and logprobs; 'BOOM' in the prompt raises after the first output; 'ABORTME'
+    makes the engine abort the request at its second token; 'HANG'
     makes every step sleep 10 ms."""
 
     def __init__(self):
@@ -73,7 +74,7 @@ class FakeEngine:
         return {"num_running_reqs": len(self.running)}
 
     def metrics(self):
-        return {"prompt_tokens_total": 12, "num_running_reqs": len(self.running), "note": "x"}
+        return {"prompt_tokens": 12, "num_running_reqs": len(self.running), "note": "x"}
 
     def is_healthy(self):
         return True
@@ -107,6 +108,8 @@ class FakeEngine:
                         delta = "" if not sp.no_stop_trim else ch
                 if reason is None and step >= limit:
                     reason = {"type": "length", "matched": None}
+                if b"ABORTME" in prompt and step == 2:
+                    reason = {"type": "abort", "matched": None, "message": "the KV pool is full"}
                 lp = (-0.25 * step, tid, ch if req.return_text_in_logprobs else None)
                 out = GenerateOutput(
                     rid=req.rid, text_delta=delta, output_ids_delta=[tid], finished=reason is not None,
@@ -323,6 +326,17 @@ def test_engine_exception_is_500_and_server_keeps_serving(client, engine):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Pa"
 
 
+def test_engine_abort_is_503_for_openai_and_passed_on_natively(client):
+    body = {"messages": [{"role": "user", "content": "ABORTME"}]}
+    err = err_of(client.post("/v1/chat/completions", json=body), 503)
+    assert "aborted" in err["message"] and "KV pool is full" in err["message"]
+    events = sse_events(client.post("/v1/chat/completions", json={**body, "stream": True}))
+    assert events[-1]["error"]["code"] == 503
+    err_of(client.post("/v1/completions", json={"prompt": "ABORTME"}), 503)
+    out = client.post("/generate", json={"text": "ABORTME", "sampling_params": {"max_new_tokens": 5}}).json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["text"] == "Pa"
+
+
 # --------------------------------------------------------------------------- completions
 
 def test_completions_batch_and_n(client, engine):
@@ -473,3 +487,27 @@ def test_client_disconnect_aborts_requests(engine, path, body):
     assert sorted(engine.aborted) == sorted(r.rid for r in engine.seen)
     body_bytes = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert b"[DONE]" not in body_bytes
+
+
+# --------------------------------------------------------------------------- CLI
+
+def test_cli_rejects_bad_flags_with_a_message(capsys):
+    from radixserve import cli, launch_server
+    assert cli.main(["serve", "--page-size", "0"]) == 2
+    assert "--page-size must be >= 1" in capsys.readouterr().err
+    assert launch_server.main(["--schedule-policy", "random"]) == 2
+    assert "--schedule-policy" in capsys.readouterr().err
+    assert cli.main(["serve", "--log-level", "loud"]) == 2
+    assert "--log-level" in capsys.readouterr().err
+
+
+def test_cli_serve_takes_every_server_arg():
+    import dataclasses
+    from radixserve import cli
+    ns = cli.build_parser().parse_args(["serve", "--model-path", "/m", "--port", "1234",
+                                        "--disable-radix-cache", "--max-total-tokens", "99"])
+    args = ServerArgs.from_cli_args(ns)
+    assert (args.model_path, args.port, args.disable_radix_cache, args.max_total_tokens) == ("/m", 1234, True, 99)
+    launch_ns = cli.serve_parser().parse_args([])
+    assert {f.name for f in dataclasses.fields(ServerArgs)} <= set(vars(launch_ns))
+    assert cli.bench_script() is not None and cli.bench_script().endswith("bench/serving.py")

@@ -141,20 +141,33 @@ async def abort_request(request: Request, engine) -> Response:
 
 # --------------------------------------------------------------------------- /metrics
 
-_METRIC_HELP = {
-    "prompt_tokens_total": "Prompt tokens received",
-    "cached_tokens_total": "Prompt tokens served from the radix cache",
-    "generation_tokens_total": "Tokens generated",
-    "requests_total": "Requests finished",
+# engine.metrics() keys that are monotonically increasing counts (exposed as <key>_total);
+# every other numeric key is a gauge.
+_COUNTERS = {
+    "prompt_tokens": "Prompt tokens received",
+    "cached_tokens": "Prompt tokens served from the prefix cache",
+    "generation_tokens": "Tokens generated",
+    "num_requests": "Requests received",
+    "num_finished_requests": "Requests finished",
+    "num_aborted_requests": "Requests aborted",
+    "num_prefill_steps": "Prefill steps run",
+    "num_decode_steps": "Decode steps run",
+    "num_retractions": "Running requests retracted to the queue for lack of KV slots",
+}
+_GAUGE_HELP = {
     "num_running_reqs": "Requests running",
-    "num_queue_reqs": "Requests waiting",
-    "token_usage": "Fraction of KV slots in use",
+    "num_waiting_reqs": "Requests waiting",
+    "token_usage": "Fraction of KV slots held by requests",
+    "num_used_tokens": "KV slots held by requests",
+    "max_total_tokens": "KV slots in the pool",
+    "evictable_tokens": "KV slots held only by the prefix cache (evictable)",
 }
 
 
 class EngineCollector:
-    """Reads engine.metrics() at scrape time: keys ending in `_total` become counters, other
-    numeric keys gauges, all named `radixserve:<key>` with a model_name label."""
+    """Reads engine.metrics() at scrape time: the counter keys (and keys ending in `_total`)
+    become counters `radixserve:<key>_total`, other numeric keys gauges `radixserve:<key>`,
+    each with a model_name label."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -165,9 +178,12 @@ class EngineCollector:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             name = "radixserve:" + re.sub(r"[^a-zA-Z0-9_:]", "_", key)
-            doc = _METRIC_HELP.get(key, key.replace("_", " "))
-            family = (CounterMetricFamily if key.endswith("_total") else GaugeMetricFamily)(
-                name, doc, labels=["model_name"])
+            if key in _COUNTERS or key.endswith("_total"):
+                family = CounterMetricFamily(name, _COUNTERS.get(key, key.replace("_", " ")),
+                                             labels=["model_name"])
+            else:
+                family = GaugeMetricFamily(name, _GAUGE_HELP.get(key, key.replace("_", " ")),
+                                           labels=["model_name"])
             family.add_metric([model], float(value))
             yield family
 

@@ -49,6 +49,13 @@ async def _stream_errors_as_events(events: AsyncIterator[bytes]) -> AsyncIterato
     yield DONE_EVENT
 
 
+def _raise_if_aborted(results: Sequence[P.SeqResult]) -> None:
+    for r in results:
+        err = P.abort_error(r.finish_reason)
+        if err is not None:
+            raise err
+
+
 # --------------------------------------------------------------------------- chat
 
 async def chat_completions(request: Request, engine) -> Response:
@@ -77,6 +84,7 @@ async def chat_completions(request: Request, engine) -> Response:
         await collect(engine, reqs, results, request.receive)
     except ClientDisconnected:
         return Response(status_code=499)
+    _raise_if_aborted(results)
     return JSONResponse(P.chat_response(rid, created, model, results, req.n, req.logprobs,
                                         req.top_logprobs, engine.tokenizer.token_text))
 
@@ -90,6 +98,7 @@ async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRe
                                         usage_null=usage_null))
     async for i, out in merge_generations(engine, reqs):
         results[i].feed(out)
+        _raise_if_aborted([results[i]])
         logprobs = None
         if req.logprobs and out.output_token_logprobs_delta:
             logprobs = P.chat_logprobs(out.output_token_logprobs_delta, out.output_top_logprobs_delta,
@@ -139,6 +148,7 @@ async def completions(request: Request, engine) -> Response:
         await collect(engine, reqs, results, request.receive)
     except ClientDisconnected:
         return Response(status_code=499)
+    _raise_if_aborted(results)
     choices = [P.completion_choice(r, seq_echo[r.index], req.logprobs, tok.token_text) for r in results]
     return JSONResponse(P.completion_response(rid, created, model, choices, results, req.n))
 
@@ -154,6 +164,7 @@ async def _completion_events(engine, rid: str, created: int, model: str, req: P.
     async for i, out in merge_generations(engine, reqs):
         r = results[i]
         r.feed(out)
+        _raise_if_aborted([r])
         text = out.text_delta
         entries, tops = list(out.output_token_logprobs_delta), list(out.output_top_logprobs_delta)
         if not started[i]:

@@ -481,9 +481,18 @@ class SeqResult:
 
 
 def finish_reason_str(reason: Optional[Dict[str, Any]]) -> Optional[str]:
-    """OpenAI's finish_reason: "stop" (EOS or a stop string/token), "length", or "abort" (the
-    server aborted the request; SGLang reports it the same way)."""
+    """OpenAI's finish_reason: "stop" (EOS or a stop string/token) or "length". (The OpenAI
+    routes turn an engine abort into an error, see `abort_error`; native routes pass it on.)"""
     return None if reason is None else reason.get("type")
+
+
+def abort_error(reason: Optional[Dict[str, Any]]) -> Optional[ApiError]:
+    """An engine abort ({"type": "abort", "message": ...}: the pool cannot hold the request,
+    the server is shutting down, /abort_request) as the 503 an OpenAI client receives; None for
+    any other finish."""
+    if reason is None or reason.get("type") != "abort":
+        return None
+    return ApiError(f"the request was aborted by the server: {reason.get('message') or 'aborted'}", 503)
 
 
 def matched_stop(reason: Optional[Dict[str, Any]]) -> Any:
