@@ -118,8 +118,8 @@ class AsyncEngine:
                 sched.process_batch_result(batch, out)
                 # let HTTP handlers and consumers run between steps
                 await asyncio.sleep(0)
-            # shutdown: let the aborts queued above reach their consumers
-            sched.schedule()
+            # shutdown: finish the requests marked for abort above, so their consumers end
+            sched.handle_aborts()
         except BaseException as e:
             self._loop_error = e
             logger.exception("the scheduling loop stopped")

@@ -157,7 +157,7 @@ class Scheduler:
 
     def schedule(self) -> Optional[ScheduleBatch]:
         """Pick this step's batch, allocate its slots and build its StepInput. Loop thread."""
-        self._handle_aborts()
+        self.handle_aborts()
         batch = None
         if not (self._last_was_prefill and self.running):
             batch = self._prefill_batch()
@@ -490,7 +490,8 @@ class Scheduler:
     def _abort_reason(self, req: Req) -> Dict[str, Any]:
         return {"type": "abort", "matched": None, "message": req.abort_message or "aborted"}
 
-    def _handle_aborts(self) -> None:
+    def handle_aborts(self) -> None:
+        """Finish every request marked for abort (between steps only)."""
         for req in [r for r in self.running if r.to_abort]:
             self._finish(req, self._abort_reason(req))
         if self.chunked_req is not None and self.chunked_req.to_abort:
