@@ -24,6 +24,7 @@ released Mistral checkpoints). Longer contexts would differ from HF.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
 
@@ -211,9 +212,24 @@ class ParallelLMHead(VocabParallelEmbedding):
         return lm_head_logits(self, hidden)
 
 
+@functools.lru_cache(maxsize=None)
+def _mm_fp32_out_ok() -> bool:
+    """Whether this torch has mm(..., out_dtype=float32) for half inputs on CUDA (2.8+)."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
+
+
 def lm_head_logits(head: VocabParallelEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [n, hidden] -> logits [n, vocab] float32 from a (possibly tied) vocab-parallel head."""
-    local = F.linear(hidden, head.weight)                          # [n, rows_per_rank]
+    if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and _mm_fp32_out_ok():
+        # fp32 output straight from the GEMM's fp32 accumulators: rounding logits to bf16
+        # (a step of 0.125 at |logit| >= 16) would flip near-tied greedy choices
+        local = torch.mm(hidden, head.weight.t(), out_dtype=torch.float32)   # [n, rows_per_rank]
+    else:
+        local = F.linear(hidden, head.weight)                      # [n, rows_per_rank]
     full = tp_all_gather_last_dim(local, head.tp_size)             # [n, rows_per_rank * tp]
     return full[:, :head.num_embeddings].float()
 

@@ -18,8 +18,16 @@ from radixserve.ops import reference as ref
 from radixserve.ops._ext import kernels_available
 
 
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def _use_kernel(t: torch.Tensor) -> bool:
     return t.is_cuda and kernels_available()
+
+
+def _use_attention_kernel(q: torch.Tensor) -> bool:
+    """The attention kernels are bf16/fp16 (tensor cores); float32 runs the reference."""
+    return q.dtype in _HALF_DTYPES and _use_kernel(q)
 
 
 class SampleOutput(NamedTuple):
@@ -73,8 +81,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_indptr:[batch + 1] int32, kv_indices: [nnz] int32 (as build_kv_indices makes them);
               every request has at least one KV token (its own)
     returns   [batch, num_q_heads, head_dim], dtype of q: softmax(q k^T * sm_scale) v
+    The kernel takes bf16/fp16; float32 runs the torch reference on any device.
     """
-    if _use_kernel(q):
+    if _use_attention_kernel(q):
         return torch.ops.radixserve.paged_decode_attention(q, k_cache, v_cache, kv_indptr,
                                                            kv_indices, sm_scale)
     return ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale)
@@ -91,8 +100,9 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                with store_kv); extend_len_b = qo_len_b <= kv_len_b
     Query i of request b sits at position kv_len_b - qo_len_b + i and attends KV positions <= it.
     returns    [num_q_tokens, num_q_heads, head_dim], dtype of q
+    The kernel takes bf16/fp16; float32 runs the torch reference on any device.
     """
-    if _use_kernel(q):
+    if _use_attention_kernel(q):
         return torch.ops.radixserve.paged_extend_attention(q, k_cache, v_cache, qo_indptr,
                                                            kv_indptr, kv_indices, sm_scale)
     return ref.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
