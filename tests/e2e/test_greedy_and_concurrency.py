@@ -1,0 +1,139 @@
+"""Greedy output over HTTP equals HF transformers' greedy on the same GGUF (8 prompts x 48
+tokens), and 32 concurrent streams of different lengths each equal their greedy run alone while
+/health keeps answering within 100 ms."""
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 48
+PLAIN_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "1, 2, 3, 4, 5,",
+]
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three colors.",
+]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(hf_gguf_tokenizer):
+    """8 prompts as token ids: 4 plain texts and 4 chat-templated questions."""
+    tok = hf_gguf_tokenizer
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PLAIN_PROMPTS]
+    for q in CHAT_PROMPTS:
+        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=False)
+        ids.append(tok(text, add_special_tokens=False)["input_ids"])
+    return ids
+
+
+@torch.no_grad()
+def _hf_greedy(model, ids, num_tokens):
+    """argmax decoding for exactly num_tokens steps (EOS does not stop it), with HF's KV cache.
+    One torch thread: the server process shares the CPU cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = model(torch.tensor([ids]), use_cache=True)
+        next_id = int(out.logits[0, -1].argmax())
+        result = [next_id]
+        for _ in range(num_tokens - 1):
+            out = model(torch.tensor([[next_id]]), cache=out.cache, use_cache=True)
+            next_id = int(out.logits[0, -1].argmax())
+            result.append(next_id)
+        return result
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hf_refs(hf_gguf_model, prompt_ids):
+    """HF transformers' greedy continuation of each prompt, each run alone (batch of one)."""
+    return [_hf_greedy(hf_gguf_model, ids, MAX_NEW) for ids in prompt_ids]
+
+
+def _greedy_params(n):
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+
+
+def test_greedy_matches_hf_transformers(http, prompt_ids, hf_refs):
+    r = http.post("/generate", json={"input_ids": prompt_ids, "sampling_params": _greedy_params(MAX_NEW)})
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert len(outs) == len(prompt_ids)
+    for i, (out, ref) in enumerate(zip(outs, hf_refs)):
+        assert out["meta_info"]["completion_tokens"] == MAX_NEW
+        assert out["output_ids"] == ref, f"prompt {i}: server {out['output_ids']} != HF {ref}"
+
+
+async def _stream_generate(client, ids, num_tokens):
+    """Stream /generate; return (output ids of the last chunk, number of chunks)."""
+    last, chunks = None, 0
+    async with client.stream("POST", "/generate", json={
+            "input_ids": ids, "stream": True, "sampling_params": _greedy_params(num_tokens)}) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                break
+            last = json.loads(data)
+            assert "error" not in last, last
+            chunks += 1
+    return last, chunks
+
+
+async def _poll_health(url, stop: asyncio.Event, latencies):
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            r = await client.get("/health")
+            latencies.append(time.monotonic() - t0)
+            assert r.status_code == 200
+            await asyncio.sleep(0.05)
+
+
+def test_32_concurrent_streams_equal_greedy_alone_and_health_stays_fast(server, http, prompt_ids, hf_refs):
+    lengths = [8 + i for i in range(31)] + [40]                        # 8..40 tokens
+    jobs = [(prompt_ids[i % len(prompt_ids)], hf_refs[i % len(prompt_ids)], n)
+            for i, n in enumerate(lengths)]
+
+    async def scenario():
+        stop = asyncio.Event()
+        latencies = []
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
+            poller = asyncio.ensure_future(_poll_health(server.url, stop, latencies))
+            await asyncio.sleep(0.2)
+            try:
+                results = await asyncio.gather(*[_stream_generate(client, ids, n) for ids, _, n in jobs])
+            finally:
+                stop.set()
+                await poller
+        return results, latencies
+
+    results, latencies = asyncio.run(scenario())
+    for (ids, ref, n), (last, chunks) in zip(jobs, results):
+        assert last["meta_info"]["finish_reason"]["type"] == "length"
+        assert last["output_ids"] == ref[:n]              # == HF's greedy run alone
+        assert chunks >= 2                                 # it streamed, not one final blob
+    # and equal to the server's own greedy run alone, for the two shortest
+    for (ids, _, n), (last, _) in list(zip(jobs, results))[:2]:
+        alone = http.post("/generate", json={"input_ids": ids, "sampling_params": _greedy_params(n)}).json()
+        assert alone["output_ids"] == last["output_ids"]
+    assert len(latencies) >= 5
+    assert max(latencies) < 0.1, f"/health took {max(latencies) * 1000:.0f} ms while 32 streams ran"
+    server.wait_idle()
+    assert server.metric("num_used_tokens") == 0
