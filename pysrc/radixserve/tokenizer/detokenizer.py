@@ -31,10 +31,10 @@ class IncrementalDetokenizer:
     After a stop string matched, push() returns empty results and flush() returns "".
     """
 
-    def __init__(self, tokenizer, stop_strs: Sequence[str] = (), no_stop_trim: bool = False,
+    def __init__(self, tokenizer, stop_strs: Optional[Sequence[str]] = (), no_stop_trim: bool = False,
                  skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self._tokenizer = tokenizer
-        self._stops: List[str] = [s for s in stop_strs if s]
+        self._stops: List[str] = [s for s in (stop_strs or ()) if s]
         self._no_stop_trim = no_stop_trim
         self._skip_special = skip_special_tokens
         self._spaces_between_special = spaces_between_special_tokens
@@ -112,7 +112,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """End of output: the held-back text (a cut character decodes as U+FFFD, a partial stop
-        string is released as text). "" after a stop string matched."""
+        string is released as text). "" after a stop string matched. If the released text
+        completes a stop string, the text is cut there and self.stop_matched is set."""
         if self.finished:
             return ""
         result = self._release(self._decode_new(final=True), final=True)
