@@ -53,8 +53,11 @@ def _padded_kv(k_cache, v_cache, kv_indptr, kv_indices):
     pos = torch.arange(max_len, device=k_cache.device)
     valid = pos[None, :] < lens[:, None]                                       # [batch, max_len]
     flat = (kv_indptr[:-1].long()[:, None] + pos[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
-    slots = torch.where(valid, kv_indices.long()[flat], torch.zeros_like(flat))
-    return k_cache[slots].float(), v_cache[slots].float(), valid, lens
+    slots = torch.where(valid, kv_indices.long()[flat], torch.zeros_like(flat)).flatten()
+    shape = (batch, max_len) + tuple(k_cache.shape[1:])
+    k = k_cache.index_select(0, slots).view(shape).float()
+    v = v_cache.index_select(0, slots).view(shape).float()
+    return k, v, valid, lens
 
 
 def _gqa_expand(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
@@ -67,16 +70,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                            sm_scale: float) -> torch.Tensor:
     # q: [batch, num_q_heads, head_dim] -> out: [batch, num_q_heads, head_dim]
-    batch, num_q_heads, _ = q.shape
+    batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return torch.empty_like(q)
-    k, v, valid, _ = _padded_kv(k_cache, v_cache, kv_indptr, kv_indices)
-    k, v = _gqa_expand(k, num_q_heads), _gqa_expand(v, num_q_heads)         # [b, hq, len, d]
-    scores = torch.einsum("bhd,bhld->bhl", q.float(), k) * sm_scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    k, v, valid, _ = _padded_kv(k_cache, v_cache, kv_indptr, kv_indices)     # [b, len, hkv, d]
+    num_kv_heads = k.shape[2]
+    group = num_q_heads // num_kv_heads
+    # GQA without expanding K/V: the q heads of one kv head form a [group, d] block
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)                  # [b, hkv, g, d]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * sm_scale               # [b, hkv, g, len]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhl,bhld->bhd", probs, v)
-    return out.to(q.dtype)
+    out = torch.matmul(probs, v.transpose(1, 2))                               # [b, hkv, g, d]
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
