@@ -163,5 +163,8 @@ def test_bf16_teacher_forcing_matches_cpu_fp32(model_path, prompts_ids, cpu_gree
     print(f"bf16 teacher forcing, kernels: top-1 agreement {agree}/{total} = {agree / total:.4f}, "
           f"max |logit diff| {worst:.3f}; torch references: {c_agree}/{c_total} = "
           f"{c_agree / c_total:.4f}, max |logit diff| {c_worst:.3f}")
-    assert agree / total >= 0.99
+    # our kernels lose at most half a percent of agreement against the same bf16 model on the
+    # torch references (a kernel bug shows up as far more), then the acceptance bar itself
+    assert agree / total >= c_agree / c_total - 0.005
     assert worst <= BF16_LOGIT_ATOL
+    assert agree / total >= 0.99
