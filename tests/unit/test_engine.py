@@ -116,7 +116,9 @@ def test_early_close_aborts_and_frees_slots(smol_engine, default_tokenizer):
     async def cancel_task():      # a cancelled consumer (client gone) aborts too
         task = asyncio.ensure_future(collect(ae, make_input(ids, max_new_tokens=200,
                                                             temperature=0.0, ignore_eos=True)))
-        await asyncio.sleep(0.3)
+        while not sched.reqs:          # cancel only once the request is in the engine
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

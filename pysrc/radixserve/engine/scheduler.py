@@ -140,7 +140,8 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req is not None)
+        """Any live request (waiting, in the step in flight, decoding, or mid-chunk)."""
+        return bool(self.reqs)
 
     @property
     def num_running(self) -> int:
