@@ -18,8 +18,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_indices: torch.Tensor) -> None:
     # k_cache, v_cache: [num_slots, num_kv_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
     idx = slot_indices.long()
-    k_cache[idx] = k.to(k_cache.dtype)
-    v_cache[idx] = v.to(v_cache.dtype)
+    k_cache.index_copy_(0, idx, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, idx, v.to(v_cache.dtype))
 
 
 def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -74,15 +74,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0:
         return torch.empty_like(q)
     k, v, valid, _ = _padded_kv(k_cache, v_cache, kv_indptr, kv_indices)     # [b, len, hkv, d]
-    num_kv_heads = k.shape[2]
-    group = num_q_heads // num_kv_heads
-    # GQA without expanding K/V: the q heads of one kv head form a [group, d] block
-    qg = q.float().view(batch, num_kv_heads, group, head_dim)                  # [b, hkv, g, d]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * sm_scale               # [b, hkv, g, len]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.transpose(1, 2))                               # [b, hkv, g, d]
-    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+    # one fused softmax(q k^T) v over the padded batch; GQA without expanding K/V
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :],                                              # [b, hq, 1, d]
+        k.transpose(1, 2), v.transpose(1, 2),                                  # [b, hkv, len, d]
+        attn_mask=valid[:, None, None, :], scale=sm_scale, enable_gqa=True)    # [b, hq, 1, d]
+    return out[:, :, 0, :].to(q.dtype)
 
 
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
