@@ -25,10 +25,32 @@ def _cutlass_include():
     return path if os.path.isdir(path) else None
 
 
+def _nvidia_wheel_includes():
+    """Headers of the CUDA libraries torch's CUDA build pulls in as wheels (nvidia/cu13/include
+    holds cusparse.h, cublas_v2.h, ...): a minimal toolkit (nvcc + cudart) lacks them, and torch's
+    ATen/cuda headers include them. Searched after every -I directory (-isystem)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    found = []
+    for root in spec.submodule_search_locations:
+        for sub in sorted(os.listdir(root)):
+            inc = os.path.join(root, sub, "include")
+            if os.path.isfile(os.path.join(inc, "cusparse.h")):
+                found.append(inc)
+    return found
+
+
 def _want_cuda():
     flag = os.environ.get("RADIXSERVE_CUDA")
     if flag == "0":
         return False
+    # torch derives CUDA_HOME from `which nvcc` when unset; a /usr/local/bin/nvcc shim would make
+    # that /usr/local. Point it at the toolkit before torch.utils.cpp_extension is imported.
+    if "CUDA_HOME" not in os.environ and os.path.isfile("/usr/local/cuda/bin/nvcc"):
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"
     try:
         import torch
         from torch.utils import cpp_extension
@@ -48,12 +70,14 @@ def _extensions():
         return [], {}
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
-    os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
     include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")]
     cutlass = _cutlass_include()
     if cutlass:
         include_dirs.append(cutlass)
+    system_includes = []
+    for inc in _nvidia_wheel_includes():
+        system_includes += ["-isystem", inc]
     archs = os.environ.get("RADIXSERVE_CUDA_ARCHS", "90a;80").split(";")
     gencode = []
     for a in archs:
@@ -64,10 +88,10 @@ def _extensions():
         sources=sources,
         include_dirs=include_dirs,
         extra_compile_args={
-            "cxx": ["-O3"],
+            "cxx": ["-O3"] + system_includes,
             "nvcc": ["-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda",
                      "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-                     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-lineinfo"] + gencode,
+                     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-lineinfo"] + gencode + system_includes,
         },
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
