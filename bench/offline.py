@@ -18,6 +18,7 @@ import random
 import sys
 import time
 
+import radixserve  # noqa: F401  (before torch: sets the process's OpenMP wait policy, for both sides)
 import torch
 
 
