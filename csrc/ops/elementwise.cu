@@ -8,33 +8,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "ops/check.h"
 #include "ops/ops.h"
 #include "radixserve/elementwise.cuh"
 
 namespace radixserve {
 namespace {
-
-// Error messages are built without std::ostream: in this extension, inserting an integer into a
-// stream from nvcc-compiled host code crashed (SIGSEGV in basic_ostream::_M_insert<long>, seen on
-// the H200 image with torch 2.11), so numbers go through std::to_string and the message reaches
-// TORCH_CHECK as one const char*.
-inline std::string piece(const char* s) { return s; }
-inline std::string piece(const std::string& s) { return s; }
-inline std::string piece(int64_t v) { return std::to_string(v); }
-inline std::string piece(int v) { return std::to_string(v); }
-inline std::string piece(at::ScalarType t) { return c10::toString(t); }
-inline std::string piece(const at::Device& d) { return d.str(); }
-inline std::string piece(at::IntArrayRef a) {
-  std::string s = "[";
-  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
-  return s + "]";
-}
-template <typename... A>
-std::string message(const A&... a) {
-  return (std::string() + ... + piece(a));
-}
-#define RS_CHECK(cond, ...) TORCH_CHECK(cond, message(__VA_ARGS__).c_str())
-
 
 namespace ew = radixserve::elementwise;
 
