@@ -58,11 +58,11 @@ def prompts_ids(model_path):
     return [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def cpu_greedy(model_path, prompts_ids):
+def _greedy(model_path, prompts_ids, device: str):
+    """Greedy output ids of the offline Engine on device (float32), one list per prompt."""
     import radixserve
 
-    eng = radixserve.Engine(model_path=model_path, device="cpu", dtype="float32")
+    eng = radixserve.Engine(model_path=model_path, device=device, dtype="float32")
     try:
         outs = eng.generate(input_ids=prompts_ids,
                             sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0,
@@ -72,19 +72,16 @@ def cpu_greedy(model_path, prompts_ids):
     return [o["output_ids"] for o in outs]
 
 
-def test_fp32_cuda_greedy_equals_cpu(model_path, prompts_ids, cpu_greedy):
-    import radixserve
+@pytest.fixture(scope="module")
+def cpu_greedy(model_path, prompts_ids):
+    return _greedy(model_path, prompts_ids, "cpu")
 
-    eng = radixserve.Engine(model_path=model_path, device="cuda", dtype="float32")
-    try:
-        outs = eng.generate(input_ids=prompts_ids,
-                            sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0,
-                                             "ignore_eos": True})
-    finally:
-        eng.shutdown()
-    for i, (o, ref) in enumerate(zip(outs, cpu_greedy)):
+
+def test_fp32_cuda_greedy_equals_cpu(model_path, prompts_ids, cpu_greedy):
+    outs = _greedy(model_path, prompts_ids, "cuda")
+    for i, (out, ref) in enumerate(zip(outs, cpu_greedy)):
         assert len(ref) == MAX_NEW
-        assert o["output_ids"] == ref, f"prompt {i} diverged"
+        assert out == ref, f"prompt {i} diverged"
 
 
 class _Runner:
