@@ -1,0 +1,340 @@
+// Standalone check of the attention kernels (csrc/include/radixserve/{decode,extend}_attention.cuh)
+// against a double-precision CPU reference:
+//   paged decode: one query per request over its paged KV, unsplit and split along the sequence;
+//   paged extend: a chunk of new queries per request over its cached prefix plus the chunk,
+//                 causal among the chunk.
+// bf16 and fp16, head_dim 64 and 128, GQA groups 1 and 4, variable lengths (1 token up to a few
+// hundred, crossing the kernels' tile sizes), KV slots scattered through a larger pool, q as a
+// strided view of a fused qkv buffer (group 4), outputs poisoned with NaN and followed by a
+// guard region that must stay untouched. Tolerances are tests/gpu/test_attention.py's.
+//
+// Launch: the headers hold the kernels and their parameter structs but no launch function;
+// csrc/ops/attention.cu launches them inline, next to torch. launch_decode / launch_extend below
+// repeat that launch (split count, grid, block, dynamic shared memory, template dispatch) and are
+// the only code here that names kernel internals; everything else goes through DecodeParams /
+// ExtendParams. When the headers gain launch functions, call those here and in ops/attention.cu.
+#include <algorithm>
+#include <numeric>
+#include <type_traits>
+#include <utility>
+
+#include "harness.h"
+#include "radixserve/decode_attention.cuh"
+#include "radixserve/extend_attention.cuh"
+
+using namespace radixserve;
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr uint16_t kPoison = 0xFFFF;  // a NaN in bf16 and in fp16
+
+// ----------------------------------------------------------------------------- dtypes
+
+struct Bf16 {
+  using Device = __nv_bfloat16;
+  static constexpr const char* kName = "bf16";
+  static constexpr double kRelTol = 1e-2, kAbsTol = 3e-2;  // relative Frobenius, max abs
+  static uint16_t from_float(float x) { return hx::f2bf(x); }
+  static float to_float(uint16_t b) { return hx::bf2f(b); }
+};
+
+struct Fp16 {
+  using Device = __half;
+  static constexpr const char* kName = "fp16";
+  static constexpr double kRelTol = 2e-3, kAbsTol = 5e-3;
+  static uint16_t from_float(float x) { return hx::f2h(x); }
+  static float to_float(uint16_t b) { return hx::h2f(b); }
+};
+
+// ----------------------------------------------------------------------------- launches
+// Both repeat csrc/ops/attention.cu; keep them in step with it.
+
+// ops/attention.cu's split count: about four waves of CTAs (~3 resident per SM), never shorter
+// than ~256 tokens per split on average, at most 64. Only host-known shapes enter.
+int decode_num_splits(int64_t batch, int hkv, int num_sub, int64_t nnz, int sms) {
+  const int64_t base_ctas = batch * hkv * num_sub;
+  const int64_t avg_len = std::max<int64_t>(1, nnz / batch);
+  int64_t splits = (4 * 4 * (int64_t)sms + base_ctas - 1) / base_ctas;
+  splits = std::min<int64_t>(splits, (avg_len + 255) / 256);
+  return (int)std::max<int64_t>(1, std::min<int64_t>(splits, 64));
+}
+
+// q heads per CTA: exact for groups 1-4, padded up to 8 above (ops/attention.cu)
+int decode_group_max(int group) { return group <= 4 ? group : 8; }
+
+// p.num_splits > 1 needs p.part_o [batch, num_q_heads, num_splits, D] and p.part_lse
+// [batch, num_q_heads, num_splits] (float). Only the groups this harness runs are instantiated.
+template <typename T, int D>
+cudaError_t launch_decode(const attn::DecodeParams& p, int batch, cudaStream_t stream) {
+  const dim3 grid((unsigned)(p.num_splits * p.num_sub), (unsigned)p.num_kv_heads, (unsigned)batch);
+  auto launch = [&](auto gm) -> cudaError_t {
+    constexpr int G = decltype(gm)::value;
+    constexpr int smem = attn::kDecodeSmemBytes;
+    cudaError_t err;
+    if (p.num_splits > 1) {
+      auto kernel = attn::paged_decode_kernel<T, D, G, true>;
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return err;
+      kernel<<<grid, attn::kDecodeThreads, smem, stream>>>(p);
+      if ((err = cudaGetLastError()) != cudaSuccess) return err;
+      attn::decode_merge_kernel<T, D><<<(unsigned)(batch * p.num_q_heads), 128, 0, stream>>>(
+          p.part_o, p.part_lse, static_cast<T*>(p.out), p.num_splits);
+    } else {
+      auto kernel = attn::paged_decode_kernel<T, D, G, false>;
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return err;
+      kernel<<<grid, attn::kDecodeThreads, smem, stream>>>(p);
+    }
+    return cudaGetLastError();
+  };
+  switch (decode_group_max(p.group)) {
+    case 1: return launch(std::integral_constant<int, 1>{});
+    case 4: return launch(std::integral_constant<int, 4>{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_extend(const attn::ExtendParams& p, int64_t num_q_tokens, cudaStream_t stream) {
+  constexpr int smem = attn::extend_smem_bytes<D>();
+  auto kernel = attn::paged_extend_kernel<T, D>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  // upper bound of sum_b ceil(qo_len_b / BM), from host-known shapes only
+  const int64_t tiles = (num_q_tokens + attn::kExtendBlockM - 1) / attn::kExtendBlockM + p.batch;
+  const dim3 grid((unsigned)tiles, (unsigned)p.num_q_heads);
+  kernel<<<grid, attn::kExtendThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// ----------------------------------------------------------------------------- problems
+
+// One batch: request b has qo_len[b] new queries at KV positions prefix_len[b] ..
+// prefix_len[b] + qo_len[b] - 1, kv_len[b] = prefix_len[b] + qo_len[b]. Decode is qo_len = 1.
+template <typename H>
+struct Problem {
+  int hq = 0, hkv = 0, d = 0, num_slots = 0;
+  int64_t q_stride_t = 0;  // elements between consecutive query tokens (> hq * d: fused qkv)
+  std::vector<int32_t> qo_indptr, kv_indptr, kv_indices;  // [batch + 1], [batch + 1], [nnz]
+  std::vector<uint16_t> q;     // [num_q, q_stride_t], the q heads first: H's bits
+  std::vector<uint16_t> k, v;  // [num_slots, hkv, d]
+  int batch() const { return (int)qo_indptr.size() - 1; }
+  int num_q() const { return qo_indptr.back(); }
+};
+
+template <typename H>
+Problem<H> make_problem(int hq, int hkv, int d, const std::vector<int>& qo_lens,
+                        const std::vector<int>& prefix_lens, bool strided_q, std::mt19937& rng) {
+  Problem<H> pr;
+  pr.hq = hq;
+  pr.hkv = hkv;
+  pr.d = d;
+  pr.q_stride_t = (int64_t)(strided_q ? hq + 2 * hkv : hq) * d;
+  const int batch = (int)qo_lens.size();
+  pr.qo_indptr.assign(batch + 1, 0);
+  pr.kv_indptr.assign(batch + 1, 0);
+  for (int b = 0; b < batch; ++b) {
+    pr.qo_indptr[b + 1] = pr.qo_indptr[b] + qo_lens[b];
+    pr.kv_indptr[b + 1] = pr.kv_indptr[b] + prefix_lens[b] + qo_lens[b];
+  }
+  const int nnz = pr.kv_indptr[batch];
+  pr.num_slots = nnz + nnz / 3 + 97;
+  std::vector<int32_t> perm(pr.num_slots);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  pr.kv_indices.assign(perm.begin(), perm.begin() + nnz);
+  std::normal_distribution<float> N(0.f, 1.f);
+  pr.q.resize((size_t)pr.num_q() * pr.q_stride_t);
+  pr.k.resize((size_t)pr.num_slots * hkv * d);
+  pr.v.resize(pr.k.size());
+  for (auto* t : {&pr.q, &pr.k, &pr.v})
+    for (auto& x : *t) x = H::from_float(N(rng));
+  return pr;
+}
+
+// out[t][h][:] = sum over allowed kv positions j of softmax_j(q_t,h . k_j * scale) v_j, where
+// query i of request b sits at kv position prefix_len + i and sees positions <= it.
+template <typename H>
+std::vector<double> reference(const Problem<H>& pr, double scale) {
+  const int hq = pr.hq, d = pr.d, group = pr.hq / pr.hkv;
+  auto widen = [](const std::vector<uint16_t>& x) {
+    std::vector<double> r(x.size());
+    for (size_t i = 0; i < x.size(); ++i) r[i] = H::to_float(x[i]);
+    return r;
+  };
+  const std::vector<double> q = widen(pr.q), k = widen(pr.k), v = widen(pr.v);
+  std::vector<double> out((size_t)pr.num_q() * hq * d, 0.0);
+  std::vector<double> s;
+  for (int b = 0; b < pr.batch(); ++b) {
+    const int qo_len = pr.qo_indptr[b + 1] - pr.qo_indptr[b];
+    const int kv_len = pr.kv_indptr[b + 1] - pr.kv_indptr[b];
+    for (int i = 0; i < qo_len; ++i) {
+      const int t = pr.qo_indptr[b] + i;
+      const int last = kv_len - qo_len + i;
+      s.assign(last + 1, 0.0);
+      for (int h = 0; h < hq; ++h) {
+        const int kh = h / group;
+        const double* qv = &q[(size_t)t * pr.q_stride_t + (size_t)h * d];
+        double mx = -INFINITY;
+        for (int j = 0; j <= last; ++j) {
+          const size_t row = ((size_t)pr.kv_indices[pr.kv_indptr[b] + j] * pr.hkv + kh) * d;
+          double a = 0;
+          for (int e = 0; e < d; ++e) a += qv[e] * k[row + e];
+          s[j] = a * scale;
+          mx = std::max(mx, s[j]);
+        }
+        double den = 0;
+        for (int j = 0; j <= last; ++j) den += (s[j] = std::exp(s[j] - mx));
+        double* o = &out[((size_t)t * hq + h) * d];
+        for (int j = 0; j <= last; ++j) {
+          const size_t row = ((size_t)pr.kv_indices[pr.kv_indptr[b] + j] * pr.hkv + kh) * d;
+          const double w = s[j] / den;
+          for (int e = 0; e < d; ++e) o[e] += w * v[row + e];
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// got: [ref.size() + guard] bits of H; the first ref.size() against ref, the guard untouched.
+template <typename H>
+void expect_close(const std::vector<uint16_t>& got, const std::vector<double>& ref, const char* what) {
+  double num = 0, den = 0, max_abs = 0, max_ref = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double g = H::to_float(got[i]);
+    HX_EXPECT(std::isfinite(g), "%s: out[%zu] = %g (unwritten or NaN)", what, i, g);
+    num += (g - ref[i]) * (g - ref[i]);
+    den += ref[i] * ref[i];
+    max_abs = std::max(max_abs, std::fabs(g - ref[i]));
+    max_ref = std::max(max_ref, std::fabs(ref[i]));
+  }
+  for (size_t i = ref.size(); i < got.size(); ++i)
+    HX_EXPECT(got[i] == kPoison, "%s: wrote past the output (element %zu)", what, i);
+  const double rel = std::sqrt(num / den);
+  std::printf("  %-52s rel %.2e  max abs %.2e\n", what, rel, max_abs);
+  HX_EXPECT(rel < H::kRelTol, "%s: relative error %.3e >= %.1e", what, rel, H::kRelTol);
+  HX_EXPECT(max_abs < H::kAbsTol * std::max(1.0, max_ref), "%s: max abs error %.3e", what, max_abs);
+}
+
+constexpr int kGuard = 4096;  // poisoned elements after each output
+
+template <typename H, int D>
+void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
+  using T = typename H::Device;
+  // crossing the kernel's per-step token counts (32 or 64) and the 256-token split unit
+  const std::vector<int> kv_lens = {1, 17, 64, 129, 300, 2, 77, 513};
+  const int batch = (int)kv_lens.size();
+  std::vector<int> prefix(batch);
+  for (int b = 0; b < batch; ++b) prefix[b] = kv_lens[b] - 1;
+  const auto pr = make_problem<H>(hq, hkv, D, std::vector<int>(batch, 1), prefix, strided_q, rng);
+  const double scale = 1.0 / std::sqrt((double)D);
+  const auto ref = reference(pr, scale);
+
+  hx::DeviceBuffer<uint16_t> dq(pr.q), dk(pr.k), dv(pr.v), dout(ref.size() + kGuard);
+  hx::DeviceBuffer<int32_t> dindptr(pr.kv_indptr), dindices(pr.kv_indices);
+  const int group = hq / hkv, gmax = decode_group_max(group);
+  const int num_sub = (group + gmax - 1) / gmax;
+  const int heuristic = decode_num_splits(batch, hkv, num_sub, (int64_t)pr.kv_indices.size(), sms);
+  // ops' choice (1 at these sizes), then 5 (the 1- and 2-token requests get empty splits) and
+  // 64 (the cap: splits of a few tokens)
+  std::vector<int> split_counts = {heuristic};
+  for (int s : {1, 5, 64})
+    if (s != heuristic) split_counts.push_back(s);
+  for (int splits : split_counts) {
+    hx::DeviceBuffer<float> part_o((size_t)batch * hq * splits * D), part_lse((size_t)batch * hq * splits);
+    part_o.poison(0xFF);
+    part_lse.poison(0xFF);
+    dout.poison(0xFF);
+    attn::DecodeParams p{};
+    p.q = dq.ptr;
+    p.k = dk.ptr;
+    p.v = dv.ptr;
+    p.out = dout.ptr;
+    p.part_o = splits > 1 ? part_o.ptr : nullptr;
+    p.part_lse = splits > 1 ? part_lse.ptr : nullptr;
+    p.kv_indptr = dindptr.ptr;
+    p.kv_indices = dindices.ptr;
+    p.q_stride_b = pr.q_stride_t;
+    p.q_stride_h = D;
+    p.kv_stride_slot = (int64_t)hkv * D;
+    p.kv_stride_h = D;
+    p.num_q_heads = hq;
+    p.num_kv_heads = hkv;
+    p.group = group;
+    p.num_sub = num_sub;
+    p.num_splits = splits;
+    p.scale_log2 = (float)scale * kLog2e;
+    HX_CHECK((launch_decode<T, D>(p, batch, nullptr)));
+    HX_CHECK(cudaDeviceSynchronize());
+    char what[128];
+    std::snprintf(what, sizeof what, "decode %s d%d hq%d/hkv%d%s splits=%d%s", H::kName, D, hq, hkv,
+                  strided_q ? " strided-q" : "", splits, splits == heuristic ? " (ops' choice)" : "");
+    expect_close<H>(dout.download(), ref, what);
+  }
+}
+
+template <typename H, int D>
+void check_extend(int hq, int hkv, bool strided_q, std::mt19937& rng) {
+  using T = typename H::Device;
+  // new tokens per request and the cached prefix before them: one token with and without a
+  // prefix, chunks longer than a 128-row query tile, prefixes off the 64-row KV tile
+  const std::vector<int> qo_lens = {1, 17, 130, 3, 64, 40, 1, 129};
+  const std::vector<int> prefix_lens = {0, 40, 7, 255, 0, 1, 300, 64};
+  const auto pr = make_problem<H>(hq, hkv, D, qo_lens, prefix_lens, strided_q, rng);
+  const double scale = 1.0 / std::sqrt((double)D);
+  const auto ref = reference(pr, scale);
+
+  hx::DeviceBuffer<uint16_t> dq(pr.q), dk(pr.k), dv(pr.v), dout(ref.size() + kGuard);
+  hx::DeviceBuffer<int32_t> dqo(pr.qo_indptr), dkv(pr.kv_indptr), dindices(pr.kv_indices);
+  dout.poison(0xFF);
+  attn::ExtendParams p{};
+  p.q = dq.ptr;
+  p.k = dk.ptr;
+  p.v = dv.ptr;
+  p.out = dout.ptr;
+  p.qo_indptr = dqo.ptr;
+  p.kv_indptr = dkv.ptr;
+  p.kv_indices = dindices.ptr;
+  p.q_stride_t = pr.q_stride_t;
+  p.q_stride_h = D;
+  p.kv_stride_slot = (int64_t)hkv * D;
+  p.kv_stride_h = D;
+  p.batch = pr.batch();
+  p.num_q_heads = hq;
+  p.group = hq / hkv;
+  p.scale_log2 = (float)scale * kLog2e;
+  HX_CHECK((launch_extend<T, D>(p, pr.num_q(), nullptr)));
+  HX_CHECK(cudaDeviceSynchronize());
+  char what[128];
+  std::snprintf(what, sizeof what, "extend %s d%d hq%d/hkv%d%s", H::kName, D, hq, hkv,
+                strided_q ? " strided-q" : "");
+  expect_close<H>(dout.download(), ref, what);
+}
+
+template <typename H, int D>
+void check_family(int sms, std::mt19937& rng) {
+  // group 1 with contiguous q; group 4 with q a view of a fused qkv buffer
+  for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{8, 2}}) {
+    const bool strided_q = hq != hkv;
+    check_decode<H, D>(hq, hkv, strided_q, sms, rng);
+    check_extend<H, D>(hq, hkv, strided_q, rng);
+  }
+}
+
+}  // namespace
+
+int main() {
+  if (!hx::have_gpu()) return 0;
+  int dev = 0, sms = 0;
+  HX_CHECK(cudaGetDevice(&dev));
+  HX_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  std::mt19937 rng(1234);
+  check_family<Bf16, 64>(sms, rng);
+  check_family<Bf16, 128>(sms, rng);
+  check_family<Fp16, 64>(sms, rng);
+  check_family<Fp16, 128>(sms, rng);
+  std::printf("test_attention: OK\n");
+  return 0;
+}
