@@ -97,9 +97,19 @@ def bench_extend(results: dict) -> None:
     kv_indptr = torch.tensor([0, seq], dtype=torch.int32, device="cuda")
     kv_indices = torch.arange(1, seq + 1, dtype=torch.int32, device="cuda")
     scale = 1.0 / math.sqrt(d)
-    t_ours = _time_ms(lambda: ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr,
-                                                         kv_indices, scale))
-    results["extend_attention_tflops"] = flops / (t_ours * 1e-3) / 1e12
+
+    def ours():
+        return ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
+                                          scale)
+
+    results["extend_attention_kernel"] = torch.ops.radixserve.extend_attention_kernel(q)
+    results["extend_attention_tflops"] = flops / (_time_ms(ours) * 1e-3) / 1e12
+    # the portable mma.sync kernel (what an sm_80 build runs), same inputs
+    os.environ["RADIXSERVE_EXTEND_KERNEL"] = "mma"
+    try:
+        results["extend_attention_mma_sm80_tflops"] = flops / (_time_ms(ours) * 1e-3) / 1e12
+    finally:
+        del os.environ["RADIXSERVE_EXTEND_KERNEL"]
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -13,6 +13,7 @@ TORCH_LIBRARY(radixserve, m) {
         "Tensor kv_indices, float sm_scale) -> Tensor");
   m.def("paged_extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor qo_indptr, "
         "Tensor kv_indptr, Tensor kv_indices, float sm_scale) -> Tensor");
+  m.def("extend_attention_kernel(Tensor q) -> str");
   m.def("bitmask_sample(Tensor logits, Tensor? bitmask, Tensor temperature, Tensor top_k, "
         "Tensor top_p, Tensor min_p, Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -26,6 +27,7 @@ TORCH_LIBRARY_IMPL(radixserve, CUDA, m) {
   m.impl("build_kv_indices", &radixserve::build_kv_indices);
   m.impl("paged_decode_attention", &radixserve::paged_decode_attention);
   m.impl("paged_extend_attention", &radixserve::paged_extend_attention);
+  m.impl("extend_attention_kernel", &radixserve::extend_attention_kernel);
   m.impl("bitmask_sample", &radixserve::bitmask_sample);
   m.impl("rms_norm", &radixserve::rms_norm);
   m.impl("fused_add_rms_norm", &radixserve::fused_add_rms_norm);

@@ -2,6 +2,7 @@
 // launch on the current stream. Kernels live in include/radixserve/{decode,extend}_attention.cuh;
 // contracts in pysrc/radixserve/ops/__init__.py.
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -12,6 +13,7 @@
 #include "ops/ops.h"
 #include "radixserve/decode_attention.cuh"
 #include "radixserve/extend_attention.cuh"
+#include "radixserve/extend_attention_sm90.cuh"
 
 namespace radixserve {
 namespace {
@@ -70,6 +72,23 @@ void dispatch_dtype_dim(at::ScalarType st, int64_t d, F&& f) {
     if (d == 64) f(__half{}, std::integral_constant<int, 64>{});
     else f(__half{}, std::integral_constant<int, 128>{});
   }
+}
+
+// The wgmma kernel runs where the device is a Hopper (9.0) and the extension carries an
+// sm_90a binary of it; anywhere else (an sm_80 build, other GPUs) the mma.sync kernel runs.
+// RADIXSERVE_EXTEND_KERNEL=mma forces the mma.sync kernel (for comparisons).
+template <typename K>
+bool use_wgmma_kernel(K kernel) {
+  const char* forced = std::getenv("RADIXSERVE_EXTEND_KERNEL");
+  if (forced != nullptr && std::string(forced) == "mma") return false;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  if (prop->major != 9 || prop->minor != 0) return false;
+  cudaFuncAttributes attr;
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();  // no image for this device: clear the error, fall back
+    return false;
+  }
+  return attr.binaryVersion == 90;
 }
 
 }  // namespace
@@ -219,14 +238,36 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    constexpr int smem = attn::extend_smem_bytes<D>();
-    auto kernel = attn::paged_extend_kernel<T, D>;
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<grid, attn::kExtendThreads, smem, stream>>>(p);
+    static_assert(attn::sm90::kBM == attn::kExtendBlockM, "both kernels share the tile grid");
+    if (use_wgmma_kernel(attn::sm90::paged_extend_kernel<T, D>)) {
+      constexpr int smem = attn::sm90::extend_smem_bytes<D>();
+      auto kernel = attn::sm90::paged_extend_kernel<T, D>;
+      C10_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      kernel<<<grid, attn::sm90::kThreads, smem, stream>>>(p);
+    } else {
+      constexpr int smem = attn::extend_smem_bytes<D>();
+      auto kernel = attn::paged_extend_kernel<T, D>;
+      C10_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      kernel<<<grid, attn::kExtendThreads, smem, stream>>>(p);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
+}
+
+std::string extend_attention_kernel(const at::Tensor& q) {
+  TORCH_CHECK(q.is_cuda() && q.dim() == 3, "q must be a 3-D CUDA tensor");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "q must be bfloat16 or float16");
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "head_dim must be 64 or 128");
+  const c10::cuda::CUDAGuard guard(q.device());
+  bool wgmma = false;
+  dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
+    wgmma = use_wgmma_kernel(attn::sm90::paged_extend_kernel<decltype(tag), decltype(dim)::value>);
+  });
+  return wgmma ? "wgmma_sm90" : "mma_sm80";
 }
 
 }  // namespace radixserve

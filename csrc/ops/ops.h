@@ -4,6 +4,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -24,6 +25,9 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& v_cache, const at::Tensor& qo_indptr,
                                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                                   double sm_scale);
+// which kernel paged_extend_attention runs for q's dtype / head_dim on q's device:
+// "wgmma_sm90" or "mma_sm80"
+std::string extend_attention_kernel(const at::Tensor& q);
 
 // sampling.cu
 std::tuple<at::Tensor, at::Tensor> bitmask_sample(

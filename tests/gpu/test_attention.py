@@ -178,6 +178,17 @@ def test_decode_cuda_graph():
 # ----------------------------------------------------------------------------- extend
 
 
+@pytest.fixture(params=["auto", "mma"])
+def extend_kernel(request, monkeypatch):
+    """Each extend test runs twice: with the kernel the extension picks for this device (wgmma on
+    an H100/H200 with an sm_90a build) and with the mma.sync kernel forced (the sm_80 path)."""
+    if request.param == "mma":
+        monkeypatch.setenv("RADIXSERVE_EXTEND_KERNEL", "mma")
+    else:
+        monkeypatch.delenv("RADIXSERVE_EXTEND_KERNEL", raising=False)
+    return request.param
+
+
 def _extend_case(case: str, gen: torch.Generator):
     """(qo_lens, prefix_lens)"""
     if case == "q989_p0":
@@ -218,18 +229,18 @@ def _run_extend(dtype, head_dim, hq, hkv, qo_lens, prefix_lens, seed):
 @pytest.mark.parametrize("gqa", GQA, ids=lambda g: f"hq{g[0]}_hkv{g[1]}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_extend(dtype, head_dim, gqa, case):
+def test_extend(dtype, head_dim, gqa, case, extend_kernel):
     gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{case}{head_dim}{gqa}".encode()))
     qo_lens, prefix_lens = _extend_case(case, gen)
     _run_extend(dtype, head_dim, gqa[0], gqa[1], qo_lens, prefix_lens, seed=head_dim + len(qo_lens))
 
 
-def test_extend_long_prefill():
+def test_extend_long_prefill(extend_kernel):
     # one 4097-token prefill (tiles of 128 rows, last tile 1 row) plus a request with prefix
     _run_extend(torch.bfloat16, 128, 8, 2, [4097, 500], [0, 3000], seed=9)
 
 
-def test_extend_large_slot_offsets():
+def test_extend_large_slot_offsets(extend_kernel):
     hq, hkv, d, dtype = 8, 8, 128, torch.float16
     num_slots = (1 << 21) + 4096
     k_cache = torch.empty(num_slots, hkv, d, dtype=dtype, device="cuda")
@@ -250,6 +261,22 @@ def test_extend_large_slot_offsets():
     _check(out, expect, dtype)
     del k_cache, v_cache
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extend_kernel_choice(dtype, head_dim, monkeypatch):
+    """On a Hopper (9.0) the sm_90a wgmma kernel runs (so the "auto" runs above test it), the
+    environment override selects the mma.sync kernel, and other GPUs always get mma.sync."""
+    monkeypatch.delenv("RADIXSERVE_EXTEND_KERNEL", raising=False)
+    q = torch.empty(1, 1, head_dim, dtype=dtype, device="cuda")
+    choice = torch.ops.radixserve.extend_attention_kernel(q)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert choice == "wgmma_sm90"
+    else:
+        assert choice == "mma_sm80"
+    monkeypatch.setenv("RADIXSERVE_EXTEND_KERNEL", "mma")
+    assert torch.ops.radixserve.extend_attention_kernel(q) == "mma_sm80"
 
 
 def _bad_inputs():

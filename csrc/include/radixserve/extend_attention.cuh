@@ -33,6 +33,44 @@ struct ExtendParams {
   float scale_log2;
 };
 
+// Variable lengths in one launch: CTA blockIdx.x takes query tile (gridDim.x - 1 - blockIdx.x)
+// of the concatenation of all requests' tiles of BM rows (last-first: causal tiles at the end
+// of a request carry the most work). One warp scans qo_indptr; lane 0 writes the request
+// (-1 for a spare CTA) and the tile within it.
+template <int BM>
+__device__ __forceinline__ void find_extend_tile(const ExtendParams& p, int lane, int* s_req,
+                                                 int* s_tile) {
+  const int tile_id = (int)gridDim.x - 1 - (int)blockIdx.x;
+  int seen = 0;
+  int req = -1, tile = 0;
+  for (int base = 0; base < p.batch; base += 32) {
+    const int bb = base + lane;
+    int n = 0;
+    if (bb < p.batch) n = (p.qo_indptr[bb + 1] - p.qo_indptr[bb] + BM - 1) / BM;
+    int incl = n;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    const int excl = incl - n;
+    const bool mine = n > 0 && tile_id >= seen + excl && tile_id < seen + incl;
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    if (ballot) {
+      const int src = __ffs(ballot) - 1;
+      req = base + src;
+      tile = tile_id - seen - __shfl_sync(0xffffffffu, excl, src);
+      break;
+    }
+    seen += __shfl_sync(0xffffffffu, incl, 31);
+    if (seen > tile_id) break;
+  }
+  if (lane == 0) {
+    *s_req = req;
+    *s_tile = tile;
+  }
+}
+
 constexpr int kExtendBlockM = 128;
 constexpr int kExtendBlockN = 64;
 constexpr int kExtendWarps = 8;
@@ -76,37 +114,7 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
   const int kvh = qh / p.group;
 
   // ---- which request and which of its tiles is this CTA's
-  if (warp == 0) {
-    const int tile_id = (int)gridDim.x - 1 - (int)blockIdx.x;
-    int seen = 0;
-    int req = -1, tile = 0;
-    for (int base = 0; base < p.batch; base += 32) {
-      const int bb = base + lane;
-      int n = 0;
-      if (bb < p.batch) n = (p.qo_indptr[bb + 1] - p.qo_indptr[bb] + BM - 1) / BM;
-      int incl = n;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        int y = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += y;
-      }
-      const int excl = incl - n;
-      const bool mine = n > 0 && tile_id >= seen + excl && tile_id < seen + incl;
-      const unsigned ballot = __ballot_sync(0xffffffffu, mine);
-      if (ballot) {
-        const int src = __ffs(ballot) - 1;
-        req = base + src;
-        tile = tile_id - seen - __shfl_sync(0xffffffffu, excl, src);
-        break;
-      }
-      seen += __shfl_sync(0xffffffffu, incl, 31);
-      if (seen > tile_id) break;
-    }
-    if (lane == 0) {
-      s_req = req;
-      s_tile = tile;
-    }
-  }
+  if (warp == 0) find_extend_tile<BM>(p, lane, &s_req, &s_tile);
   __syncthreads();
   const int b = s_req;
   if (b < 0) return;
