@@ -2,17 +2,19 @@
 // against a double-precision CPU reference:
 //   paged decode: one query per request over its paged KV, unsplit and split along the sequence;
 //   paged extend: a chunk of new queries per request over its cached prefix plus the chunk,
-//                 causal among the chunk.
+//                 causal among the chunk; the mma.sync kernel everywhere, and the wgmma kernel
+//                 too where ops/attention.cu would pick it (a 9.0 device, an sm_90a image).
 // bf16 and fp16, head_dim 64 and 128, GQA groups 1 and 4, variable lengths (1 token up to a few
 // hundred, crossing the kernels' tile sizes), KV slots scattered through a larger pool, q as a
 // strided view of a fused qkv buffer (group 4), outputs poisoned with NaN and followed by a
 // guard region that must stay untouched. Tolerances are tests/gpu/test_attention.py's.
 //
 // Launch: the headers hold the kernels and their parameter structs but no launch function;
-// csrc/ops/attention.cu launches them inline, next to torch. launch_decode / launch_extend below
-// repeat that launch (split count, grid, block, dynamic shared memory, template dispatch) and are
-// the only code here that names kernel internals; everything else goes through DecodeParams /
-// ExtendParams. When the headers gain launch functions, call those here and in ops/attention.cu.
+// csrc/ops/attention.cu launches them inline, next to torch. launch_decode, launch_extend and
+// wgmma_extend_available below repeat that launch (split count, kernel choice, grid, block,
+// dynamic shared memory, template dispatch) and are the only code here that names kernel
+// internals; everything else goes through DecodeParams / ExtendParams. When the headers gain
+// launch functions, call those here and in ops/attention.cu.
 #include <algorithm>
 #include <numeric>
 #include <type_traits>
@@ -21,6 +23,7 @@
 #include "harness.h"
 #include "radixserve/decode_attention.cuh"
 #include "radixserve/extend_attention.cuh"
+#include "radixserve/extend_attention_sm90.cuh"
 
 using namespace radixserve;
 
@@ -95,16 +98,44 @@ cudaError_t launch_decode(const attn::DecodeParams& p, int batch, cudaStream_t s
   }
 }
 
+// ops/attention.cu runs the wgmma kernel where the device is a 9.0 and this binary carries its
+// sm_90a image, the mma.sync kernel anywhere else.
 template <typename T, int D>
-cudaError_t launch_extend(const attn::ExtendParams& p, int64_t num_q_tokens, cudaStream_t stream) {
-  constexpr int smem = attn::extend_smem_bytes<D>();
-  auto kernel = attn::paged_extend_kernel<T, D>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
+bool wgmma_extend_available() {
+  int dev = 0, major = 0, minor = 0;
+  HX_CHECK(cudaGetDevice(&dev));
+  HX_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  HX_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major != 9 || minor != 0) return false;
+  cudaFuncAttributes attr;
+  if (cudaFuncGetAttributes(&attr, attn::sm90::paged_extend_kernel<T, D>) != cudaSuccess) {
+    (void)cudaGetLastError();  // no image for this device
+    return false;
+  }
+  return attr.binaryVersion == 90;
+}
+
+template <typename T, int D>
+cudaError_t launch_extend(const attn::ExtendParams& p, int64_t num_q_tokens, bool wgmma,
+                          cudaStream_t stream) {
+  static_assert(attn::sm90::kBM == attn::kExtendBlockM, "both kernels share the tile grid");
   // upper bound of sum_b ceil(qo_len_b / BM), from host-known shapes only
   const int64_t tiles = (num_q_tokens + attn::kExtendBlockM - 1) / attn::kExtendBlockM + p.batch;
   const dim3 grid((unsigned)tiles, (unsigned)p.num_q_heads);
-  kernel<<<grid, attn::kExtendThreads, smem, stream>>>(p);
+  cudaError_t err;
+  if (wgmma) {
+    constexpr int smem = attn::sm90::extend_smem_bytes<D>();
+    auto kernel = attn::sm90::paged_extend_kernel<T, D>;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    kernel<<<grid, attn::sm90::kThreads, smem, stream>>>(p);
+  } else {
+    constexpr int smem = attn::extend_smem_bytes<D>();
+    auto kernel = attn::paged_extend_kernel<T, D>;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    kernel<<<grid, attn::kExtendThreads, smem, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 
@@ -288,7 +319,6 @@ void check_extend(int hq, int hkv, bool strided_q, std::mt19937& rng) {
 
   hx::DeviceBuffer<uint16_t> dq(pr.q), dk(pr.k), dv(pr.v), dout(ref.size() + kGuard);
   hx::DeviceBuffer<int32_t> dqo(pr.qo_indptr), dkv(pr.kv_indptr), dindices(pr.kv_indices);
-  dout.poison(0xFF);
   attn::ExtendParams p{};
   p.q = dq.ptr;
   p.k = dk.ptr;
@@ -305,12 +335,17 @@ void check_extend(int hq, int hkv, bool strided_q, std::mt19937& rng) {
   p.num_q_heads = hq;
   p.group = hq / hkv;
   p.scale_log2 = (float)scale * kLog2e;
-  HX_CHECK((launch_extend<T, D>(p, pr.num_q(), nullptr)));
-  HX_CHECK(cudaDeviceSynchronize());
-  char what[128];
-  std::snprintf(what, sizeof what, "extend %s d%d hq%d/hkv%d%s", H::kName, D, hq, hkv,
-                strided_q ? " strided-q" : "");
-  expect_close<H>(dout.download(), ref, what);
+  std::vector<bool> kernels = {false};
+  if (wgmma_extend_available<T, D>()) kernels.push_back(true);
+  for (bool wgmma : kernels) {
+    dout.poison(0xFF);
+    HX_CHECK((launch_extend<T, D>(p, pr.num_q(), wgmma, nullptr)));
+    HX_CHECK(cudaDeviceSynchronize());
+    char what[128];
+    std::snprintf(what, sizeof what, "extend %s d%d hq%d/hkv%d%s %s", H::kName, D, hq, hkv,
+                  strided_q ? " strided-q" : "", wgmma ? "wgmma" : "mma.sync");
+    expect_close<H>(dout.download(), ref, what);
+  }
 }
 
 template <typename H, int D>
