@@ -2,7 +2,10 @@
 
   decode: batch 32 x 4096 tokens, 32 q heads / 8 kv heads, head_dim 128, bf16. Bytes = K + V
           read once + q + out; achieved bytes/s over a device-to-device copy (bytes read +
-          written, 2 GiB buffer). Peer: torch "gather K/V by slot, then SDPA" on the same bytes.
+          written, 2 GiB buffer). Device time per call from 20 calls replayed in one CUDA graph
+          (how the decode step runs when served under graphs); the eager time (Python launching
+          call after call) is reported too. Peer: torch "gather K/V by slot, then SDPA" on the
+          same bytes, also under a graph.
   extend: one request of 4096 tokens, no prefix, 32 heads, head_dim 128, bf16, causal.
           TFLOP/s (4 * S * S * D * H / 2) against torch SDPA with the flash and cuDNN backends
           on contiguous [1, H, S, D].
@@ -43,6 +46,24 @@ def _time_ms(fn, reps: int = 50, warmup: int = 5) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def _graph_time_ms(fn, calls: int = 20, reps: int = 10) -> float:
+    """Device time of one fn() with no host work in between: `calls` back-to-back calls captured
+    in one CUDA graph (as the decode step runs when served under graphs), median replay / calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = _time_ms(graph.replay, reps=reps, warmup=2) / calls
+    del graph
+    return ms
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
     n = 2 << 30  # 2 GiB
@@ -67,8 +88,8 @@ def bench_decode(results: dict, copy_bw: float) -> None:
     scale = 1.0 / math.sqrt(d)
     nbytes = 2 * nnz * hkv * d * 2 + 2 * q.numel() * 2  # K + V + q + out
 
-    t_seq = _time_ms(lambda: ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_seq, scale))
-    t_shuf = _time_ms(lambda: ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_shuf, scale))
+    def ours(idx):
+        return lambda: ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, idx, scale)
 
     def torch_peer():
         k = k_cache[kv_seq.long()].view(batch, kv_len, hkv, d).transpose(1, 2)
@@ -76,11 +97,19 @@ def bench_decode(results: dict, copy_bw: float) -> None:
         return F.scaled_dot_product_attention(q.view(batch, hq, 1, d), k, v, scale=scale,
                                               enable_gqa=True)
 
-    t_peer = _time_ms(torch_peer, reps=20)
+    # device time under a CUDA graph (the decode step's serving mode): no host dispatch inside
+    t_seq = _graph_time_ms(ours(kv_seq))
+    t_shuf = _graph_time_ms(ours(kv_shuf))
+    t_peer = _graph_time_ms(torch_peer, calls=5)
+    # eager: one call after another from Python, host dispatch of each call included where the
+    # queue runs dry
+    t_eager = _time_ms(ours(kv_seq))
     results["decode_attention_us"] = t_seq * 1e3
     results["decode_attention_bytes_per_s"] = nbytes / (t_seq * 1e-3)
     results["decode_attention_bw_fraction"] = nbytes / (t_seq * 1e-3) / copy_bw
     results["decode_attention_shuffled_slots_bw_fraction"] = nbytes / (t_shuf * 1e-3) / copy_bw
+    results["decode_attention_eager_us"] = t_eager * 1e3
+    results["decode_attention_eager_bw_fraction"] = nbytes / (t_eager * 1e-3) / copy_bw
     results["decode_attention_torch_gather_sdpa_us"] = t_peer * 1e3
     results["decode_attention_torch_gather_sdpa_bw_fraction"] = nbytes / (t_peer * 1e-3) / copy_bw
     del k_cache, v_cache

@@ -9,21 +9,15 @@
 // strided view of a fused qkv buffer (group 4), outputs poisoned with NaN and followed by a
 // guard region that must stay untouched. Tolerances are tests/gpu/test_attention.py's.
 //
-// Launch: the headers hold the kernels and their parameter structs but no launch function;
-// csrc/ops/attention.cu launches them inline, next to torch. launch_decode, launch_extend and
-// wgmma_extend_available below repeat that launch (split count, kernel choice, grid, block,
-// dynamic shared memory, template dispatch) and are the only code here that names kernel
-// internals; everything else goes through DecodeParams / ExtendParams. When the headers gain
-// launch functions, call those here and in ops/attention.cu.
+// Launch: through radixserve/attention_launch.cuh, the same launchers (split count, kernel choice,
+// grids) csrc/ops/attention.cu uses.
 #include <algorithm>
 #include <numeric>
 #include <type_traits>
 #include <utility>
 
 #include "harness.h"
-#include "radixserve/decode_attention.cuh"
-#include "radixserve/extend_attention.cuh"
-#include "radixserve/extend_attention_sm90.cuh"
+#include "radixserve/attention_launch.cuh"
 
 using namespace radixserve;
 
@@ -51,93 +45,9 @@ struct Fp16 {
 };
 
 // ----------------------------------------------------------------------------- launches
-// Both repeat csrc/ops/attention.cu; keep them in step with it.
-
-// ops/attention.cu's split count: about four waves of CTAs (~3 resident per SM), never shorter
-// than ~256 tokens per split on average, at most 64. Only host-known shapes enter.
-int decode_num_splits(int64_t batch, int hkv, int num_sub, int64_t nnz, int sms) {
-  const int64_t base_ctas = batch * hkv * num_sub;
-  const int64_t avg_len = std::max<int64_t>(1, nnz / batch);
-  int64_t splits = (4 * 4 * (int64_t)sms + base_ctas - 1) / base_ctas;
-  splits = std::min<int64_t>(splits, (avg_len + 255) / 256);
-  return (int)std::max<int64_t>(1, std::min<int64_t>(splits, 64));
-}
-
-// q heads per CTA: exact for groups 1-4, padded up to 8 above (ops/attention.cu)
-int decode_group_max(int group) { return group <= 4 ? group : 8; }
-
-// p.num_splits > 1 needs p.part_o [batch, num_q_heads, num_splits, D] and p.part_lse
-// [batch, num_q_heads, num_splits] (float). Only the groups this harness runs are instantiated.
-template <typename T, int D>
-cudaError_t launch_decode(const attn::DecodeParams& p, int batch, cudaStream_t stream) {
-  const dim3 grid((unsigned)(p.num_splits * p.num_sub), (unsigned)p.num_kv_heads, (unsigned)batch);
-  auto launch = [&](auto gm) -> cudaError_t {
-    constexpr int G = decltype(gm)::value;
-    constexpr int smem = attn::kDecodeSmemBytes;
-    cudaError_t err;
-    if (p.num_splits > 1) {
-      auto kernel = attn::paged_decode_kernel<T, D, G, true>;
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (err != cudaSuccess) return err;
-      kernel<<<grid, attn::kDecodeThreads, smem, stream>>>(p);
-      if ((err = cudaGetLastError()) != cudaSuccess) return err;
-      attn::decode_merge_kernel<T, D><<<(unsigned)(batch * p.num_q_heads), 128, 0, stream>>>(
-          p.part_o, p.part_lse, static_cast<T*>(p.out), p.num_splits);
-    } else {
-      auto kernel = attn::paged_decode_kernel<T, D, G, false>;
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (err != cudaSuccess) return err;
-      kernel<<<grid, attn::kDecodeThreads, smem, stream>>>(p);
-    }
-    return cudaGetLastError();
-  };
-  switch (decode_group_max(p.group)) {
-    case 1: return launch(std::integral_constant<int, 1>{});
-    case 4: return launch(std::integral_constant<int, 4>{});
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-// ops/attention.cu runs the wgmma kernel where the device is a 9.0 and this binary carries its
-// sm_90a image, the mma.sync kernel anywhere else.
-template <typename T, int D>
-bool wgmma_extend_available() {
-  int dev = 0, major = 0, minor = 0;
-  HX_CHECK(cudaGetDevice(&dev));
-  HX_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  HX_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major != 9 || minor != 0) return false;
-  cudaFuncAttributes attr;
-  if (cudaFuncGetAttributes(&attr, attn::sm90::paged_extend_kernel<T, D>) != cudaSuccess) {
-    (void)cudaGetLastError();  // no image for this device
-    return false;
-  }
-  return attr.binaryVersion == 90;
-}
-
-template <typename T, int D>
-cudaError_t launch_extend(const attn::ExtendParams& p, int64_t num_q_tokens, bool wgmma,
-                          cudaStream_t stream) {
-  static_assert(attn::sm90::kBM == attn::kExtendBlockM, "both kernels share the tile grid");
-  // upper bound of sum_b ceil(qo_len_b / BM), from host-known shapes only
-  const int64_t tiles = (num_q_tokens + attn::kExtendBlockM - 1) / attn::kExtendBlockM + p.batch;
-  const dim3 grid((unsigned)tiles, (unsigned)p.num_q_heads);
-  cudaError_t err;
-  if (wgmma) {
-    constexpr int smem = attn::sm90::extend_smem_bytes<D>();
-    auto kernel = attn::sm90::paged_extend_kernel<T, D>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-    kernel<<<grid, attn::sm90::kThreads, smem, stream>>>(p);
-  } else {
-    constexpr int smem = attn::extend_smem_bytes<D>();
-    auto kernel = attn::paged_extend_kernel<T, D>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-    kernel<<<grid, attn::kExtendThreads, smem, stream>>>(p);
-  }
-  return cudaGetLastError();
-}
+// Through radixserve/attention_launch.cuh, the launchers csrc/ops/attention.cu uses.
+using attn::decode_group_max;
+using attn::decode_num_splits;
 
 // ----------------------------------------------------------------------------- problems
 
@@ -297,7 +207,7 @@ void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
     p.num_sub = num_sub;
     p.num_splits = splits;
     p.scale_log2 = (float)scale * kLog2e;
-    HX_CHECK((launch_decode<T, D>(p, batch, nullptr)));
+    HX_CHECK((attn::launch_paged_decode<T, D>(p, batch, nullptr)));
     HX_CHECK(cudaDeviceSynchronize());
     char what[128];
     std::snprintf(what, sizeof what, "decode %s d%d hq%d/hkv%d%s splits=%d%s", H::kName, D, hq, hkv,
@@ -336,10 +246,10 @@ void check_extend(int hq, int hkv, bool strided_q, std::mt19937& rng) {
   p.group = hq / hkv;
   p.scale_log2 = (float)scale * kLog2e;
   std::vector<bool> kernels = {false};
-  if (wgmma_extend_available<T, D>()) kernels.push_back(true);
+  if (attn::extend_wgmma_available<T, D>()) kernels.push_back(true);
   for (bool wgmma : kernels) {
     dout.poison(0xFF);
-    HX_CHECK((launch_extend<T, D>(p, pr.num_q(), wgmma, nullptr)));
+    HX_CHECK((attn::launch_paged_extend<T, D>(p, pr.num_q(), wgmma, nullptr)));
     HX_CHECK(cudaDeviceSynchronize());
     char what[128];
     std::snprintf(what, sizeof what, "extend %s d%d hq%d/hkv%d%s %s", H::kName, D, hq, hkv,

@@ -11,9 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "ops/ops.h"
-#include "radixserve/decode_attention.cuh"
-#include "radixserve/extend_attention.cuh"
-#include "radixserve/extend_attention_sm90.cuh"
+#include "radixserve/attention_launch.cuh"
 
 namespace radixserve {
 namespace {
@@ -74,21 +72,13 @@ void dispatch_dtype_dim(at::ScalarType st, int64_t d, F&& f) {
   }
 }
 
-// The wgmma kernel runs where the device is a Hopper (9.0) and the extension carries an
-// sm_90a binary of it; anywhere else (an sm_80 build, other GPUs) the mma.sync kernel runs.
-// RADIXSERVE_EXTEND_KERNEL=mma forces the mma.sync kernel (for comparisons).
-template <typename K>
-bool use_wgmma_kernel(K kernel) {
+// The wgmma extend kernel where attention_launch.cuh says it can run, unless
+// RADIXSERVE_EXTEND_KERNEL=mma forces the mma.sync kernel (for comparisons and tests).
+template <typename T, int D>
+bool use_wgmma_kernel() {
   const char* forced = std::getenv("RADIXSERVE_EXTEND_KERNEL");
   if (forced != nullptr && std::string(forced) == "mma") return false;
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  if (prop->major != 9 || prop->minor != 0) return false;
-  cudaFuncAttributes attr;
-  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-    (void)cudaGetLastError();  // no image for this device: clear the error, fall back
-    return false;
-  }
-  return attr.binaryVersion == 90;
+  return attn::extend_wgmma_available<T, D>();
 }
 
 }  // namespace
@@ -113,20 +103,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int hq = (int)q.size(1);
   const int hkv = (int)k_cache.size(1);
   const int group = hq / hkv;
-  // q heads per CTA: exact for groups 1-4 (3 is the default model's), padded up to 8 above
-  const int gmax = group <= 4 ? group : 8;
+  const int gmax = attn::decode_group_max(group);
   const int num_sub = (group + gmax - 1) / gmax;
 
-  // Splits: about four waves of CTAs (~3 resident per SM), never shorter than ~256 tokens on average. Only host-known
-  // shapes enter, so a captured graph replays with the same grid; each split finds its range
-  // on the device.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t base_ctas = batch * hkv * num_sub;
-  const int64_t avg_len = std::max<int64_t>(1, kv_indices.numel() / batch);
-  int64_t splits = (4 * 4 * (int64_t)sms + base_ctas - 1) / base_ctas;
-  splits = std::min<int64_t>(splits, (avg_len + 255) / 256);
-  splits = std::max<int64_t>(1, std::min<int64_t>(splits, 64));
-  const int num_splits = (int)splits;
+  const int num_splits = attn::decode_num_splits(batch, hkv, num_sub, kv_indices.numel(), sms);
 
   at::Tensor part_o, part_lse;
   if (num_splits > 1) {
@@ -155,38 +136,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.scale_log2 = (float)sm_scale * kLog2e;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const dim3 grid((unsigned)(num_splits * num_sub), (unsigned)hkv, (unsigned)batch);
-
   dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
-    using T = decltype(tag);
-    constexpr int D = decltype(dim)::value;
-    auto launch = [&](auto gm) {
-      constexpr int G = decltype(gm)::value;
-      constexpr int smem = attn::kDecodeSmemBytes;
-      if (num_splits > 1) {
-        auto kernel = attn::paged_decode_kernel<T, D, G, true>;
-        C10_CUDA_CHECK(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        kernel<<<grid, attn::kDecodeThreads, smem, stream>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        attn::decode_merge_kernel<T, D><<<(unsigned)(batch * hq), 128, 0, stream>>>(
-            p.part_o, p.part_lse, static_cast<T*>(p.out), num_splits);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      } else {
-        auto kernel = attn::paged_decode_kernel<T, D, G, false>;
-        C10_CUDA_CHECK(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        kernel<<<grid, attn::kDecodeThreads, smem, stream>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-    };
-    switch (gmax) {
-      case 1: launch(std::integral_constant<int, 1>{}); break;
-      case 2: launch(std::integral_constant<int, 2>{}); break;
-      case 3: launch(std::integral_constant<int, 3>{}); break;
-      case 4: launch(std::integral_constant<int, 4>{}); break;
-      default: launch(std::integral_constant<int, 8>{}); break;
-    }
+    const cudaError_t err =
+        attn::launch_paged_decode<decltype(tag), decltype(dim)::value>(p, (int)batch, stream);
+    C10_CUDA_CHECK(err);
   });
   return out;
 }
@@ -229,30 +182,13 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.group = hq / hkv;
   p.scale_log2 = (float)sm_scale * kLog2e;
 
-  // upper bound of sum_b ceil(qo_len_b / BM), from host-known shapes only
-  const int64_t tiles = (q.size(0) + attn::kExtendBlockM - 1) / attn::kExtendBlockM + batch;
-  TORCH_CHECK(tiles < (int64_t(1) << 31), "too many query tiles");
-  const dim3 grid((unsigned)tiles, (unsigned)hq);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-
   dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    static_assert(attn::sm90::kBM == attn::kExtendBlockM, "both kernels share the tile grid");
-    if (use_wgmma_kernel(attn::sm90::paged_extend_kernel<T, D>)) {
-      constexpr int smem = attn::sm90::extend_smem_bytes<D>();
-      auto kernel = attn::sm90::paged_extend_kernel<T, D>;
-      C10_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      kernel<<<grid, attn::sm90::kThreads, smem, stream>>>(p);
-    } else {
-      constexpr int smem = attn::extend_smem_bytes<D>();
-      auto kernel = attn::paged_extend_kernel<T, D>;
-      C10_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      kernel<<<grid, attn::kExtendThreads, smem, stream>>>(p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const cudaError_t err =
+        attn::launch_paged_extend<T, D>(p, q.size(0), use_wgmma_kernel<T, D>(), stream);
+    C10_CUDA_CHECK(err);
   });
   return out;
 }
@@ -265,7 +201,7 @@ std::string extend_attention_kernel(const at::Tensor& q) {
   const c10::cuda::CUDAGuard guard(q.device());
   bool wgmma = false;
   dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
-    wgmma = use_wgmma_kernel(attn::sm90::paged_extend_kernel<decltype(tag), decltype(dim)::value>);
+    wgmma = use_wgmma_kernel<decltype(tag), decltype(dim)::value>();
   });
   return wgmma ? "wgmma_sm90" : "mma_sm80";
 }

@@ -39,7 +39,7 @@ struct DecodeParams {
 
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeUnroll = 4;   // tokens per row group per step
-constexpr int kDecodeStages = 4;   // cp.async pipeline depth
+constexpr int kDecodeStages = 3;   // cp.async pipeline depth (48 KiB: 4 CTAs per SM)
 // dynamic shared memory of paged_decode_kernel: [stages][unroll][k|v][threads] 16-byte vectors
 constexpr int kDecodeSmemBytes = kDecodeStages * kDecodeUnroll * 2 * kDecodeThreads * 16;
 

@@ -134,6 +134,24 @@ __device__ __forceinline__ float load_f(const __nv_bfloat16* p) { return __bfloa
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
+// L2 prefetch of tile `base` of a row (elements [base, base + kTile) clipped to the vocab), issued
+// by one thread: the streaming loops below have block barriers in every tile, which drain the
+// loads in flight at each tile boundary; with the tile two ahead already on its way to L2, the
+// loads after a barrier wait for L2 instead of HBM. sm_90: one bulk prefetch (no registers, no
+// shared memory); older GPUs: nothing.
+template <typename T>
+__device__ __forceinline__ void l2_prefetch_tile(const T* __restrict__ row, int64_t vocab,
+                                                 int64_t base) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x != 0 || base >= vocab) return;
+  const int64_t end = min(vocab, base + (int64_t)kTile);
+  const uintptr_t a0 = reinterpret_cast<uintptr_t>(row + base) & ~(uintptr_t)15;
+  const uintptr_t a1 = (reinterpret_cast<uintptr_t>(row + end) + 15) & ~(uintptr_t)15;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(a0), "r"((uint32_t)(a1 - a0))
+               : "memory");
+#endif
+}
+
 // Loads this thread's kElems elements of tile `base`; out-of-range elements read -inf and are
 // not allowed. VEC: elements base + tid*16 + j (16-byte loads); else base + j*kThreads + tid.
 template <typename T, bool VEC>
@@ -428,7 +446,9 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   int32_t best_i = INT32_MAX;
   float s_y = 0.f;                          // sum exp(x/t - best_v/t) over allowed
   uint64_t theta = 0;
+  l2_prefetch_tile<T>(row, vocab, kTile);
   for (int64_t base = 0; base < vocab; base += kTile) {
+    l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
     float x[kElems];
     uint32_t allow;
     load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
@@ -460,6 +480,19 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
 #pragma unroll
       for (int j = 0; j < kElems; ++j)
         if ((allow >> j) & 1u) s_y += __expf(x[j] * inv_t - my);
+    }
+    if (buffer_path && base == 0 && k_eff <= kThreads) {
+      // First tile: theta starts at the k-th largest of the threads' best keys (the k elements
+      // behind them are >= it, so theta stays <= the row's k-th largest key); the tile then
+      // appends about k candidates instead of all kTile, and the select over kTile keys it
+      // used to trigger (the costliest step of the top-k path) becomes one over kThreads keys.
+      // Threads without a finite allowed element offer the smallest key; with fewer than k
+      // such threads theta stays 0.
+      if (__syncthreads_count(jb >= 0) >= k_eff) {
+        sm.val[tid] = jb >= 0 ? bm : -INFINITY;
+        sm.idx[tid] = jb >= 0 ? (int32_t)elem_index<VEC>(base, jb) : INT32_MAX;
+        theta = select_kth(sm, kThreads, (int)k_eff);  // starts and ends with a barrier
+      }
     }
     if (buffer_path) {
       // Cheap pre-filter: after the first compaction almost no tile has a candidate, and then the
@@ -626,7 +659,9 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
             cnt[j] = 0;
             mass[j] = 0.f;
           }
+          l2_prefetch_tile<T>(row, vocab, kTile);
           for (int64_t base = 0; base < vocab; base += kTile) {
+            l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
             float x[kElems];
             uint32_t allow;
             load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
@@ -725,7 +760,9 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       float S = Z;
       if (need_search || use_minp) {
         float acc = 0.f;
+        l2_prefetch_tile<T>(row, vocab, kTile);
         for (int64_t base = 0; base < vocab; base += kTile) {
+          l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
           float x[kElems];
           uint32_t allow;
           load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
@@ -741,7 +778,9 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       __syncthreads();
       double carry = 0.0;
       int32_t last_kept = -1;
+      l2_prefetch_tile<T>(row, vocab, kTile);
       for (int64_t base = 0; base < vocab; base += kTile) {
+        l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
         float x[kElems];
         uint32_t allow;
         load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
