@@ -40,7 +40,10 @@ for stage in "$@"; do
         2>&1 | tee "$OUT/gpu_model.txt" | tail -15 ;;
     offline)
       python3 bench/offline.py --device cuda --num-prompts 64 --input-len 256 --output-len 256 \
-        --model-path "$GGUF" --out "$OUT/offline-h200.json" 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
+        --model-path "$GGUF" --out "$OUT/offline-h200.json" 2>&1 | tail -8 | tee -a "$OUT/log.txt"
+      python3 bench/offline.py --device cuda --num-prompts 64 --input-len 256 --output-len 256 \
+        --model-path "$GGUF" --disable-cuda-graph --out "$OUT/offline-h200-no-graph.json" 2>&1 \
+        | tail -8 | tee -a "$OUT/log.txt" ;;
     serve)
       python3 -m radixserve.launch_server --model-path "$GGUF" --port 30123 > "$OUT/serve.txt" 2>&1 &
       for i in $(seq 120); do curl -sf localhost:30123/health >/dev/null && break; sleep 1; done

@@ -36,6 +36,8 @@ def run_engine(args, prompts):
                      max_running_requests=max(args.num_prompts, 1))
     if args.cpu_threads:
         overrides["cpu_threads"] = args.cpu_threads
+    if args.disable_cuda_graph:
+        overrides["disable_cuda_graph"] = True
     engine = radixserve.Engine(args.model_path, **overrides)
     try:
         sp = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
@@ -84,6 +86,9 @@ def main(argv=None):
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--disable-cuda-graph", action="store_true",
+                    help="engine decode steps launched eagerly (CUDA graphs are on by default on "
+                         "a GPU in bf16)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
     if args.device == "cpu" and args.cpu_threads:

@@ -45,6 +45,7 @@ class ServerArgs:
     # runtime
     random_seed: int = 0
     disable_cuda_graph: bool = False
+    cuda_graph_max_bs: Optional[int] = None       # largest decode batch run as a CUDA graph (default 160)
     debug_integrity: bool = False
     cpu_threads: Optional[int] = None            # torch threads for the CPU forward (default: torch's)
 

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -14,24 +13,10 @@
 #include "radixserve/decode_attention.cuh"
 #include "radixserve/extend_attention.cuh"
 #include "radixserve/extend_attention_sm90.cuh"
+#include "radixserve/launch_utils.cuh"
 
 namespace radixserve {
 namespace attn {
-
-// cudaFuncSetAttribute(kMaxDynamicSharedMemorySize) once per kernel and device, not on every
-// launch: it is a driver call on the host path of every decode step otherwise.
-template <auto kKernel>
-cudaError_t set_max_dynamic_smem(int bytes) {
-  static std::atomic<uint64_t> done{0};  // per kernel; bit d: set on device d (devices 0..63)
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
-  if (bit && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
-  err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_relaxed);
-  return err;
-}
 
 // q heads per decode CTA: exact for groups 1-4 (3 is the default model's), padded up to 8 above
 inline int decode_group_max(int group) { return group <= 4 ? group : 8; }

@@ -62,6 +62,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "radixserve/launch_utils.cuh"
+
 namespace radixserve {
 namespace sampling {
 
@@ -850,13 +852,11 @@ cudaError_t launch_bitmask_sample(const SampleParams& p, bool vec, cudaStream_t 
   const size_t smem = sample_smem_bytes();
   cudaError_t err;
   if (vec) {
-    err = cudaFuncSetAttribute(bitmask_sample_kernel<T, true>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    err = set_max_dynamic_smem<bitmask_sample_kernel<T, true>>((int)smem);
     if (err != cudaSuccess) return err;
     bitmask_sample_kernel<T, true><<<(unsigned)p.batch, kThreads, smem, stream>>>(p);
   } else {
-    err = cudaFuncSetAttribute(bitmask_sample_kernel<T, false>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    err = set_max_dynamic_smem<bitmask_sample_kernel<T, false>>((int)smem);
     if (err != cudaSuccess) return err;
     bitmask_sample_kernel<T, false><<<(unsigned)p.batch, kThreads, smem, stream>>>(p);
   }

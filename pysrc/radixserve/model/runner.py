@@ -4,7 +4,9 @@ Device and dtype come from ServerArgs.resolved_*(). KV pool size: --max-total-to
 else --mem-fraction-static of free memory (GPU: 0.85 of free device memory after the weights;
 CPU: 0.10 of MemAvailable), capped at what max_running_requests * context_len could ever use.
 forward_hidden / compute_logits / run_step are called from the engine's single forward worker
-thread; they touch only the tensors of the step they are given and the KV buffers.
+thread; they touch only the tensors of the step they are given and the KV buffers. On CUDA in
+bf16/fp16, decode steps replay CUDA graphs (model/cuda_graph_runner.py) unless
+--disable-cuda-graph.
 """
 from __future__ import annotations
 
@@ -70,6 +72,26 @@ class ModelRunner:
                                                 self.device)
         logger.info("KV pool: %d tokens, %.1f MB", self.max_total_tokens,
                     self.kv_pool.size_bytes / (1 << 20))
+        self.graph_runner = None
+        if self._cuda_graph_usable():
+            from radixserve.model.cuda_graph_runner import DEFAULT_MAX_BS, CudaGraphRunner
+
+            max_bs = min(self.max_running_requests,
+                         server_args.cuda_graph_max_bs or DEFAULT_MAX_BS)
+            self.graph_runner = CudaGraphRunner(self.model, self.kv_pool, model_config.vocab_size,
+                                                self.context_len + 1, max_bs)
+
+    def _cuda_graph_usable(self) -> bool:
+        """Decode runs as CUDA graphs where every op on its path is a graph-safe kernel."""
+        from radixserve.ops._ext import kernels_available
+
+        if self.server_args.disable_cuda_graph or self.device.type != "cuda":
+            return False
+        if self.dtype not in (torch.bfloat16, torch.float16) or not kernels_available():
+            logger.info("CUDA graphs off: they need radixserve._C and bf16/fp16 (dtype %s)",
+                        self.dtype)
+            return False
+        return True
 
     def _kv_pool_tokens(self) -> int:
         sa, mc = self.server_args, self.model_config
@@ -119,8 +141,13 @@ class ModelRunner:
             self.model(fb)     # a chunk that only fills the KV cache
             return StepOutput(sampler.SampleResult([], [], []), [[] for _ in step.prompt_counts],
                               [None for _ in step.prompt_counts])
-        hidden = self.forward_hidden(fb)                            # [rows, hidden]
         n_prompt = step.num_prompt_rows
+        if n_prompt == 0 and self.graph_runner is not None and self.graph_runner.can_run(fb):
+            logits = self.graph_runner.replay(fb)                   # [batch, vocab] float32
+            return StepOutput(sampler.sample(logits, step.sampling_info),
+                              [[] for _ in step.prompt_counts],
+                              [None for _ in step.prompt_counts])
+        hidden = self.forward_hidden(fb)                            # [rows, hidden]
         logits = self.compute_logits(hidden[n_prompt:])             # [num_sampling_reqs, vocab]
         result = sampler.sample(logits, step.sampling_info)
         per_req_lp, per_req_top = [], []
