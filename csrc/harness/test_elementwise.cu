@@ -57,6 +57,56 @@ static void check_rms_norm(int tokens, int hidden, bool fused, std::mt19937& rng
   if (fused) expect_close(dres.download(), want_res, "fused_add_rms_norm residual");
 }
 
+// fused_add_rms_norm with bf16 x and weight beside an fp32 residual (half-precision models keep
+// their residual stream in fp32): the residual must come back as the exact fp32 sum, x as the
+// norm of that sum rounded once to bf16.
+static void check_rms_norm_f32_residual(int tokens, int hidden, std::mt19937& rng) {
+  const auto xf = randv((size_t)tokens * hidden, rng, -6.f, 6.f);
+  const auto res = randv((size_t)tokens * hidden, rng, -80.f, 80.f);
+  const auto wf = randv(hidden, rng, 0.5f, 1.5f);
+  std::vector<__nv_bfloat16> x(xf.size()), w(wf.size());
+  for (size_t i = 0; i < xf.size(); ++i) x[i] = __float2bfloat16(xf[i]);
+  for (size_t i = 0; i < wf.size(); ++i) w[i] = __float2bfloat16(wf[i]);
+  const float eps = 1e-6f;
+  std::vector<float> want_x(x.size()), want_res(res.size());
+  for (int t = 0; t < tokens; ++t) {
+    double ss = 0;
+    for (int i = 0; i < hidden; ++i) {
+      const size_t k = (size_t)t * hidden + i;
+      want_res[k] = __bfloat162float(x[k]) + res[k];
+      ss += (double)want_res[k] * want_res[k];
+    }
+    const float scale = 1.f / std::sqrt((float)(ss / hidden) + eps);
+    for (int i = 0; i < hidden; ++i) {
+      const size_t k = (size_t)t * hidden + i;
+      want_x[k] = want_res[k] * scale * __bfloat162float(w[i]);
+    }
+  }
+  hx::DeviceBuffer<__nv_bfloat16> dx(x), dw(w);
+  hx::DeviceBuffer<float> dres(res);
+  elementwise::RmsNormParams p{};
+  p.out = dx.ptr;
+  p.out_stride = hidden;
+  p.x = dx.ptr;
+  p.x_stride = hidden;
+  p.residual = dres.ptr;
+  p.res_stride = hidden;
+  p.weight = dw.ptr;
+  p.num_tokens = tokens;
+  p.hidden = hidden;
+  p.eps = eps;
+  const bool vec = hidden % 8 == 0;
+  HX_CHECK((elementwise::launch_rms_norm<__nv_bfloat16, true, float>(p, vec, nullptr)));
+  HX_CHECK(cudaDeviceSynchronize());
+  expect_close(dres.download(), want_res, "fused_add_rms_norm f32 residual");
+  const auto got = dx.download();
+  for (size_t i = 0; i < want_x.size(); ++i) {
+    const float g = __bfloat162float(got[i]);
+    HX_EXPECT(std::fabs(g - want_x[i]) <= 1e-5f + (1.f / 256) * std::fabs(want_x[i]),
+              "fused_add_rms_norm bf16 x[%zu] = %g, want %g", i, g, want_x[i]);
+  }
+}
+
 static void check_rotary(int tokens, int hq, int hk, int head_dim, int rot, std::mt19937& rng) {
   // q and k as views into one fused [tokens, (hq + 2 hk) * head_dim] buffer
   const int tstride = (hq + 2 * hk) * head_dim;
@@ -127,7 +177,9 @@ int main() {
     for (int hidden : {64, 989, 4096, 16384}) {
       check_rms_norm(tokens, hidden, false, rng);
       check_rms_norm(tokens, hidden, true, rng);
+      check_rms_norm_f32_residual(tokens, hidden, rng);
     }
+  check_rms_norm_f32_residual(19, 17, rng);  // scalar path
   for (int tokens : {1, 17, 99}) {
     check_rotary(tokens, 8, 2, 128, 128, rng);
     check_rotary(tokens, 4, 4, 64, 64, rng);

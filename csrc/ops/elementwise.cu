@@ -60,11 +60,17 @@ void rms_norm_impl(at::Tensor out, const at::Tensor& x, at::Tensor* residual, co
   const int64_t es = x.element_size();
   bool vec = (hidden * es) % 16 == 0 && (p.out_stride * es) % 16 == 0 && (p.x_stride * es) % 16 == 0 &&
              aligned16(p.out) && aligned16(p.x) && aligned16(p.weight);
-  if (residual) vec = vec && (p.res_stride * es) % 16 == 0 && aligned16(p.residual);
+  if (residual) {
+    const int64_t res_es = residual->element_size();
+    vec = vec && (p.res_stride * res_es) % 16 == 0 && aligned16(p.residual);
+  }
+  // an fp32 residual beside a bf16/fp16 x (half-precision models keep the residual stream fp32)
+  const bool res_f32 = residual && residual->scalar_type() == at::kFloat;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err = RS_DISPATCH(x.scalar_type(), [&] {
-    return residual ? ew::launch_rms_norm<T, true>(p, vec, stream)
-                    : ew::launch_rms_norm<T, false>(p, vec, stream);
+    if (!residual) return ew::launch_rms_norm<T, false>(p, vec, stream);
+    return res_f32 ? ew::launch_rms_norm<T, true, float>(p, vec, stream)
+                   : ew::launch_rms_norm<T, true, T>(p, vec, stream);
   });
   check_err(err, residual ? "fused_add_rms_norm" : "rms_norm");
 }
@@ -100,7 +106,9 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
   RS_CHECK(x.is_contiguous() && residual.is_contiguous(), "x and residual must be contiguous");
   RS_CHECK(residual.sizes() == x.sizes(), "residual shape ", residual.sizes(), " must equal x shape ",
               x.sizes());
-  RS_CHECK(residual.scalar_type() == x.scalar_type(), "residual dtype must equal x dtype");
+  RS_CHECK(residual.scalar_type() == x.scalar_type() || residual.scalar_type() == at::kFloat,
+           "residual dtype must equal x dtype (", x.scalar_type(), ") or be float32, got ",
+           residual.scalar_type());
   if (x.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   rms_norm_impl(x, x, &residual, weight, eps);

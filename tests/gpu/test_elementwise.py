@@ -47,6 +47,60 @@ def test_fused_add_rms_norm_mutates_both(dtype, num_tokens, hidden):
     _close(x, want_x)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 19, 99])
+@pytest.mark.parametrize("hidden", [17, 576, 989, 4096, 16384])
+def test_fused_add_rms_norm_fp32_residual(dtype, num_tokens, hidden):
+    # half-precision models keep the residual stream in fp32 (model/llama.py); x stays bf16/fp16
+    x = (torch.randn(num_tokens, hidden, device="cuda") * 3).to(dtype)
+    residual = torch.randn(num_tokens, hidden, device="cuda") * 40   # f32: bf16 would round it
+    w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+    want_x, want_r = x.clone(), residual.clone()
+    ref.fused_add_rms_norm(want_x, want_r, w, 1e-6)
+    torch.ops.radixserve.fused_add_rms_norm(x, residual, w, 1e-6)
+    assert residual.dtype == torch.float32 and x.dtype == dtype
+    _close(residual, want_r)                      # fp32 tolerance: the residual is not rounded
+    assert not torch.equal(residual, residual.to(dtype).float())
+    _close(x, want_x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_add_rms_norm_fp32_residual_unaligned_rows(dtype):
+    # storage offsets that break the 16-byte alignment of x, of the residual, or both: the kernel
+    # must take its scalar path and touch nothing outside the two views
+    num_tokens, hidden = 7, 1024
+    n = num_tokens * hidden
+    for x_off, r_off in ((1, 0), (0, 1), (1, 1), (0, 2)):
+        xb = (torch.randn(n + 3, device="cuda") * 3).to(dtype)
+        rb = torch.randn(n + 3, device="cuda") * 40
+        xb_before, rb_before = xb.clone(), rb.clone()
+        x = xb[x_off:x_off + n].view(num_tokens, hidden)
+        residual = rb[r_off:r_off + n].view(num_tokens, hidden)
+        w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+        want_x, want_r = x.clone(), residual.clone()
+        ref.fused_add_rms_norm(want_x, want_r, w, 1e-6)
+        torch.ops.radixserve.fused_add_rms_norm(x, residual, w, 1e-6)
+        _close(residual, want_r)
+        _close(x, want_x)
+        outside_x = torch.ones(n + 3, dtype=torch.bool, device="cuda")
+        outside_x[x_off:x_off + n] = False
+        outside_r = torch.ones(n + 3, dtype=torch.bool, device="cuda")
+        outside_r[r_off:r_off + n] = False
+        assert torch.equal(xb[outside_x], xb_before[outside_x])
+        assert torch.equal(rb[outside_r], rb_before[outside_r])
+
+
+@pytest.mark.parametrize("x_dtype,res_dtype", [(torch.bfloat16, torch.float16),
+                                               (torch.float16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+def test_fused_add_rms_norm_rejects_other_residual_dtypes(x_dtype, res_dtype):
+    x = torch.randn(4, 64, device="cuda").to(x_dtype)
+    residual = torch.randn(4, 64, device="cuda").to(res_dtype)
+    with pytest.raises(RuntimeError, match="residual dtype must equal x dtype"):
+        torch.ops.radixserve.fused_add_rms_norm(x, residual, torch.ones(64, device="cuda", dtype=x_dtype),
+                                                1e-6)
+
+
 def _cos_sin_cache(max_pos, rotary_dim, base=10000.0):
     inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]

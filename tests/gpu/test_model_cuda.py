@@ -5,14 +5,36 @@
 2. bfloat16 teacher forcing: the same token sequences (prompt + the CPU's greedy continuation)
    are fed through the CUDA bf16 model, once as one prefill (extend kernel) and once as prefill
    of the prompt then one decode step per token (decode kernel); each position's logits are
-   compared with the CPU fp32 model's: top-1 agreement >= 99% of positions and
-   max |logit difference| <= BF16_LOGIT_ATOL.
+   compared with the CPU fp32 model's. The same bf16 model then runs through the torch
+   references on the same GPU (control). Asserted:
+     * top-1 agreement >= 99% of positions;
+     * |logit diff| over all positions x vocabulary: mean <= BF16_MEAN_ATOL (0.11), 99.9th
+       percentile <= BF16_P999_ATOL (0.6), max <= BF16_MAX_ATOL (1.5);
+     * the kernel path's mean and 99.9th percentile at most KERNEL_ERR_RATIO (1.25) x the
+       control's, and its agreement at most 0.5 points below the control's.
+   Why these numbers: the bf16 model rounds its weights (the GGUF's dequantized fp32 values are
+   not bf16 numbers) and every GEMM input and output to bf16; only the residual stream is fp32.
+   Measured on the CPU (bf16 model on the torch references vs the fp32 model, same sequences,
+   logits from an fp32-output LM head as on CUDA; `python tests/gpu/test_model_cuda.py`):
+   mean 0.079, p99.9 0.43, max 0.81, agreement 99.50% (1385/1392). Rounding only the weights to
+   bf16 (fp32 compute) already gives mean 0.033, max 0.28, 99.71%. The same model with a bf16
+   residual stream measured mean 0.13, p99.9 0.94, max 1.37 (CPU) and 1.45 (H200): the mean and
+   percentile bounds fail on it. The max of ~68M differences is one outlier that moves with
+   rounding luck (0.8 to 1.2 in the runs here), so it only gets a loose bound against gross
+   errors; the mean and p99.9 carry the precision claim.
+   Agreement is the fragile part. The flips are near-ties of the fp32 model (top-1 minus top-2
+   < 0.1 logit at about 4% of positions); the test prints each flip with that margin. Position
+   8, inside the system prompt that every chat prompt shares, is such a tie (0.079) and counts
+   16 times (1.15% of all positions). Emulating on the CPU the extend kernel's rounding of the
+   softmax numerators to bf16 (the P of P V) reproduced the kernels' 98.64% on H200 with a bf16
+   residual exactly; with the fp32 residual the same emulation gives mean 0.076, p99.9 0.41,
+   max 1.18, but 98.20%, because that rounding flips position 8 (all 16 copies).
 
 The GGUF comes from RADIXSERVE_TEST_GGUF when set (the device machine has no package index),
 else the default model's usual resolution.
 """
 import os
-from typing import List, Sequence
+from typing import List, NamedTuple, Sequence, Tuple
 
 import pytest
 import torch
@@ -40,7 +62,12 @@ PROMPTS = [
     "Quel temps fait-il à Paris en hiver?",
 ]
 MAX_NEW = 48
-BF16_LOGIT_ATOL = 1.0     # logits of this model span roughly [-20, 30]; bf16 weights+activations
+# |logit diff| bounds of the bf16 model against the fp32 one (logits span roughly [-20, 30]);
+# see the module docstring for the measurements behind them
+BF16_MEAN_ATOL = 0.11
+BF16_P999_ATOL = 0.6
+BF16_MAX_ATOL = 1.5
+KERNEL_ERR_RATIO = 1.25   # kernel path vs torch references, same model, same GPU
 
 
 @pytest.fixture(scope="module")
@@ -127,21 +154,44 @@ class _Runner:
         return torch.cat(out)
 
 
-def _teacher_forcing(cpu: "_Runner", gpu: "_Runner", prompts_ids, cpu_greedy):
-    """(top-1 agreement, positions, max |logit diff|) of gpu against cpu over all sequences,
-    each fed as one prefill and as prefill + one decode step per continuation token."""
+class TeacherForcing(NamedTuple):
+    agree: int              # positions whose top-1 equals the fp32 model's
+    total: int              # positions compared
+    mean: float             # mean |logit diff| over positions x vocabulary
+    p999: float             # its 99.9th percentile
+    max: float              # its maximum
+    flips: List[Tuple[int, int, float]]   # (sequence, position, fp32 top-1 minus top-2 logit)
+
+    def summary(self) -> str:
+        return (f"top-1 agreement {self.agree}/{self.total} = {self.agree / self.total:.4f}, "
+                f"|logit diff| mean {self.mean:.4f} p99.9 {self.p999:.3f} max {self.max:.3f}")
+
+
+def _teacher_forcing(ref_runner: "_Runner", runner: "_Runner", prompts_ids,
+                     continuations) -> TeacherForcing:
+    """runner's logits against ref_runner's over every sequence (prompt + continuation), fed to
+    runner as one prefill and as prefill + one decode step per continuation token; ref_runner
+    runs one prefill. Works on any devices (the runners' logits come back on the CPU)."""
     agree = total = 0
-    worst = 0.0
-    for prompt, cont in zip(prompts_ids, cpu_greedy):
+    diffs: List[torch.Tensor] = []
+    flips: List[Tuple[int, int, float]] = []
+    for i, (prompt, cont) in enumerate(zip(prompts_ids, continuations)):
         seq = prompt + cont
-        ref = cpu.run(seq, len(seq))                       # one prefill, fp32 references
+        ref = ref_runner.run(seq, len(seq))                # [len(seq), vocab] f32
+        top2 = ref.topk(2, dim=-1).values
+        margin = top2[:, 0] - top2[:, 1]
         for decode_from in (len(seq), len(prompt)):        # all-extend, then extend + decodes
-            got = gpu.run(seq, decode_from)
+            got = runner.run(seq, decode_from)
             assert got.shape == ref.shape and torch.isfinite(got).all()
-            agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+            same = got.argmax(-1) == ref.argmax(-1)
+            agree += int(same.sum())
             total += ref.shape[0]
-            worst = max(worst, float((got - ref).abs().max()))
-    return agree, total, worst
+            diffs.append((got - ref).abs().flatten())
+            flips += [(i, t, round(float(margin[t]), 3)) for t in (~same).nonzero().flatten().tolist()]
+    d = torch.cat(diffs)                                   # [positions * vocab]
+    k = max(1, int(0.999 * d.numel()))
+    return TeacherForcing(agree, total, float(d.mean()), float(d.kthvalue(k).values),
+                          float(d.max()), flips)
 
 
 def test_bf16_teacher_forcing_matches_cpu_fp32(model_path, prompts_ids, cpu_greedy, monkeypatch):
@@ -152,16 +202,53 @@ def test_bf16_teacher_forcing_matches_cpu_fp32(model_path, prompts_ids, cpu_gree
                   torch.float32)
     gpu = _Runner(load_model(model_path, config, "auto", torch.bfloat16, "cuda"), config, "cuda",
                   torch.bfloat16)
-    agree, total, worst = _teacher_forcing(cpu, gpu, prompts_ids, cpu_greedy)
+    kern = _teacher_forcing(cpu, gpu, prompts_ids, cpu_greedy)
     # control: the same bf16 model on CUDA through the torch references instead of our kernels,
     # so the kernels' own share of the bf16 error is visible
     monkeypatch.setattr(ops, "_use_kernel", lambda t: False)
-    c_agree, c_total, c_worst = _teacher_forcing(cpu, gpu, prompts_ids, cpu_greedy)
-    print(f"bf16 teacher forcing, kernels: top-1 agreement {agree}/{total} = {agree / total:.4f}, "
-          f"max |logit diff| {worst:.3f}; torch references: {c_agree}/{c_total} = "
-          f"{c_agree / c_total:.4f}, max |logit diff| {c_worst:.3f}")
-    # our kernels lose at most half a percent of agreement against the same bf16 model on the
-    # torch references (a kernel bug shows up as far more), then the acceptance bar itself
-    assert agree / total >= c_agree / c_total - 0.005
-    assert worst <= BF16_LOGIT_ATOL
-    assert agree / total >= 0.99
+    ctrl = _teacher_forcing(cpu, gpu, prompts_ids, cpu_greedy)
+    print(f"bf16 teacher forcing vs CPU fp32\n  kernels:          {kern.summary()}\n"
+          f"    flips (seq, pos, fp32 margin): {kern.flips}\n"
+          f"  torch references: {ctrl.summary()}\n    flips (seq, pos, fp32 margin): {ctrl.flips}")
+    # the kernels' error is the bf16 model's, not more (a kernel bug shows up as far more)
+    assert kern.mean <= KERNEL_ERR_RATIO * ctrl.mean
+    assert kern.p999 <= KERNEL_ERR_RATIO * ctrl.p999
+    assert kern.agree / kern.total >= ctrl.agree / ctrl.total - 0.005
+    for run in (kern, ctrl):
+        assert run.mean <= BF16_MEAN_ATOL
+        assert run.p999 <= BF16_P999_ATOL
+        assert run.max <= BF16_MAX_ATOL
+    assert kern.agree / kern.total >= 0.99
+
+
+def _cpu_measurement() -> None:
+    """The CPU numbers of the module docstring: the bf16 model on the torch references against
+    the fp32 model, both on the CPU, with the LM head's logits in fp32 from the bf16 weights (as
+    the CUDA GEMM makes them; the CPU's bf16 F.linear would round them to bf16)."""
+    import torch.nn.functional as F
+
+    from radixserve.model import llama
+    from radixserve.model.loader import load_model, resolve_model_path
+    from radixserve.tokenizer.tokenizer import Tokenizer
+
+    def lm_head_fp32(head, hidden):
+        return F.linear(hidden.float(), head.weight.float())[:, :head.num_embeddings]
+
+    llama.lm_head_logits = lm_head_fp32
+    path = resolve_model_path(os.environ.get("RADIXSERVE_TEST_GGUF") or None)
+    tok = Tokenizer.from_path(path)
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    greedy = _greedy(path, prompts, "cpu")
+    config = ModelConfig.from_path(path)
+    fp32 = _Runner(load_model(path, config, "auto", torch.float32, "cpu"), config, "cpu",
+                   torch.float32)
+    bf16 = _Runner(load_model(path, config, "auto", torch.bfloat16, "cpu"), config, "cpu",
+                   torch.bfloat16)
+    run = _teacher_forcing(fp32, bf16, prompts, greedy)
+    print(f"CPU bf16 (torch references) vs CPU fp32: {run.summary()}\n"
+          f"  flips (seq, pos, fp32 margin): {run.flips}")
+
+
+if __name__ == "__main__":
+    # PYTHONPATH=pysrc RADIXSERVE_DISABLE_KERNELS=1 python tests/gpu/test_model_cuda.py (~1 min)
+    _cpu_measurement()

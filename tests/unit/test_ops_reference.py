@@ -195,6 +195,47 @@ def test_fused_add_rms_norm_mutation_and_formula():
     torch.testing.assert_close(ref.rms_norm(s, w, 1e-6), want_x)
 
 
+def test_fused_add_rms_norm_fp32_residual_beside_bf16_x():
+    # a half-precision model's residual stream: residual fp32, x (block output / norm output) bf16
+    g = torch.Generator().manual_seed(3)
+    num_tokens, hidden = 19, 99
+    x = (torch.randn(num_tokens, hidden, generator=g) * 3).bfloat16()
+    residual = torch.randn(num_tokens, hidden, generator=g) * 40                # f32, large: bf16 would round it
+    w = (torch.rand(hidden, generator=g) + 0.5).bfloat16()
+    s = x.double() + residual.double()
+    want_x = s / torch.sqrt((s * s).mean(-1, keepdim=True) + 1e-6) * w.double()
+    ref.fused_add_rms_norm(x, residual, w, 1e-6)
+    assert residual.dtype == torch.float32 and x.dtype == torch.bfloat16
+    # the residual is the fp32 sum (one fp32 rounding), not a bf16-rounded one
+    torch.testing.assert_close(residual.double(), s, atol=0, rtol=2 ** -23)
+    assert not torch.equal(residual, residual.bfloat16().float())
+    # x is the norm of that fp32 sum, rounded once to bf16 (half a bf16 ulp, relative 2^-9)
+    torch.testing.assert_close(x.double(), want_x, atol=1e-6, rtol=2 ** -8)
+
+
+def test_fused_add_rms_norm_same_dtype_residual_unchanged_for_bf16():
+    # residual in x's dtype (bf16) still works: the sum rounded to bf16, the norm of the fp32 sum
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    residual = torch.randn(5, 64, generator=g).bfloat16()
+    w = (torch.rand(64, generator=g) + 0.5).bfloat16()
+    s = x.float() + residual.float()
+    want_x = (s * torch.rsqrt((s * s).mean(-1, keepdim=True) + 1e-6) * w.float()).bfloat16()
+    ref.fused_add_rms_norm(x, residual, w, 1e-6)
+    assert torch.equal(residual, s.bfloat16())
+    assert torch.equal(x, want_x)
+
+
+@pytest.mark.parametrize("x_dtype,res_dtype", [(torch.bfloat16, torch.float16),
+                                               (torch.float32, torch.bfloat16),
+                                               (torch.float16, torch.float64)])
+def test_fused_add_rms_norm_rejects_other_residual_dtypes(x_dtype, res_dtype):
+    x = torch.ones(2, 8, dtype=x_dtype)
+    residual = torch.ones(2, 8, dtype=res_dtype)
+    with pytest.raises(ValueError, match="residual dtype must equal x dtype"):
+        ref.fused_add_rms_norm(x, residual, torch.ones(8, dtype=x_dtype), 1e-6)
+
+
 def test_silu_and_mul_formula():
     x = torch.randn(4, 10)
     g, u = x[:, :5], x[:, 5:]

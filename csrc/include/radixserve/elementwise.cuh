@@ -1,6 +1,7 @@
 // Fused elementwise kernels around attention: rms_norm, fused_add_rms_norm, rotary_embedding
 // (neox, rotate halves), silu_and_mul. Header-only, no torch. All arithmetic is fp32; inputs
-// and outputs are T in {float, __half, __nv_bfloat16}. Vector paths move 16 bytes per thread
+// and outputs are T in {float, __half, __nv_bfloat16}, except fused_add_rms_norm's residual,
+// which may also be float beside a half-precision x. Vector paths move 16 bytes per thread
 // access; the host picks them only when every row start is 16-byte aligned.
 #pragma once
 
@@ -59,6 +60,43 @@ struct Access {
   }
 };
 
+// N elements of R starting at p: on the vector path as N * sizeof(R) / 16 16-byte words (the
+// caller guarantees 16-byte alignment of p), else element by element. This lets a kernel walk
+// two arrays of different element sizes in lockstep (an fp32 residual beside bf16 x: 8 elements
+// are one word of x and two words of the residual).
+template <typename R, int N, bool VEC>
+struct AccessN {
+  static constexpr int kPerWord = 16 / (int)sizeof(R);
+  static_assert(!VEC || N % kPerWord == 0, "a vector access must cover whole 16-byte words");
+  __device__ __forceinline__ static void load(const R* p, float (&out)[N]) {
+    if constexpr (VEC) {
+#pragma unroll
+      for (int w = 0; w < N / kPerWord; ++w) {
+        const Vec<R> v = reinterpret_cast<const Vec<R>*>(p)[w];
+#pragma unroll
+        for (int i = 0; i < kPerWord; ++i) out[w * kPerWord + i] = to_f(v.v[i]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) out[i] = to_f(p[i]);
+    }
+  }
+  __device__ __forceinline__ static void store(R* p, const float (&in)[N]) {
+    if constexpr (VEC) {
+#pragma unroll
+      for (int w = 0; w < N / kPerWord; ++w) {
+        Vec<R> v;
+#pragma unroll
+        for (int i = 0; i < kPerWord; ++i) v.v[i] = from_f<R>(in[w * kPerWord + i]);
+        reinterpret_cast<Vec<R>*>(p)[w] = v;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) p[i] = from_f<R>(in[i]);
+    }
+  }
+};
+
 template <int THREADS>
 __device__ __forceinline__ float block_sum(float x, float* red /* [32] shared */) {
 #pragma unroll
@@ -80,19 +118,26 @@ __device__ __forceinline__ float block_sum(float x, float* red /* [32] shared */
 // the reference's order of operations. fused_add_rms_norm reads x and residual in both passes
 // and writes residual only in pass 2, so the norm uses the fp32 sum (as the reference does),
 // never the rounded residual.
+//
+// The residual has its own element type R: T (as x) or float. Half-precision models keep their
+// residual stream in fp32 (model/llama.py), so the sum of all blocks' outputs is never rounded
+// to bf16/fp16; only x (the normalised output, a GEMM input) is. A thread handles the same N
+// elements of x and of the residual (N = 16 bytes of T), i.e. 16 * sizeof(R) / sizeof(T) bytes
+// of the residual on the vector path.
 
-template <typename T, bool VEC, int THREADS, bool FUSED_ADD>
+template <typename T, bool VEC, int THREADS, bool FUSED_ADD, typename R>
 __global__ void __launch_bounds__(THREADS) rms_norm_kernel(T* out, int64_t out_stride,
                                                            const T* x, int64_t x_stride,
-                                                           T* residual, int64_t res_stride,
+                                                           R* residual, int64_t res_stride,
                                                            const T* __restrict__ weight,
                                                            int64_t hidden, float eps) {
   using A = Access<T, VEC>;
   constexpr int N = A::N;
+  using AR = AccessN<R, N, VEC>;
   __shared__ float red[32];
   const int64_t t = blockIdx.x;
   const T* xr = x + t * x_stride;
-  T* rr = FUSED_ADD ? residual + t * res_stride : nullptr;
+  R* rr = FUSED_ADD ? residual + t * res_stride : nullptr;
   T* orow = out + t * out_stride;
   const int64_t chunks = hidden / N;
   float ss = 0.f;
@@ -101,7 +146,7 @@ __global__ void __launch_bounds__(THREADS) rms_norm_kernel(T* out, int64_t out_s
     A::load(xr + c * N, a);
     if constexpr (FUSED_ADD) {
       float r[N];
-      A::load(rr + c * N, r);
+      AR::load(rr + c * N, r);
 #pragma unroll
       for (int i = 0; i < N; ++i) a[i] += r[i];
     }
@@ -116,10 +161,10 @@ __global__ void __launch_bounds__(THREADS) rms_norm_kernel(T* out, int64_t out_s
     A::load(weight + c * N, w);
     if constexpr (FUSED_ADD) {
       float r[N];
-      A::load(rr + c * N, r);
+      AR::load(rr + c * N, r);
 #pragma unroll
       for (int i = 0; i < N; ++i) a[i] += r[i];
-      A::store(rr + c * N, a);
+      AR::store(rr + c * N, a);
     }
 #pragma unroll
     for (int i = 0; i < N; ++i) a[i] = (a[i] * scale) * w[i];
@@ -132,7 +177,7 @@ struct RmsNormParams {
   int64_t out_stride;
   const void* x;
   int64_t x_stride;
-  void* residual;  // fused_add only (then out == x)
+  void* residual;  // fused_add only (then out == x); element type R of launch_rms_norm
   int64_t res_stride;
   const void* weight;
   int64_t num_tokens;
@@ -140,15 +185,18 @@ struct RmsNormParams {
   float eps;
 };
 
-template <typename T, bool FUSED_ADD>
+// vec: every row start of out, x, weight (and residual) is 16-byte aligned and hidden * sizeof(T)
+// is a multiple of 16 (then hidden * sizeof(R) is too, for R = float).
+template <typename T, bool FUSED_ADD, typename R = T>
 cudaError_t launch_rms_norm(const RmsNormParams& p, bool vec, cudaStream_t stream) {
+  static_assert(sizeof(R) >= sizeof(T), "the residual is T or a wider type (float)");
   if (p.num_tokens == 0) return cudaSuccess;
   const int64_t chunks = vec ? p.hidden / (16 / (int64_t)sizeof(T)) : p.hidden;
   const dim3 grid((unsigned)p.num_tokens);
 #define RS_LAUNCH(VEC, THREADS)                                                                   \
-  rms_norm_kernel<T, VEC, THREADS, FUSED_ADD><<<grid, THREADS, 0, stream>>>(                      \
+  rms_norm_kernel<T, VEC, THREADS, FUSED_ADD, R><<<grid, THREADS, 0, stream>>>(                   \
       static_cast<T*>(p.out), p.out_stride, static_cast<const T*>(p.x), p.x_stride,               \
-      static_cast<T*>(p.residual), p.res_stride, static_cast<const T*>(p.weight), p.hidden, p.eps)
+      static_cast<R*>(p.residual), p.res_stride, static_cast<const T*>(p.weight), p.hidden, p.eps)
   if (vec) {
     if (chunks <= 128) RS_LAUNCH(true, 128);
     else if (chunks <= 256) RS_LAUNCH(true, 256);

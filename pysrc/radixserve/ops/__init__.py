@@ -147,7 +147,13 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> None:
     """In place: residual <- residual + x, then x <- rms_norm(residual) * weight.
 
-    x, residual: [num_tokens, hidden] same dtype, contiguous; weight: [hidden].
+    x:        [num_tokens, hidden] bf16/fp16/fp32, contiguous
+    residual: [num_tokens, hidden] contiguous, dtype of x or float32 (half-precision models keep
+              their residual stream in fp32: model/llama.py)
+    weight:   [hidden], dtype of x
+    The sum is formed in fp32 and rounded once into residual's dtype; the norm is taken of the
+    fp32 sum (not of the rounded residual) and rounded once into x's dtype.
+    Raises (ValueError on the reference, RuntimeError on the kernel) for any other residual dtype.
     """
     if _use_kernel(x):
         torch.ops.radixserve.fused_add_rms_norm(x, residual, weight, eps)

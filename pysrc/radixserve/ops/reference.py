@@ -189,7 +189,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> None:
-    # in place: residual <- residual + x; x <- rms_norm(residual) * weight
+    # in place: residual <- residual + x; x <- rms_norm(residual) * weight. residual: dtype of x
+    # or float32; the norm is of the fp32 sum, each output is rounded once to its own dtype
+    if residual.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"residual dtype must equal x dtype ({x.dtype}) or be float32, got "
+                         f"{residual.dtype}")
     summed = x.float() + residual.float()
     residual.copy_(summed.to(residual.dtype))
     x.copy_(rms_norm(summed, weight, eps).to(x.dtype))
