@@ -265,6 +265,31 @@ def test_extend_large_slot_offsets(extend_kernel):
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_identical_values_average_to_themselves(dtype, head_dim, extend_kernel):
+    """Every KV row of a head holds the same V: attention must return exactly that V (the
+    softmax weights the PV product uses are the ones the denominator sums), for extend
+    (prefix + causal, variable lengths) and decode."""
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    hq, hkv = 8, 2
+    qo_lens, prefix_lens = [1, 17, 200, 129], [0, 40, 300, 1000]
+    kv_lens = [a + b for a, b in zip(qo_lens, prefix_lens)]
+    k_cache, v_cache, kv_indptr, kv_indices = _pool(kv_lens, hkv, head_dim, dtype, gen)
+    c = torch.randn(hkv, head_dim, generator=gen, device="cuda").to(dtype)   # [hkv, d]
+    v_cache[:] = c
+    q = (3 * torch.randn(sum(qo_lens), hq, head_dim, generator=gen, device="cuda")).to(dtype)
+    qo_indptr = torch.zeros(len(qo_lens) + 1, dtype=torch.int32, device="cuda")
+    qo_indptr[1:] = torch.tensor(qo_lens, device="cuda").cumsum(0)
+    want = c.repeat_interleave(hq // hkv, dim=0)                              # [hq, d]
+    out = ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
+                                     1.0 / math.sqrt(head_dim))
+    assert torch.equal(out, want.expand_as(out))
+    dec = ops.paged_decode_attention(q[:len(kv_lens)].contiguous(), k_cache, v_cache, kv_indptr,
+                                     kv_indices, 1.0 / math.sqrt(head_dim))
+    assert torch.equal(dec, want.expand_as(dec))
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_extend_kernel_choice(dtype, head_dim, monkeypatch):
     """On a Hopper (9.0) the sm_90a wgmma kernel runs (so the "auto" runs above test it), the
     environment override selects the mma.sync kernel, and other GPUs always get mma.sync."""

