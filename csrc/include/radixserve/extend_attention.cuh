@@ -75,6 +75,29 @@ __device__ __forceinline__ void find_extend_tile(const ExtendParams& p, int lane
   }
 }
 
+// Where a query tile sits: its request's query and KV ranges (the request's queries are the
+// last qo_len of its kv_len positions), the KV tiles of BN rows the tile's causal window needs
+// (its last query, at prefix + m0 + rows_here - 1, sees KV positions up to itself), and the
+// first KV tile where the causal / length mask can cut.
+struct ExtendTile {
+  int qo_start, qo_len, kv_start, kv_len, prefix, m0, rows_here, n_tiles, first_masked;
+};
+
+template <int BM, int BN>
+__device__ __forceinline__ ExtendTile extend_tile(const ExtendParams& p, int b, int tile) {
+  ExtendTile t;
+  t.m0 = tile * BM;
+  t.qo_start = p.qo_indptr[b];
+  t.qo_len = p.qo_indptr[b + 1] - t.qo_start;
+  t.kv_start = p.kv_indptr[b];
+  t.kv_len = p.kv_indptr[b + 1] - t.kv_start;
+  t.prefix = t.kv_len - t.qo_len;
+  t.rows_here = min(BM, t.qo_len - t.m0);
+  t.n_tiles = (t.prefix + t.m0 + t.rows_here + BN - 1) / BN;
+  t.first_masked = (t.prefix + t.m0) / BN;
+  return t;
+}
+
 constexpr int kExtendBlockM = 128;
 constexpr int kExtendBlockN = 64;
 constexpr int kExtendWarps = 8;
@@ -122,19 +145,10 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
   __syncthreads();
   const int b = s_req;
   if (b < 0) return;
-  const int m0 = s_tile * BM;
-
-  const int qo_start = p.qo_indptr[b];
-  const int qo_len = p.qo_indptr[b + 1] - qo_start;
-  const int kv_start = p.kv_indptr[b];
-  const int kv_len = p.kv_indptr[b + 1] - kv_start;
-  const int prefix = kv_len - qo_len;
-  const int rows_here = min(BM, qo_len - m0);
-  // last query row of the tile sits at prefix + m0 + rows_here - 1 and sees kv positions <= it
-  const int kv_end = prefix + m0 + rows_here;
-  const int n_tiles = (kv_end + BN - 1) / BN;
-  // from this tile on, some element may need the causal / length mask
-  const int first_masked = (prefix + m0) / BN;
+  const ExtendTile tl = extend_tile<BM, BN>(p, b, s_tile);
+  const int m0 = tl.m0, qo_start = tl.qo_start, qo_len = tl.qo_len, kv_start = tl.kv_start;
+  const int kv_len = tl.kv_len, prefix = tl.prefix, n_tiles = tl.n_tiles;
+  const int first_masked = tl.first_masked;
 
   const T* qg = static_cast<const T*>(p.q);
   const T* kg = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_h;

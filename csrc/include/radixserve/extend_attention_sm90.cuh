@@ -70,17 +70,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   __syncthreads();
   const int b = s_req;
   if (b < 0) return;
-  const int m0 = s_tile * BM;
-
-  const int qo_start = p.qo_indptr[b];
-  const int qo_len = p.qo_indptr[b + 1] - qo_start;
-  const int kv_start = p.kv_indptr[b];
-  const int kv_len = p.kv_indptr[b + 1] - kv_start;
-  const int prefix = kv_len - qo_len;
-  const int rows_here = min(BM, qo_len - m0);
-  const int kv_end = prefix + m0 + rows_here;          // the tile's last query sees [0, kv_end)
-  const int n_tiles = (kv_end + BN - 1) / BN;
-  const int first_masked = (prefix + m0) / BN;         // from here on the causal mask can bite
+  const ExtendTile tl = extend_tile<BM, BN>(p, b, s_tile);
+  const int m0 = tl.m0, qo_start = tl.qo_start, qo_len = tl.qo_len, kv_start = tl.kv_start;
+  const int kv_len = tl.kv_len, prefix = tl.prefix, n_tiles = tl.n_tiles;
+  const int first_masked = tl.first_masked;
 
   const T* qg = static_cast<const T*>(p.q);
   const T* kg = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_h;
