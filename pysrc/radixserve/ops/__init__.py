@@ -41,7 +41,9 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
     k_cache, v_cache: [num_slots, num_kv_heads, head_dim] (bf16/fp16/fp32, contiguous)
     k, v:             [num_tokens, num_kv_heads, head_dim], same dtype as the cache
-    slot_indices:     [num_tokens] int32/int64, each < num_slots, no duplicates
+    slot_indices:     [num_tokens] int32/int64, each < num_slots, no duplicates except the
+                      padding slot 0 (padded rows of a CUDA-graph batch all write there; which
+                      row's K/V it ends up holding is unspecified, and nothing reads it)
     Mutates k_cache[slot_indices], v_cache[slot_indices]; nothing else.
     """
     if _use_kernel(k_cache):
