@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -71,23 +72,34 @@ cudaError_t launch_paged_decode(const DecodeParams& p, int batch, cudaStream_t s
 }
 
 // The wgmma extend kernel can run: the current device is a Hopper (9.0) and this binary carries
-// an sm_90a image of it (an sm_80-only build or another GPU gets the mma.sync kernel).
+// an sm_90a image of it (an sm_80-only build or another GPU gets the mma.sync kernel). Asked
+// once per kernel and device: the answer sits on every extend launch's host path.
 template <typename T, int D>
 bool extend_wgmma_available() {
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+  static std::atomic<uint64_t> known{0}, yes{0};  // bit d: device d asked / answered yes
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
-  if (major != 9 || minor != 0) return false;
-  cudaFuncAttributes attr;
-  if (cudaFuncGetAttributes(&attr, sm90::paged_extend_kernel<T, D>) != cudaSuccess) {
-    (void)cudaGetLastError();  // no image for this device: clear the error, fall back
-    return false;
+  const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
+  if (bit && (known.load(std::memory_order_acquire) & bit))
+    return (yes.load(std::memory_order_relaxed) & bit) != 0;
+  int major = 0, minor = 0;
+  bool ok = false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+      major == 9 && minor == 0) {
+    cudaFuncAttributes attr;
+    ok = cudaFuncGetAttributes(&attr, sm90::paged_extend_kernel<T, D>) == cudaSuccess &&
+         attr.binaryVersion == 90;
   }
-  return attr.binaryVersion == 90;
+  (void)cudaGetLastError();  // a device without an image for the kernel: clear, fall back
+  if (bit) {
+    if (ok) yes.fetch_or(bit, std::memory_order_relaxed);
+    known.fetch_or(bit, std::memory_order_release);   // after yes: readers see both
+  }
+  return ok;
 }
 
 // Launches extend with the wgmma kernel (wgmma = true; only where extend_wgmma_available) or the

@@ -280,25 +280,15 @@ __device__ __forceinline__ void block_scan(float v, float* warp_tot /* [kWarps] 
   total = all;
 }
 
-__device__ __forceinline__ float block_sum_f(float v, float* scratch) {
+// Block-wide sum of one value per thread (float or int); scratch: [kWarps] in shared memory.
+template <typename V>
+__device__ __forceinline__ V block_sum(V v, V* scratch) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   __syncthreads();
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
   __syncthreads();
-  float t = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) t += scratch[w];
-  return t;
-}
-
-__device__ __forceinline__ int block_sum_i(int v, int32_t* scratch) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  int t = 0;
+  V t = 0;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) t += scratch[w];
   return t;
@@ -633,7 +623,7 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
         return (!use_p || excl < p_mass) && (!use_minp || e >= min_p);
       };
       const bool k0 = keep(r0, excl0, e0), k1 = keep(r1, excl1, e1);
-      const int L = block_sum_i((k0 ? 1 : 0) + (k1 ? 1 : 0), sm.i_scratch);  // kept prefix
+      const int L = block_sum<int32_t>((k0 ? 1 : 0) + (k1 ? 1 : 0), sm.i_scratch);  // kept prefix
       if (tid == 0) sm.chosen = INT32_MAX;
       if (r0 == L - 1) sm.scan_carry = incl0;
       if (r1 == L - 1) sm.scan_carry = incl1;
@@ -781,7 +771,7 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
 #pragma unroll
           for (int j = 0; j < kElems; ++j) acc += kept_e(x[j], (allow >> j) & 1u);
         }
-        S = block_sum_f(acc, sm.f_scratch);
+        S = block_sum<float>(acc, sm.f_scratch);
       }
       const double target = u * (double)S;
       // sampling pass: prefix sums over tiles until the running mass passes target. Thread
