@@ -102,6 +102,32 @@ def test_distribution_matches_filtered_probs(name, dtype, vocab, temperature, to
     assert not torch.equal(ids, ids3) or probs.max() > 0.999, "a new seed should change the draws"
 
 
+@pytest.mark.parametrize("top_k", [1, 50, 64, 300])
+@pytest.mark.parametrize("masked", [False, True])
+def test_ascending_logits_overflow_the_first_tiles_threshold(top_k, masked):
+    """Logits rising with the token id: the threshold the kernel derives from the first tile is
+    below every later token, so a free-running pass (top_k <= 64) overflows its candidate
+    buffer and must collect again block-synchronised; larger top_k compacts after many tiles.
+    The draws must still follow the filtered distribution."""
+    draws, vocab = 1 << 16, 128256
+    row = (torch.arange(vocab, dtype=torch.float32) * 0.01).cuda()
+    if masked:
+        bits, allowed = _random_mask(1, vocab, keep=0.6, seed=top_k)
+        bits_e = bits.expand(draws, -1)
+    else:
+        bits, allowed, bits_e = None, torch.ones(1, vocab, dtype=torch.bool, device="cuda"), None
+    prm = _params(draws, 1.0, top_k, 1.0, 0.0)
+    ids, logprobs = _sample(row[None, :].expand(draws, vocab), bits_e, **prm)
+    assert allowed[0, ids].all(), "a masked token was sampled"
+    torch.testing.assert_close(logprobs, torch.log_softmax(row, -1)[ids], atol=1e-4, rtol=1e-5)
+    probs = ref.filtered_probs(row[None], bits, prm["temperature"][:1], prm["top_k"][:1],
+                               prm["top_p"][:1], prm["min_p"][:1])[0]
+    if top_k == 1:
+        assert torch.equal(ids, torch.full_like(ids, int(probs.argmax())))
+    else:
+        _tv_check(ids, probs, f"ascending top_k={top_k}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,vocab", [(1, 128256), (19, 32000), (99, 989), (19, 17)])
 def test_mixed_batch_greedy_and_sampled_rows(dtype, batch, vocab):

@@ -71,6 +71,7 @@ constexpr int kThreads = 512;
 constexpr int kElems = 16;                      // elements per thread per tile
 constexpr int kTile = kThreads * kElems;        // 8192
 constexpr int kTopKCap = 1024;                  // top_k in [1, kTopKCap] runs the buffer path
+constexpr int kFreeRunTopK = 64;                // top_k up to this runs pass 1 without barriers
 constexpr int kBufCap = kTopKCap + kTile;       // candidates held in shared memory
 constexpr int kItems = (kBufCap + kThreads - 1) / kThreads;
 constexpr int kPivots = 8;                      // pivots per threshold-search pass
@@ -245,6 +246,7 @@ struct SampleShared {
   int32_t sel_remaining;
   int32_t sel_done;
   int32_t count;
+  int32_t overflow;        // free-running pass 1: a warp's candidates did not fit
   int32_t chosen;
   float row_m_raw, row_s_raw, row_best_v, row_z;
   int32_t row_best_i;
@@ -428,6 +430,7 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
 
   if (tid == 0) {
     sm.count = 0;
+    sm.overflow = 0;
     sm.theta = 0;
   }
   __syncthreads();
@@ -438,6 +441,67 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   int32_t best_i = INT32_MAX;
   float s_y = 0.f;                          // sum exp(x/t - best_v/t) over allowed
   uint64_t theta = 0;
+  // Top-k candidates. Rows with top_k <= kFreeRunTopK run pass 1 without block barriers once
+  // theta is initialised from the first tile (free_run): warps append with one atomic each,
+  // and a warp whose candidates would not fit raises sm.overflow instead of writing; then the
+  // candidates are collected again below with the block-synchronised append (rare: the first
+  // tile's theta keeps about k candidates per tile). Other top-k rows settle after every tile:
+  // when the next tile could overflow the buffer, select the k-th largest key as the new theta
+  // and compact.
+  bool free_run = false;
+  // appends this thread's elements of the tile with key >= theta (guard: free-running)
+  auto append = [&](const float (&x)[kElems], uint32_t allow, int64_t base, bool guard) {
+    // Cheap pre-filter: a warp without any candidate skips the append. theta_f is a float
+    // lower bound of theta's value.
+    const uint32_t tk = (uint32_t)(theta >> 32);
+    const float theta_f = tk <= 0x007FFFFFu ? -INFINITY
+                                            : __uint_as_float((tk & 0x80000000u) ? (tk & 0x7FFFFFFFu) : ~tk);
+    bool any = false;
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) any |= ((allow >> j) & 1u) && x[j] >= theta_f;
+    if (!__any_sync(0xffffffffu, any)) return;
+    // this thread's candidates as a bit mask, one warp scan for their positions, one shared
+    // atomic per warp, then predicated stores
+    uint32_t mine = 0;
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) {
+      const int32_t id = (int32_t)elem_index<VEC>(base, j);
+      if (((allow >> j) & 1u) && cand_key(x[j], id) >= theta) mine |= 1u << j;
+    }
+    const int cnt = __popc(mine);
+    int incl = cnt;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    int wbase = 0;
+    if (lane == 31 && incl > 0) wbase = atomicAdd(&sm.count, incl);   // lane 31: warp total
+    wbase = __shfl_sync(0xffffffffu, wbase, 31);
+    if (guard && wbase + __shfl_sync(0xffffffffu, incl, 31) > kBufCap) {
+      if (lane == 0) sm.overflow = 1;
+      return;
+    }
+    int pos = wbase + incl - cnt;
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) {
+      if ((mine >> j) & 1u) {
+        sm.val[pos] = x[j];
+        sm.idx[pos] = (int32_t)elem_index<VEC>(base, j);
+        ++pos;
+      }
+    }
+  };
+  // block-synchronised: if the next tile could overflow the buffer, raise theta and compact
+  auto settle = [&]() {
+    __syncthreads();
+    const int n = sm.count;
+    __syncthreads();  // every thread has read count before the next tile appends
+    if (n > kBufCap - kTile && n > k_eff) {
+      theta = select_kth(sm, n, (int)k_eff);
+      compact_candidates(sm, n, theta);
+    }
+  };
   l2_prefetch_tile<T>(row, vocab, kTile);
   for (int64_t base = 0; base < vocab; base += kTile) {
     l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
@@ -477,58 +541,32 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       // First tile: theta starts at the k-th largest of the threads' best keys (the k elements
       // behind them are >= it, so theta stays <= the row's k-th largest key); the tile then
       // appends about k candidates instead of all kTile, and the select over kTile keys it
-      // used to trigger (the costliest step of the top-k path) becomes one over kThreads keys.
-      // Threads without a finite allowed element offer the smallest key; with fewer than k
-      // such threads theta stays 0.
+      // used to trigger becomes one over kThreads keys. Threads without a finite allowed
+      // element offer the smallest key; with fewer than k such threads theta stays 0.
       if (__syncthreads_count(jb >= 0) >= k_eff) {
         sm.val[tid] = jb >= 0 ? bm : -INFINITY;
         sm.idx[tid] = jb >= 0 ? (int32_t)elem_index<VEC>(base, jb) : INT32_MAX;
         theta = select_kth(sm, kThreads, (int)k_eff);  // starts and ends with a barrier
+        free_run = k_eff <= kFreeRunTopK;
       }
     }
     if (buffer_path) {
-      // Cheap pre-filter: most tiles hold few candidates, and a warp without any skips the
-      // append. theta_f is a float lower bound of theta's value.
-      const uint32_t tk = (uint32_t)(theta >> 32);
-      const float theta_f = tk <= 0x007FFFFFu ? -INFINITY
-                                              : __uint_as_float((tk & 0x80000000u) ? (tk & 0x7FFFFFFFu) : ~tk);
-      bool any = false;
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) any |= ((allow >> j) & 1u) && x[j] >= theta_f;
-      if (__any_sync(0xffffffffu, any)) {
-        // this thread's candidates as a bit mask, one warp scan for their positions, one
-        // shared atomic per warp, then predicated stores (no per-element ballots)
-        uint32_t mine = 0;
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) {
-          const int32_t id = (int32_t)elem_index<VEC>(base, j);
-          if (((allow >> j) & 1u) && cand_key(x[j], id) >= theta) mine |= 1u << j;
-        }
-        const int cnt = __popc(mine);
-        int incl = cnt;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-          const int y = __shfl_up_sync(0xffffffffu, incl, off);
-          if (lane >= off) incl += y;
-        }
-        int wbase = 0;
-        if (lane == 31 && incl > 0) wbase = atomicAdd(&sm.count, incl);   // lane 31: warp total
-        int pos = __shfl_sync(0xffffffffu, wbase, 31) + incl - cnt;
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) {
-          if ((mine >> j) & 1u) {
-            sm.val[pos] = x[j];
-            sm.idx[pos] = (int32_t)elem_index<VEC>(base, j);
-            ++pos;
-          }
-        }
-      }
-      __syncthreads();
-      const int n = sm.count;
-      __syncthreads();  // every thread has read count before the next tile appends
-      if (n > kBufCap - kTile && n > k_eff) {
-        theta = select_kth(sm, n, (int)k_eff);
-        compact_candidates(sm, n, theta);
+      append(x, allow, base, free_run);
+      if (!free_run) settle();
+    }
+  }
+  if (free_run) {
+    __syncthreads();  // every append landed, sm.overflow final
+    if (sm.overflow) {
+      __syncthreads();  // every thread read the flag
+      if (tid == 0) sm.count = 0;
+      for (int64_t base = 0; base < vocab; base += kTile) {
+        __syncthreads();
+        float x[kElems];
+        uint32_t allow;
+        load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
+        append(x, allow, base, false);
+        settle();
       }
     }
   }
