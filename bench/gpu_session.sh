@@ -21,7 +21,7 @@ for stage in "$@"; do
         RADIXSERVE_CUDA=1 RADIXSERVE_CUDA_ARCHS=90a MAX_JOBS=16 python3 setup.py build_ext --inplace \
           2>&1 | tail -20 | tee -a "$OUT/log.txt"
       fi
-      python3 -c "import radixserve._C, torch; print('ext ok', torch.__version__)" 2>&1 | tee -a "$OUT/log.txt" ;;
+      python3 -c "import torch, radixserve._C; print('ext ok', torch.__version__)" 2>&1 | tee -a "$OUT/log.txt" ;;
     gguf)
       mkdir -p /tmp/gguf
       cp .gguf/part.* /tmp/gguf/ 2>/dev/null

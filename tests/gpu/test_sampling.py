@@ -128,6 +128,26 @@ def test_ascending_logits_overflow_the_first_tiles_threshold(top_k, masked):
         _tv_check(ids, probs, f"ascending top_k={top_k}")
 
 
+@pytest.mark.parametrize("gap", [30.0, 100.0])
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 0.9)])
+def test_temperature_one_with_the_allowed_max_far_below_the_raw_max(gap, top_k, top_p):
+    """At temperature 1 the kernel sums Z relative to the raw max. Here every masked token sits
+    `gap` above the allowed ones: at 30 that sum is exact enough; at 100 every allowed term
+    underflows relative to the raw max, and Z must be summed again relative to the allowed max.
+    Either way the draws follow the filtered distribution and the logprobs stay raw."""
+    draws, vocab = 1 << 16, 32000
+    row = _distinct_logits(vocab, torch.float32, seed=7)
+    bits, allowed = _random_mask(1, vocab, keep=0.6, seed=11)
+    row = torch.where(allowed[0], row, row + gap)
+    prm = _params(draws, 1.0, top_k, top_p, 0.0)
+    ids, logprobs = _sample(row[None, :].expand(draws, vocab), bits.expand(draws, -1), **prm)
+    assert allowed[0, ids].all(), "a masked token was sampled"
+    torch.testing.assert_close(logprobs, torch.log_softmax(row, -1)[ids], atol=1e-4, rtol=1e-5)
+    probs = ref.filtered_probs(row[None], bits, prm["temperature"][:1], prm["top_k"][:1],
+                               prm["top_p"][:1], prm["min_p"][:1])[0]
+    _tv_check(ids, probs, f"gap {gap} top_k {top_k}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,vocab", [(1, 128256), (19, 32000), (99, 989), (19, 17)])
 def test_mixed_batch_greedy_and_sampled_rows(dtype, batch, vocab):

@@ -46,14 +46,16 @@
 //   the streaming path keeps every token whose value equals the threshold value.
 //
 // Measured (H200, bench/kernels.py, batch 256 x vocab 128256 fp32, bitmask on every row; one read
-// of the logits = logits.sum() = 46.5 us): top_k 50 + top_p 0.9: 135 us (2.9x a read); greedy:
-// 51 us (1.1x); plain sampling: 116 us (2.5x); min_p only: 159 us (3.4x); top_p without top_k
-// (threshold search): 617 us (13x). Peers: torch mask+topk+softmax+multinomial 1229 us, the
-// reference's full sort 4987 us. Pass 1 alone (greedy) runs near a read; every further streaming
-// pass costs ~45 us. The top-k path's extra ~65 us is not profiled yet; the likely cause is the
-// two __syncthreads per tile of the candidate path, which drain the loads in flight at every tile
-// boundary (the greedy loop has none): prefetching the next tile's registers across the barrier
-// is the next thing to try (a warp-aggregated select histogram did not move it).
+// of the logits = logits.sum() = 42.4 us in that run): top_k 50 + top_p 0.9: 74 us (1.75x a
+// read); greedy: 47.5 us (1.1x); plain sampling: 101 us (2.4x); min_p only: 147 us (3.5x);
+// top_p without top_k (threshold search): 613 us (14x). Peers: torch mask+topk+softmax+
+// multinomial ~1100 us, the reference's full sort ~4850 us.
+// Pass 1 is issue-bound, not memory-bound: a sweep of diagnostic variants (.exp-style, one
+// variant per build, same run) split the former 110 us top-k time into pass 1 alone 56 us
+// (45 us without the second exp per element), the first-tile select 8 us, the candidate append
+// 39 us and the final select/rank 8 us. Hence the lean append (one float compare per element,
+// bit-by-bit stores) -> 87 us, and the shared exp at temperature 1 -> 73 us; at temperature 0.7
+// the same row takes 80 us. Rows with top_k <= kFreeRunTopK run pass 1 without block barriers.
 #pragma once
 
 #include <cstdint>
@@ -76,6 +78,11 @@ constexpr int kBufCap = kTopKCap + kTile;       // candidates held in shared mem
 constexpr int kItems = (kBufCap + kThreads - 1) / kThreads;
 constexpr int kPivots = 8;                      // pivots per threshold-search pass
 constexpr int kWarps = kThreads / 32;
+// Temperature 1 sums Z relative to the raw max m in pass 1. Allowed terms below m - 87 flush
+// to zero there; relative to the allowed max M they weigh < exp(-(87 - (m - M))) each, under
+// exp(-35) in all for m - M <= 40 and 2^17 tokens: far below fp32 resolution. A row whose
+// allowed max lies more than kZGapMax below its raw max sums Z again (one more read).
+constexpr float kZGapMax = 40.f;
 
 struct SampleParams {
   const void* logits;        // [batch, vocab] float or bf16, row stride logits_stride
@@ -224,6 +231,13 @@ __device__ __forceinline__ uint64_t cand_key(float v, int32_t id) {
   return ((uint64_t)ordered_key(v) << 32) | (uint64_t)(~(uint32_t)id);
 }
 
+// The logit value of a candidate key (-inf for keys at or below -inf's, e.g. theta = 0): every
+// candidate with key >= theta has value >= key_value(theta).
+__device__ __forceinline__ float key_value(uint64_t key) {
+  const uint32_t k = (uint32_t)(key >> 32);
+  return k <= 0x007FFFFFu ? -INFINITY : __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
 // (max, sum exp(x - max)) pairs.
 __device__ __forceinline__ void lse_combine(float& m, float& s, float m2, float s2) {
   const float mx = fmaxf(m, m2);
@@ -250,6 +264,7 @@ struct SampleShared {
   int32_t chosen;
   float row_m_raw, row_s_raw, row_best_v, row_z;
   int32_t row_best_i;
+  int32_t z_recompute;     // temperature 1: Z summed again relative to M (see kZGapMax)
   float scan_carry;
   uint32_t lo, hi;
   int32_t stop;
@@ -420,6 +435,10 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   const float temp = p.temperature[row_id];
   const bool greedy = !(temp > 0.f);
   const float inv_t = 1.f / fmaxf(temp, 1e-6f);
+  // Temperature 1: e = exp(x - m) serves both the logsumexp and Z (one exp per element, not
+  // two; pass 1 is issue-bound). Z is then summed relative to the raw max m instead of the
+  // allowed max M; see kZGapMax for when it is recomputed.
+  const bool t1 = temp == 1.f;
   const int64_t k_raw = p.top_k[row_id];
   const int64_t k_eff = (k_raw <= 0 || k_raw >= vocab) ? 0 : k_raw;  // 0: top-k off
   const float top_p = p.top_p[row_id];
@@ -449,25 +468,20 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   // when the next tile could overflow the buffer, select the k-th largest key as the new theta
   // and compact.
   bool free_run = false;
-  // appends this thread's elements of the tile with key >= theta (guard: free-running)
+  // Appends this thread's allowed elements of the tile whose value is >= theta's value: a
+  // superset of the keys >= theta (ties on the value), which the exact selects trim. Pass 1 is
+  // issue-bound, so this is lean: one compare per element, and only a warp with a candidate
+  // goes on (one scan, one shared atomic); a thread stores its few candidates bit by bit,
+  // re-reading each value (just loaded by this thread: an L1 hit) rather than indexing x[]
+  // dynamically. guard (free-running): a warp whose candidates would not fit raises
+  // sm.overflow instead of writing.
   auto append = [&](const float (&x)[kElems], uint32_t allow, int64_t base, bool guard) {
-    // Cheap pre-filter: a warp without any candidate skips the append. theta_f is a float
-    // lower bound of theta's value.
-    const uint32_t tk = (uint32_t)(theta >> 32);
-    const float theta_f = tk <= 0x007FFFFFu ? -INFINITY
-                                            : __uint_as_float((tk & 0x80000000u) ? (tk & 0x7FFFFFFFu) : ~tk);
-    bool any = false;
-#pragma unroll
-    for (int j = 0; j < kElems; ++j) any |= ((allow >> j) & 1u) && x[j] >= theta_f;
-    if (!__any_sync(0xffffffffu, any)) return;
-    // this thread's candidates as a bit mask, one warp scan for their positions, one shared
-    // atomic per warp, then predicated stores
+    const float theta_f = key_value(theta);
     uint32_t mine = 0;
 #pragma unroll
-    for (int j = 0; j < kElems; ++j) {
-      const int32_t id = (int32_t)elem_index<VEC>(base, j);
-      if (((allow >> j) & 1u) && cand_key(x[j], id) >= theta) mine |= 1u << j;
-    }
+    for (int j = 0; j < kElems; ++j) mine |= (x[j] >= theta_f ? 1u : 0u) << j;
+    mine &= allow;
+    if (!__any_sync(0xffffffffu, mine != 0u)) return;
     const int cnt = __popc(mine);
     int incl = cnt;
 #pragma unroll
@@ -483,13 +497,13 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       return;
     }
     int pos = wbase + incl - cnt;
-#pragma unroll
-    for (int j = 0; j < kElems; ++j) {
-      if ((mine >> j) & 1u) {
-        sm.val[pos] = x[j];
-        sm.idx[pos] = (int32_t)elem_index<VEC>(base, j);
-        ++pos;
-      }
+    while (mine != 0u) {
+      const int j = __ffs(mine) - 1;
+      mine &= mine - 1u;
+      const int64_t id = elem_index<VEC>(base, j);
+      sm.val[pos] = load_f(row + id);
+      sm.idx[pos] = (int32_t)id;
+      ++pos;
     }
   };
   // block-synchronised: if the next tile could overflow the buffer, raise theta and compact
@@ -519,19 +533,30 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       }
     }
     if (vm > m_raw) {
-      s_raw *= __expf(m_raw - vm);
+      const float c = __expf(m_raw - vm);
+      s_raw *= c;
+      if (t1) s_y *= c;
       m_raw = vm;
     }
     if (m_raw != -INFINITY) {
+      if (t1) {
 #pragma unroll
-      for (int j = 0; j < kElems; ++j) s_raw += __expf(x[j] - m_raw);
+        for (int j = 0; j < kElems; ++j) {
+          const float e = __expf(x[j] - m_raw);
+          s_raw += e;
+          s_y += ((allow >> j) & 1u) ? e : 0.f;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) s_raw += __expf(x[j] - m_raw);
+      }
     }
     if (bm > best_v) {
-      if (!greedy) s_y *= __expf((best_v - bm) * inv_t);
+      if (!greedy && !t1) s_y *= __expf((best_v - bm) * inv_t);
       best_v = bm;
       best_i = (int32_t)elem_index<VEC>(base, jb);
     }
-    if (!greedy && best_v != -INFINITY) {
+    if (!greedy && !t1 && best_v != -INFINITY) {
       const float my = best_v * inv_t;
 #pragma unroll
       for (int j = 0; j < kElems; ++j)
@@ -573,7 +598,8 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
 
   // ---------------------------------------------------------------- row statistics
   {
-    float sy_ref = best_v == -INFINITY ? -INFINITY : best_v * inv_t;
+    // s_y is relative to sy_ref: the thread's m_raw at temperature 1, else its best_v / t
+    float sy_ref = t1 ? m_raw : (best_v == -INFINITY ? -INFINITY : best_v * inv_t);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
       const float m2 = __shfl_xor_sync(0xffffffffu, m_raw, off);
@@ -609,7 +635,9 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
           bi = sm.red_bi[w];
         }
       }
-      // Z relative to the row max M/t (my == bv * inv_t up to the per-thread rounding)
+      // Z relative to the row max M/t (my == bv * inv_t up to the per-thread rounding, or
+      // the raw max m >= M at temperature 1)
+      sm.z_recompute = t1 && bv != -INFINITY && !(my - bv <= kZGapMax);
       if (!greedy && bv != -INFINITY) sy *= __expf(my - bv * inv_t);
       sm.row_m_raw = m;
       sm.row_s_raw = s;
@@ -620,8 +648,24 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
     __syncthreads();
   }
   const float M = sm.row_best_v;  // max allowed logit
-  const float Z = sm.row_z;
   const float My = M * inv_t;
+  float Z = sm.row_z;
+  if (sm.z_recompute) {
+    // temperature 1 and the allowed max far below the raw max: allowed terms that underflowed
+    // relative to m may matter relative to M. Sum Z = sum exp(x - M) over allowed again.
+    float acc = 0.f;
+    l2_prefetch_tile<T>(row, vocab, 0);
+    l2_prefetch_tile<T>(row, vocab, kTile);
+    for (int64_t base = 0; base < vocab; base += kTile) {
+      l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
+      float x[kElems];
+      uint32_t allow;
+      load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) acc += ((allow >> j) & 1u) ? __expf(x[j] - M) : 0.f;
+    }
+    Z = block_sum<float>(acc, sm.f_scratch);
+  }
   int64_t chosen = sm.row_best_i == INT32_MAX ? 0 : sm.row_best_i;  // greedy / fallback
   const bool any_allowed = sm.row_best_i != INT32_MAX;
 
