@@ -107,13 +107,25 @@ def bench_sampling(results, copy_bw, rows):
         ("bitmask_sample_plain", 1.0, 0, 1.0, 0.0),
         ("bitmask_sample_topp_only", 1.0, 0, 0.9, 0.0),
         ("bitmask_sample_minp_only", 1.0, 0, 1.0, 0.05),
+        ("bitmask_sample_topk256", 1.0, 256, 1.0, 0.0),
+        ("bitmask_sample_topk1000_topp", 1.0, 1000, 0.9, 0.0),
+        ("bitmask_sample_temp0.7", 0.7, 50, 0.9, 0.0),
     ]
-    for name, t, k, p, mp in configs:
+    # Peaked rows, closer to a language model's: 32 tokens per row 20 logits up hold nearly all
+    # the mass, so a top_p 0.9 nucleus has tens of tokens. The random normal rows (std 3)
+    # spread top_p 0.9 over ~5000 tokens: the streaming threshold search's case.
+    peaked = logits.clone()
+    peaked[:, ::4001] += 20.0
+    configs += [("bitmask_sample_topp_only_peaked", 1.0, 0, 0.9, 0.0, peaked),
+                ("bitmask_sample_minp_only_peaked", 1.0, 0, 1.0, 0.05, peaked)]
+    for name, t, k, p, mp, *lg in configs:
         prm = params(t, k, p, mp)
-        us = time_us(lambda i: ops.bitmask_sample(logits, bits, *prm), reps=30)
+        x = lg[0] if lg else logits
+        us = time_us(lambda i: ops.bitmask_sample(x, bits, *prm), reps=30)
         results[f"{name}_us"] = us
         results[f"{name}_vs_logits_read"] = us / read_us
         rows.append((name + " [256x128256 f32, mask]", us, read_us, "x logits read", us / read_us, None, None))
+    del peaked
     for dtype_name, lg in [("bf16", logits.to(torch.bfloat16))]:
         prm = params(1.0, 50, 0.9, 0.0)
         us = time_us(lambda i: ops.bitmask_sample(lg, bits, *prm), reps=30)

@@ -67,9 +67,10 @@ CASES = [
     ("topk50_topp0.9", torch.float32, 32000, 1.0, 50, 0.9, 0.0),
     ("topk20_bf16_oddvocab", torch.bfloat16, 50257, 0.8, 20, 1.0, 0.0),
     ("topk1000_minp", torch.float32, 4097, 1.3, 1000, 1.0, 0.01),
-    ("topp0.8_stream", torch.float32, 8192, 0.7, 0, 0.8, 0.0),
-    ("topp0.9_bf16_stream", torch.bfloat16, 989, 1.0, 0, 0.9, 0.0),
-    ("minp0.05_stream", torch.float32, 17, 1.5, 0, 1.0, 0.05),
+    # top_p / min_p without top_k: the buffer path with k = 256 holds these rows' kept sets
+    ("topp0.8_spec", torch.float32, 8192, 0.7, 0, 0.8, 0.0),
+    ("topp0.9_bf16_spec", torch.bfloat16, 989, 1.0, 0, 0.9, 0.0),
+    ("minp0.05_spec", torch.float32, 17, 1.5, 0, 1.0, 0.05),
     ("plain_stream", torch.float32, 4097, 1.0, 0, 1.0, 0.0),
     ("topk2000_topp_stream", torch.float32, 8191, 2.0, 2000, 0.95, 0.0),
 ]
@@ -100,6 +101,47 @@ def test_distribution_matches_filtered_probs(name, dtype, vocab, temperature, to
     prm["seeds"] += 1
     ids3, _ = _sample(logits, bits_e, **prm)
     assert not torch.equal(ids, ids3) or probs.max() > 0.999, "a new seed should change the draws"
+
+
+def _flat_logits(vocab, num_high, seed):
+    """num_high distinct values spread over [5, 5 + num_high / 1024) and a bulk far below:
+    the top_p / min_p kept set is a large share of the num_high tokens."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(vocab, generator=g) * 0.5 - 20.0
+    pos = torch.randperm(vocab, generator=g)[:num_high]
+    x[pos] = 5.0 + torch.randperm(num_high, generator=g).float() / 1024.0
+    return x.cuda()
+
+
+@pytest.mark.parametrize("num_high,top_p,min_p", [
+    (300, 0.8, 0.0),     # kept ~240 of the 256 buffered: one pass
+    (300, 0.9, 0.0),     # kept ~270: the buffer does not cover it, the streaming search runs
+    (300, 0.85, 0.0),    # near the boundary
+    (20000, 0.9, 0.0),   # top_p keeps the ~2360 tokens within ln 10 of the max
+    (20000, 1.0, 0.9),   # min_p keeps the ~108 within -ln 0.9 of the max: one pass
+    (20000, 1.0, 0.5),   # min_p keeps the ~710 within ln 2: the streaming path
+])
+@pytest.mark.parametrize("masked", [False, True])
+def test_top_p_min_p_rows_whose_kept_set_the_buffer_may_not_hold(num_high, top_p, min_p, masked):
+    """top_p / min_p rows without top_k try a 256-candidate buffer first; when the kept set is
+    larger, the streaming threshold search must take over. Either way: the filtered
+    distribution, no masked token, raw logprobs."""
+    draws, vocab = 1 << 16, 32000
+    row = _flat_logits(vocab, num_high, seed=num_high + int(top_p * 100))
+    if masked:
+        bits, allowed = _random_mask(1, vocab, keep=0.6, seed=3)
+        bits_e = bits.expand(draws, -1)
+    else:
+        bits, allowed, bits_e = None, torch.ones(1, vocab, dtype=torch.bool, device="cuda"), None
+    prm = _params(draws, 1.0, 0, top_p, min_p)
+    ids, logprobs = _sample(row[None, :].expand(draws, vocab), bits_e, **prm)
+    assert allowed[0, ids].all(), "a masked token was sampled"
+    torch.testing.assert_close(logprobs, torch.log_softmax(row, -1)[ids], atol=1e-4, rtol=1e-5)
+    probs = ref.filtered_probs(row[None], bits, prm["temperature"][:1], prm["top_k"][:1],
+                               prm["top_p"][:1], prm["min_p"][:1])[0]
+    kept = int((probs > 0).sum())
+    assert kept > 50, f"the case should keep many tokens, kept {kept}"
+    _tv_check(ids, probs, f"num_high {num_high} top_p {top_p} min_p {min_p}: {kept} kept")
 
 
 @pytest.mark.parametrize("top_k", [1, 50, 64, 300])

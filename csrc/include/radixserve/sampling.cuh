@@ -19,20 +19,28 @@
 // Algorithm, per row (one CTA of kThreads threads, rows streamed in tiles of kTile elements;
 // each thread reads 16 consecutive elements per tile with 16-byte loads when the rows are
 // 16-byte aligned):
-//   Pass 1 (the only pass over the logits for greedy rows and for 1 <= top_k <= kTopKCap):
+//   Pass 1 (the only pass over the logits for greedy rows, for 1 <= top_k <= kTopKCap, and for
+//   top_p / min_p rows whose kept set the kSpecK best tokens hold):
 //     - online (max, sum exp) of the raw logits          -> logsumexp for the logprob
 //     - first argmax of the allowed logits                -> greedy id, and M = max allowed
-//     - online sum of exp(x/t - running max/t) (allowed)  -> Z
-//     - top-k rows: a candidate buffer in shared memory. A token is appended (warp-aggregated
-//       atomics) when its 64-bit key (order-preserving float bits << 32 | ~id) is >= a running
-//       threshold; whenever the buffer could overflow on the next tile, an exact block-wide
-//       radix select (8-bit digits over the 64-bit key, early exit once the k-th bin is taken
-//       whole) finds the k-th largest key, which becomes the threshold, and the buffer is
-//       compacted to exactly k entries. The threshold only rises and is always <= the true
-//       k-th largest key of the row so far, so the buffer always holds the row's exact top-k.
+//     - online sum of exp(x/t - running max/t) (allowed)  -> Z (at t = 1 the same exp as the
+//       logsumexp's, see kZGapMax)
+//     - top-k rows (and top_p / min_p rows without top-k, as k = kSpecK): a candidate buffer in
+//       shared memory. A token is appended (warp-aggregated atomics) when its value is >= the
+//       value of a threshold key (64-bit: order-preserving float bits << 32 | ~id). The first
+//       tile sets the threshold to the k-th largest of the threads' maxima. Rows with
+//       k <= kFreeRunTopK then stream without block barriers (an overflowing buffer makes the
+//       row collect again the other way); other rows check after every tile: when the buffer
+//       could overflow on the next tile, an exact block-wide radix select (8-bit digits over
+//       the 64-bit key, early exit once the k-th bin is taken whole) finds the k-th largest
+//       key, which becomes the threshold, and the buffer is compacted to exactly k entries.
+//       The threshold only rises and is always <= the true k-th largest key of the row so
+//       far, so the buffer always holds the row's exact top-k.
 //   Top-k rows then finish in shared memory: exact select to k, rank by counting (k <= 1024),
 //   one block scan of e in rank order gives the top-p prefix; min-p is a bound on e; the kept
 //   set is a prefix of the ranked list, and the draw is an inverse-CDF search of u * mass(kept).
+//   A top_p / min_p row whose kept set may reach past its kSpecK buffered tokens falls through
+//   to the streaming path below.
 //   Other rows (no top-k, or top_k > kTopKCap) stream the row again from L2/HBM:
 //     - top-p (or a large top-k): a threshold search over the 32-bit ordered float keys: each
 //       pass counts tokens and their mass above kPivots evenly spaced pivot keys inside the
@@ -73,7 +81,8 @@ constexpr int kThreads = 512;
 constexpr int kElems = 16;                      // elements per thread per tile
 constexpr int kTile = kThreads * kElems;        // 8192
 constexpr int kTopKCap = 1024;                  // top_k in [1, kTopKCap] runs the buffer path
-constexpr int kFreeRunTopK = 64;                // top_k up to this runs pass 1 without barriers
+constexpr int kFreeRunTopK = 256;               // top_k up to this runs pass 1 without barriers
+constexpr int kSpecK = 256;                     // top_p / min_p rows without top_k try this k first
 constexpr int kBufCap = kTopKCap + kTile;       // candidates held in shared memory
 constexpr int kItems = (kBufCap + kThreads - 1) / kThreads;
 constexpr int kPivots = 8;                      // pivots per threshold-search pass
@@ -445,7 +454,13 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   const bool use_p = top_p < 1.f;
   const float min_p = p.min_p[row_id];
   const bool use_minp = min_p > 0.f;
-  const bool buffer_path = !greedy && k_eff > 0 && k_eff <= kTopKCap;
+  // Top-p / min-p rows without top-k first run the buffer path with k = kSpecK (spec): their
+  // kept set is a prefix of the ranked tokens, and when the kSpecK best tokens already hold
+  // top_p of the mass (or the last of them falls below min_p) it lies inside the buffer and
+  // the row needs one pass. Otherwise (flat rows) the streaming threshold search runs.
+  const bool spec = !greedy && k_eff == 0 && (use_p || use_minp);
+  const int64_t k_buf = spec ? kSpecK : k_eff;  // candidates the buffer path keeps
+  const bool buffer_path = !greedy && ((k_eff > 0 && k_eff <= kTopKCap) || spec);
 
   if (tid == 0) {
     sm.count = 0;
@@ -511,8 +526,8 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
     __syncthreads();
     const int n = sm.count;
     __syncthreads();  // every thread has read count before the next tile appends
-    if (n > kBufCap - kTile && n > k_eff) {
-      theta = select_kth(sm, n, (int)k_eff);
+    if (n > kBufCap - kTile && n > k_buf) {
+      theta = select_kth(sm, n, (int)k_buf);
       compact_candidates(sm, n, theta);
     }
   };
@@ -562,17 +577,17 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       for (int j = 0; j < kElems; ++j)
         if ((allow >> j) & 1u) s_y += __expf(x[j] * inv_t - my);
     }
-    if (buffer_path && base == 0 && k_eff <= kThreads) {
+    if (buffer_path && base == 0 && k_buf <= kThreads) {
       // First tile: theta starts at the k-th largest of the threads' best keys (the k elements
       // behind them are >= it, so theta stays <= the row's k-th largest key); the tile then
       // appends about k candidates instead of all kTile, and the select over kTile keys it
       // used to trigger becomes one over kThreads keys. Threads without a finite allowed
       // element offer the smallest key; with fewer than k such threads theta stays 0.
-      if (__syncthreads_count(jb >= 0) >= k_eff) {
+      if (__syncthreads_count(jb >= 0) >= k_buf) {
         sm.val[tid] = jb >= 0 ? bm : -INFINITY;
         sm.idx[tid] = jb >= 0 ? (int32_t)elem_index<VEC>(base, jb) : INT32_MAX;
-        theta = select_kth(sm, kThreads, (int)k_eff);  // starts and ends with a barrier
-        free_run = k_eff <= kFreeRunTopK;
+        theta = select_kth(sm, kThreads, (int)k_buf);  // starts and ends with a barrier
+        free_run = k_buf <= kFreeRunTopK;
       }
     }
     if (buffer_path) {
@@ -671,11 +686,12 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
 
   if (!greedy && any_allowed) {
     const double u = uniform_from(p.seeds[row_id], p.offsets[row_id]);
+    bool drawn = false;
     if (buffer_path) {
       // ------------------------------------------------ top-k path, all in shared memory
       int n = sm.count;
-      if (n > k_eff) {
-        const uint64_t th = select_kth(sm, n, (int)k_eff);
+      if (n > k_buf) {
+        const uint64_t th = select_kth(sm, n, (int)k_buf);
         n = compact_candidates(sm, n, th);
       }
       // rank by counting: keys are distinct, ranks are a permutation of [0, n)
@@ -699,24 +715,32 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       block_scan(e0 + e1, sm.f_scratch, excl0, incl_t, total);
       const float incl0 = excl0 + e0, excl1 = incl0, incl1 = incl0 + e1;
       const float p_mass = top_p * Z;
-      auto keep = [&](int r, float excl, float e) {
-        if (r >= n) return false;
-        if (r == 0) return true;
-        return (!use_p || excl < p_mass) && (!use_minp || e >= min_p);
-      };
-      const bool k0 = keep(r0, excl0, e0), k1 = keep(r1, excl1, e1);
-      const int L = block_sum<int32_t>((k0 ? 1 : 0) + (k1 ? 1 : 0), sm.i_scratch);  // kept prefix
-      if (tid == 0) sm.chosen = INT32_MAX;
-      if (r0 == L - 1) sm.scan_carry = incl0;
-      if (r1 == L - 1) sm.scan_carry = incl1;
-      __syncthreads();
-      const double target = u * (double)sm.scan_carry;
-      if (k0 && (double)excl0 <= target && target < (double)incl0) atomicMin(&sm.chosen, r0);
-      if (k1 && (double)excl1 <= target && target < (double)incl1) atomicMin(&sm.chosen, r1);
-      __syncthreads();
-      const int rc = sm.chosen == INT32_MAX ? L - 1 : sm.chosen;
-      chosen = sidx[rc];
-    } else {
+      // spec: the buffer holds the kept set when the row has fewer than k_buf allowed tokens,
+      // or the next token (rank n) would not be kept (uniform: block-wide values only)
+      const bool covered = !spec || n < k_buf || (use_p && !(total < p_mass)) ||
+                           (use_minp && !(__expf(sval[n - 1] * inv_t - My) >= min_p));
+      if (covered) {
+        auto keep = [&](int r, float excl, float e) {
+          if (r >= n) return false;
+          if (r == 0) return true;
+          return (!use_p || excl < p_mass) && (!use_minp || e >= min_p);
+        };
+        const bool k0 = keep(r0, excl0, e0), k1 = keep(r1, excl1, e1);
+        const int L = block_sum<int32_t>((k0 ? 1 : 0) + (k1 ? 1 : 0), sm.i_scratch);  // kept prefix
+        if (tid == 0) sm.chosen = INT32_MAX;
+        if (r0 == L - 1) sm.scan_carry = incl0;
+        if (r1 == L - 1) sm.scan_carry = incl1;
+        __syncthreads();
+        const double target = u * (double)sm.scan_carry;
+        if (k0 && (double)excl0 <= target && target < (double)incl0) atomicMin(&sm.chosen, r0);
+        if (k1 && (double)excl1 <= target && target < (double)incl1) atomicMin(&sm.chosen, r1);
+        __syncthreads();
+        const int rc = sm.chosen == INT32_MAX ? L - 1 : sm.chosen;
+        chosen = sidx[rc];
+        drawn = true;
+      }
+    }
+    if (!drawn) {
       // ------------------------------------------------ streaming path
       uint32_t lo = 0;
       const bool need_search = k_eff > 0 || use_p;
