@@ -67,6 +67,7 @@ CASES = [
     ("topk50_topp0.9", torch.float32, 32000, 1.0, 50, 0.9, 0.0),
     ("topk20_bf16_oddvocab", torch.bfloat16, 50257, 0.8, 20, 1.0, 0.0),
     ("topk1000_minp", torch.float32, 4097, 1.3, 1000, 1.0, 0.01),
+    ("topk300_bf16_topp", torch.bfloat16, 128256, 0.9, 300, 0.95, 0.0),
     # top_p / min_p without top_k: the buffer path with k = 256 holds these rows' kept sets
     ("topp0.8_spec", torch.float32, 8192, 0.7, 0, 0.8, 0.0),
     ("topp0.9_bf16_spec", torch.bfloat16, 989, 1.0, 0, 0.9, 0.0),
@@ -144,12 +145,35 @@ def test_top_p_min_p_rows_whose_kept_set_the_buffer_may_not_hold(num_high, top_p
     _tv_check(ids, probs, f"num_high {num_high} top_p {top_p} min_p {min_p}: {kept} kept")
 
 
-@pytest.mark.parametrize("top_k", [1, 50, 64, 300])
+@pytest.mark.parametrize("top_k", [300, 700, 1000])
+@pytest.mark.parametrize("masked", [False, True])
+def test_large_top_k_over_many_tiles(top_k, masked):
+    """top_k above the free-running limit (and above 512, where the first tile cannot set the
+    threshold) over 16 tiles: 20000 distinct values 1/1024 apart, so the k kept tokens are
+    nearly equally likely and a wrong token at the boundary would be drawn many times."""
+    draws, vocab = 1 << 16, 128256
+    row = _flat_logits(vocab, 20000, seed=top_k)
+    if masked:
+        bits, allowed = _random_mask(1, vocab, keep=0.6, seed=top_k)
+        bits_e = bits.expand(draws, -1)
+    else:
+        bits, allowed, bits_e = None, torch.ones(1, vocab, dtype=torch.bool, device="cuda"), None
+    prm = _params(draws, 1.0, top_k, 1.0, 0.0)
+    ids, logprobs = _sample(row[None, :].expand(draws, vocab), bits_e, **prm)
+    assert allowed[0, ids].all(), "a masked token was sampled"
+    probs = ref.filtered_probs(row[None], bits, prm["temperature"][:1], prm["top_k"][:1],
+                               prm["top_p"][:1], prm["min_p"][:1])[0]
+    assert int((probs > 0).sum()) == top_k
+    _tv_check(ids, probs, f"top_k {top_k}")
+
+
+@pytest.mark.parametrize("top_k", [1, 50, 64, 256, 300, 1000])
 @pytest.mark.parametrize("masked", [False, True])
 def test_ascending_logits_overflow_the_first_tiles_threshold(top_k, masked):
     """Logits rising with the token id: the threshold the kernel derives from the first tile is
-    below every later token, so a free-running pass (top_k <= 64) overflows its candidate
-    buffer and must collect again block-synchronised; larger top_k compacts after many tiles.
+    below every later token, so a free-running pass (top_k <= 256) overflows its candidate
+    buffer and must collect again block-synchronised; larger top_k, which selects only when the
+    buffer nears full, overflows too and must collect again the strict way.
     The draws must still follow the filtered distribution."""
     draws, vocab = 1 << 16, 128256
     row = (torch.arange(vocab, dtype=torch.float32) * 0.01).cuda()

@@ -85,6 +85,7 @@ constexpr int kTile = kThreads * kElems;        // 8192
 constexpr int kTopKCap = 1024;                  // top_k in [1, kTopKCap] runs the buffer path
 constexpr int kFreeRunTopK = 256;               // top_k up to this runs pass 1 without barriers
 constexpr int kSpecK = 256;                     // top_p / min_p rows without top_k try this k first
+constexpr int kLooseFactor = 4;                 // other buffer rows select at about this many x k
 constexpr int kBufCap = kTopKCap + kTile;       // candidates held in shared memory
 constexpr int kItems = (kBufCap + kThreads - 1) / kThreads;
 constexpr int kPivots = 8;                      // pivots per threshold-search pass
@@ -481,9 +482,8 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   // theta is initialised from the first tile (free_run): warps append with one atomic each,
   // and a warp whose candidates would not fit raises sm.overflow instead of writing; then the
   // candidates are collected again below with the block-synchronised append (rare: the first
-  // tile's theta keeps about k candidates per tile). Other top-k rows settle after every tile:
-  // when the next tile could overflow the buffer, select the k-th largest key as the new theta
-  // and compact.
+  // tile's theta keeps about k candidates per tile). Other top-k rows settle after every tile
+  // (below); they too may overflow and collect again.
   bool free_run = false;
   // Appends this thread's allowed elements of the tile whose value is >= theta's value: a
   // superset of the keys >= theta (ties on the value), which the exact selects trim. Pass 1 is
@@ -523,12 +523,22 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       ++pos;
     }
   };
-  // block-synchronised: if the next tile could overflow the buffer, raise theta and compact
-  auto settle = [&]() {
+  // Block-synchronised, after a tile: raise theta to the k-th largest key and compact once the
+  // buffer holds more than `limit` candidates. strict (limit kBufCap - kTile; also while theta
+  // is unset): the next tile cannot overflow. Loose (kLooseFactor k, at most kBufCap - 2 k):
+  // fewer selects for large k (strict selects after every tile at k = 1000), and a tile that
+  // would overflow raises sm.overflow through the guarded append instead; from then on nothing
+  // is selected (the buffer misses candidates) and the row collects again, strictly, after
+  // pass 1.
+  const int loose_limit =
+      max(kBufCap - kTile, min(kLooseFactor * (int)k_buf, kBufCap - 2 * (int)k_buf));
+  auto settle = [&](bool strict) {
     __syncthreads();
     const int n = sm.count;
+    const bool overflowed = sm.overflow != 0;
     __syncthreads();  // every thread has read count before the next tile appends
-    if (n > kBufCap - kTile && n > k_buf) {
+    const int limit = (strict || theta == 0) ? kBufCap - kTile : loose_limit;
+    if (!overflowed && n > limit && n > k_buf) {
       theta = select_kth(sm, n, (int)k_buf);
       compact_candidates(sm, n, theta);
     }
@@ -593,22 +603,26 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       }
     }
     if (buffer_path) {
-      append(x, allow, base, free_run);
-      if (!free_run) settle();
+      append(x, allow, base, true);
+      if (!free_run) settle(false);
     }
   }
-  if (free_run) {
+  if (buffer_path) {
     __syncthreads();  // every append landed, sm.overflow final
     if (sm.overflow) {
+      // theta is still a lower bound of the row's k-th largest key (set from complete buffers)
       __syncthreads();  // every thread read the flag
-      if (tid == 0) sm.count = 0;
+      if (tid == 0) {
+        sm.count = 0;
+        sm.overflow = 0;
+      }
       for (int64_t base = 0; base < vocab; base += kTile) {
         __syncthreads();
         float x[kElems];
         uint32_t allow;
         load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
         append(x, allow, base, false);
-        settle();
+        settle(true);
       }
     }
   }
