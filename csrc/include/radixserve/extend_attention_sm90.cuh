@@ -16,7 +16,7 @@
 // -> S wgmmas -> mask + online softmax (fp32, log2 domain) -> PV wgmmas -> wait, with the two
 // warpgroups taking turns on the tensor cores (ping-pong, named barriers 1 and 2) so that one's
 // softmax runs under the other's products.
-// Measured (H200, 4k causal, 32 heads, d128, .exp-style sweep in one run): lockstep 330 TFLOP/s,
+// Measured (H200, 4k causal, 32 heads, d128, bench/variants sweep in one run): lockstep 330 TFLOP/s,
 // ping-pong 344, + skipping the O rescale when no row max moved 350. ncu at 344: tensor pipe
 // 37% busy, 2 warps per scheduler, 37% of warp stalls at barriers (turns and the per-tile
 // __syncthreads) and 17% on fixed-latency dependencies: the softmax of one warp per scheduler

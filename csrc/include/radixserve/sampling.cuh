@@ -60,7 +60,7 @@
 // alone: 100.6 us on peaked rows (the buffer holds the kept set), 648 / 116 us on random normal
 // rows (top_p 0.9 spans ~5000 tokens there: the streaming search). Peers: torch mask+topk+
 // softmax+multinomial 1098 us, the reference's full sort 4856 us.
-// Pass 1 is issue-bound, not memory-bound: a sweep of diagnostic variants (.exp-style, one
+// Pass 1 is issue-bound, not memory-bound: a sweep of diagnostic variants (bench/variants, one
 // variant per build, same run) split the former 110 us top-k time into pass 1 alone 56 us
 // (45 us without the second exp per element), the first-tile select 8 us, the candidate append
 // 39 us and the final select/rank 8 us. Hence the lean append (one float compare per element,
