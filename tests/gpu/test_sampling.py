@@ -62,6 +62,29 @@ def _tv_check(ids, probs, label):
     return tv
 
 
+def _one_row_mask(masked, vocab, draws, seed):
+    """(bits [1, words] or None, allowed [1, vocab] bool, bits expanded to `draws` rows or None)."""
+    if not masked:
+        return None, torch.ones(1, vocab, dtype=torch.bool, device="cuda"), None
+    bits, allowed = _random_mask(1, vocab, keep=0.6, seed=seed)
+    return bits, allowed, bits.expand(draws, -1)
+
+
+def _draw_one_row(row, bits, allowed, bits_e, prm, check_logprobs=True):
+    """Samples `row` once per entry of prm (row stride 0, distinct offsets), asserts that no
+    masked token comes back and (check_logprobs) that the logprobs are the raw log-softmax;
+    returns (ids, logprobs, the filtered distribution the draws should follow)."""
+    draws, vocab = prm["seeds"].numel(), row.numel()
+    ids, logprobs = _sample(row[None, :].expand(draws, vocab), bits_e, **prm)
+    assert allowed[0, ids].all(), "a masked token was sampled"
+    if check_logprobs:
+        want_lp = torch.log_softmax(row.float(), -1)[ids]
+        torch.testing.assert_close(logprobs, want_lp, atol=1e-4, rtol=1e-5)
+    probs = ref.filtered_probs(row[None], bits, prm["temperature"][:1], prm["top_k"][:1],
+                               prm["top_p"][:1], prm["min_p"][:1])[0]
+    return ids, logprobs, probs
+
+
 CASES = [
     # name, dtype, vocab, temperature, top_k, top_p, min_p
     ("topk50_topp0.9", torch.float32, 32000, 1.0, 50, 0.9, 0.0),
@@ -82,20 +105,11 @@ CASES = [
 def test_distribution_matches_filtered_probs(name, dtype, vocab, temperature, top_k, top_p, min_p, masked):
     draws = 1 << 16
     row = _distinct_logits(vocab, dtype, seed=vocab + top_k, num_top=min(256, vocab))
-    if masked:
-        bits, allowed = _random_mask(1, vocab, keep=0.6, seed=vocab)
-        bits_e = bits.expand(draws, -1)
-    else:
-        bits, allowed, bits_e = None, torch.ones(1, vocab, dtype=torch.bool, device="cuda"), None
+    bits, allowed, bits_e = _one_row_mask(masked, vocab, draws, seed=vocab)
     logits = row[None, :].expand(draws, vocab)  # row stride 0: one row, 2^16 draws
     prm = _params(draws, temperature, top_k, top_p, min_p)
-    ids, logprobs = _sample(logits, bits_e, **prm)
+    ids, logprobs, probs = _draw_one_row(row, bits, allowed, bits_e, prm)
     assert ids.dtype == torch.int64 and logprobs.dtype == torch.float32
-    assert allowed[0, ids].all(), "a masked token was sampled"
-    want_lp = torch.log_softmax(row.float(), -1)[ids]
-    torch.testing.assert_close(logprobs, want_lp, atol=1e-4, rtol=1e-5)
-    probs = ref.filtered_probs(row[None], bits, prm["temperature"][:1], prm["top_k"][:1],
-                               prm["top_p"][:1], prm["min_p"][:1])[0]
     _tv_check(ids, probs, name)
     ids2, _ = _sample(logits, bits_e, **prm)
     assert torch.equal(ids, ids2), "same (seed, offset) must give the same draw"
@@ -129,17 +143,8 @@ def test_top_p_min_p_rows_whose_kept_set_the_buffer_may_not_hold(num_high, top_p
     distribution, no masked token, raw logprobs."""
     draws, vocab = 1 << 16, 32000
     row = _flat_logits(vocab, num_high, seed=num_high + int(top_p * 100))
-    if masked:
-        bits, allowed = _random_mask(1, vocab, keep=0.6, seed=3)
-        bits_e = bits.expand(draws, -1)
-    else:
-        bits, allowed, bits_e = None, torch.ones(1, vocab, dtype=torch.bool, device="cuda"), None
-    prm = _params(draws, 1.0, 0, top_p, min_p)
-    ids, logprobs = _sample(row[None, :].expand(draws, vocab), bits_e, **prm)
-    assert allowed[0, ids].all(), "a masked token was sampled"
-    torch.testing.assert_close(logprobs, torch.log_softmax(row, -1)[ids], atol=1e-4, rtol=1e-5)
-    probs = ref.filtered_probs(row[None], bits, prm["temperature"][:1], prm["top_k"][:1],
-                               prm["top_p"][:1], prm["min_p"][:1])[0]
+    bits, allowed, bits_e = _one_row_mask(masked, vocab, draws, seed=3)
+    ids, _, probs = _draw_one_row(row, bits, allowed, bits_e, _params(draws, 1.0, 0, top_p, min_p))
     kept = int((probs > 0).sum())
     assert kept > 50, f"the case should keep many tokens, kept {kept}"
     _tv_check(ids, probs, f"num_high {num_high} top_p {top_p} min_p {min_p}: {kept} kept")
@@ -153,16 +158,9 @@ def test_large_top_k_over_many_tiles(top_k, masked):
     nearly equally likely and a wrong token at the boundary would be drawn many times."""
     draws, vocab = 1 << 16, 128256
     row = _flat_logits(vocab, 20000, seed=top_k)
-    if masked:
-        bits, allowed = _random_mask(1, vocab, keep=0.6, seed=top_k)
-        bits_e = bits.expand(draws, -1)
-    else:
-        bits, allowed, bits_e = None, torch.ones(1, vocab, dtype=torch.bool, device="cuda"), None
-    prm = _params(draws, 1.0, top_k, 1.0, 0.0)
-    ids, logprobs = _sample(row[None, :].expand(draws, vocab), bits_e, **prm)
-    assert allowed[0, ids].all(), "a masked token was sampled"
-    probs = ref.filtered_probs(row[None], bits, prm["temperature"][:1], prm["top_k"][:1],
-                               prm["top_p"][:1], prm["min_p"][:1])[0]
+    bits, allowed, bits_e = _one_row_mask(masked, vocab, draws, seed=top_k)
+    ids, _, probs = _draw_one_row(row, bits, allowed, bits_e, _params(draws, 1.0, top_k, 1.0, 0.0),
+                                  check_logprobs=False)
     assert int((probs > 0).sum()) == top_k
     _tv_check(ids, probs, f"top_k {top_k}")
 
@@ -177,17 +175,8 @@ def test_ascending_logits_overflow_the_first_tiles_threshold(top_k, masked):
     The draws must still follow the filtered distribution."""
     draws, vocab = 1 << 16, 128256
     row = (torch.arange(vocab, dtype=torch.float32) * 0.01).cuda()
-    if masked:
-        bits, allowed = _random_mask(1, vocab, keep=0.6, seed=top_k)
-        bits_e = bits.expand(draws, -1)
-    else:
-        bits, allowed, bits_e = None, torch.ones(1, vocab, dtype=torch.bool, device="cuda"), None
-    prm = _params(draws, 1.0, top_k, 1.0, 0.0)
-    ids, logprobs = _sample(row[None, :].expand(draws, vocab), bits_e, **prm)
-    assert allowed[0, ids].all(), "a masked token was sampled"
-    torch.testing.assert_close(logprobs, torch.log_softmax(row, -1)[ids], atol=1e-4, rtol=1e-5)
-    probs = ref.filtered_probs(row[None], bits, prm["temperature"][:1], prm["top_k"][:1],
-                               prm["top_p"][:1], prm["min_p"][:1])[0]
+    bits, allowed, bits_e = _one_row_mask(masked, vocab, draws, seed=top_k)
+    ids, _, probs = _draw_one_row(row, bits, allowed, bits_e, _params(draws, 1.0, top_k, 1.0, 0.0))
     if top_k == 1:
         assert torch.equal(ids, torch.full_like(ids, int(probs.argmax())))
     else:
@@ -205,12 +194,8 @@ def test_temperature_one_with_the_allowed_max_far_below_the_raw_max(gap, top_k, 
     row = _distinct_logits(vocab, torch.float32, seed=7)
     bits, allowed = _random_mask(1, vocab, keep=0.6, seed=11)
     row = torch.where(allowed[0], row, row + gap)
-    prm = _params(draws, 1.0, top_k, top_p, 0.0)
-    ids, logprobs = _sample(row[None, :].expand(draws, vocab), bits.expand(draws, -1), **prm)
-    assert allowed[0, ids].all(), "a masked token was sampled"
-    torch.testing.assert_close(logprobs, torch.log_softmax(row, -1)[ids], atol=1e-4, rtol=1e-5)
-    probs = ref.filtered_probs(row[None], bits, prm["temperature"][:1], prm["top_k"][:1],
-                               prm["top_p"][:1], prm["min_p"][:1])[0]
+    ids, _, probs = _draw_one_row(row, bits, allowed, bits.expand(draws, -1),
+                                  _params(draws, 1.0, top_k, top_p, 0.0))
     _tv_check(ids, probs, f"gap {gap} top_k {top_k}")
 
 

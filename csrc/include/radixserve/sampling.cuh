@@ -231,6 +231,22 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ row, const int32
   }
 }
 
+// Streams a row tile by tile, the tile two ahead already on its way to L2 (l2_prefetch_tile):
+// fn(x, allow, base) for each tile in order (block-uniform); fn returns false to stop early.
+template <typename T, bool VEC, typename F>
+__device__ __forceinline__ void stream_row(const T* __restrict__ row,
+                                           const int32_t* __restrict__ mask_row, int64_t vocab,
+                                           F&& fn) {
+  l2_prefetch_tile<T>(row, vocab, kTile);
+  for (int64_t base = 0; base < vocab; base += kTile) {
+    l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
+    float x[kElems];
+    uint32_t allow;
+    load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
+    if (!fn(x, allow, base)) break;
+  }
+}
+
 template <bool VEC>
 __device__ __forceinline__ int64_t elem_index(int64_t base, int j) {
   if constexpr (VEC)
@@ -543,12 +559,7 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       compact_candidates(sm, n, theta);
     }
   };
-  l2_prefetch_tile<T>(row, vocab, kTile);
-  for (int64_t base = 0; base < vocab; base += kTile) {
-    l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
-    float x[kElems];
-    uint32_t allow;
-    load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
+  stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
     float vm = -INFINITY, bm = -INFINITY;
     int jb = -1;
 #pragma unroll
@@ -606,7 +617,8 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       append(x, allow, base, true);
       if (!free_run) settle(false);
     }
-  }
+    return true;
+  });
   if (buffer_path) {
     __syncthreads();  // every append landed, sm.overflow final
     if (sm.overflow) {
@@ -680,22 +692,21 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   }
   const float M = sm.row_best_v;  // max allowed logit
   const float My = M * inv_t;
+  // one streaming pass: the block-wide sum over the row of f(x, allowed)
+  auto row_sum = [&](auto f) {
+    float acc = 0.f;
+    stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) acc += f(x[j], (allow >> j) & 1u);
+      return true;
+    });
+    return block_sum<float>(acc, sm.f_scratch);
+  };
   float Z = sm.row_z;
   if (sm.z_recompute) {
     // temperature 1 and the allowed max far below the raw max: allowed terms that underflowed
     // relative to m may matter relative to M. Sum Z = sum exp(x - M) over allowed again.
-    float acc = 0.f;
-    l2_prefetch_tile<T>(row, vocab, 0);
-    l2_prefetch_tile<T>(row, vocab, kTile);
-    for (int64_t base = 0; base < vocab; base += kTile) {
-      l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
-      float x[kElems];
-      uint32_t allow;
-      load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) acc += ((allow >> j) & 1u) ? __expf(x[j] - M) : 0.f;
-    }
-    Z = block_sum<float>(acc, sm.f_scratch);
+    Z = row_sum([&](float xv, uint32_t allowed) { return allowed ? __expf(xv - M) : 0.f; });
   }
   int64_t chosen = sm.row_best_i == INT32_MAX ? 0 : sm.row_best_i;  // greedy / fallback
   const bool any_allowed = sm.row_best_i != INT32_MAX;
@@ -783,12 +794,7 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
             cnt[j] = 0;
             mass[j] = 0.f;
           }
-          l2_prefetch_tile<T>(row, vocab, kTile);
-          for (int64_t base = 0; base < vocab; base += kTile) {
-            l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
-            float x[kElems];
-            uint32_t allow;
-            load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
+          stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
 #pragma unroll
             for (int j = 0; j < kElems; ++j) {
               const uint32_t key = ordered_key(x[j]);
@@ -802,7 +808,8 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
                 }
               }
             }
-          }
+            return true;
+          });
           // block reduction of the 2 * kPivots accumulators (scratch: the candidate arrays)
 #pragma unroll
           for (int q = 0; q < kPivots; ++q) {
@@ -881,20 +888,7 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
         return (use_minp && !(e >= min_p)) ? 0.f : e;
       };
       // mass of the kept set
-      float S = Z;
-      if (need_search || use_minp) {
-        float acc = 0.f;
-        l2_prefetch_tile<T>(row, vocab, kTile);
-        for (int64_t base = 0; base < vocab; base += kTile) {
-          l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
-          float x[kElems];
-          uint32_t allow;
-          load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
-#pragma unroll
-          for (int j = 0; j < kElems; ++j) acc += kept_e(x[j], (allow >> j) & 1u);
-        }
-        S = block_sum<float>(acc, sm.f_scratch);
-      }
+      const float S = (need_search || use_minp) ? row_sum(kept_e) : Z;
       const double target = u * (double)S;
       // sampling pass: prefix sums over tiles until the running mass passes target. Thread
       // intervals [carry + excl, carry + incl) tile the line exactly, so one thread claims.
@@ -902,12 +896,7 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       __syncthreads();
       double carry = 0.0;
       int32_t last_kept = -1;
-      l2_prefetch_tile<T>(row, vocab, kTile);
-      for (int64_t base = 0; base < vocab; base += kTile) {
-        l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
-        float x[kElems];
-        uint32_t allow;
-        load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
+      stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
         float e[kElems];
         float tsum = 0.f;
 #pragma unroll
@@ -939,8 +928,8 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
         }
         carry += (double)total;
         __syncthreads();
-        if (sm.chosen != INT32_MAX) break;
-      }
+        return sm.chosen == INT32_MAX;   // stop once a thread claimed the draw
+      });
       int32_t found = sm.chosen == INT32_MAX ? -1 : sm.chosen;
       if (found < 0) {
         // target beyond the scanned mass (rounding): the last kept token
