@@ -2,10 +2,11 @@
 
 A ModelRunner on a random-weight Llama (load_format dummy, weights rescaled so logits are O(1)),
 bf16 and fp16, head_dim 64 and 128, GQA 2: requests are prefilled eagerly, then one decode
-batch runs eagerly and through the graph of its bucket. The logits must agree (the only
-difference is the decode kernel's split count, fixed by the graph's KV capacity), a padded
-bucket must write no KV slot but the batch's own and the padding slot 0, and the K/V the graph
-writes must equal what the eager step wrote.
+batch runs eagerly and through the graph of its bucket (which also runs the decode prologue:
+table writes, kv indices, input ids read from the runner's next_ids). The logits must agree
+(the only difference is the decode kernel's split count, fixed by the graph's KV capacity), a
+padded bucket must write no KV slot but the batch's own and the padding slot 0 and no table row
+but the batch's and the padding row, and the K/V the graph writes must equal the eager step's.
 """
 from __future__ import annotations
 
@@ -59,43 +60,47 @@ def runner(request, tmp_path_factory):
 
 
 def _prefill(runner, lens, gen):
-    """Eager prefill of one request per length; returns (rows, slot tensors, next input ids)."""
+    """Eager prefill of one request per length into rows 0..; returns (rows, slot tensors)."""
     rows, slots = [], []
-    for n in lens:
-        row = runner.req_to_token_pool.alloc()
+    for row, n in enumerate(lens):
         s = runner.kv_pool.alloc(n + 1)                  # the prompt + the decode token
-        runner.req_to_token_pool.write(row, 0, s)
+        runner.req_to_token[row, :n + 1] = s.to(runner.device, torch.int32)
         rows.append(row)
         slots.append(s)
     dev = runner.device
     ids = torch.randint(3, 1000, (sum(lens),), generator=gen, device=dev)
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])
     qo = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
-    fb = _batch(runner, ForwardMode.EXTEND, rows, lens, ids, positions,
-                torch.cat([s[:n] for s, n in zip(slots, lens)]).to(dev), qo)
-    runner.model(fb)
+    seq = torch.tensor(lens, dtype=torch.int32, device=dev)
+    kv_indptr = torch.zeros(len(rows) + 1, dtype=torch.int32, device=dev)
+    kv_indices = torch.empty(sum(lens), dtype=torch.int32, device=dev)
+    ops.build_kv_indices(runner.req_to_token, torch.tensor(rows, device=dev), seq, kv_indptr,
+                         kv_indices)
+    fb = ForwardBatch(ForwardMode.EXTEND, len(rows), ids, positions,
+                      torch.cat([s[:n] for s, n in zip(slots, lens)]).to(dev), qo, kv_indptr,
+                      kv_indices, seq, (qo[1:] - 1).long(), runner.kv_pool)
+    with torch.inference_mode():
+        runner.model(fb)
     return rows, slots
 
 
-def _batch(runner, mode, rows, seq_lens, ids, positions, out_cache_loc, qo_indptr):
-    dev = runner.device
-    seq = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-    kv_indptr = torch.zeros(len(rows) + 1, dtype=torch.int32, device=dev)
-    kv_indices = torch.empty(max(1, sum(seq_lens)), dtype=torch.int32, device=dev)
-    ops.build_kv_indices(runner.req_to_token_pool.req_to_token,
-                         torch.tensor(rows, device=dev), seq, kv_indptr, kv_indices)
-    n = ids.numel()
-    logits_rows = (qo_indptr[1:] - 1).long()
-    return ForwardBatch(mode=mode, batch_size=len(rows), input_ids=ids, positions=positions,
-                        out_cache_loc=out_cache_loc, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-                        kv_indices=kv_indices, seq_lens=seq, logits_indices=logits_rows[:n],
-                        kv_pool=runner.kv_pool)
-
-
-def _release(runner, rows, slots):
-    for row, s in zip(rows, slots):
-        runner.req_to_token_pool.free(row)
+def _release(runner, slots):
+    for s in slots:
         runner.kv_pool.free(s)
+
+
+def _eager_decode(runner, rows_t, seq_t, loc):
+    from radixserve.model.runner import decode_prologue
+
+    dev = runner.device
+    kv_indptr = torch.zeros(rows_t.numel() + 1, dtype=torch.int32, device=dev)
+    kv_indices = torch.empty(int(seq_t.sum()), dtype=torch.int32, device=dev)
+    with torch.inference_mode():
+        ids, pos = decode_prologue(runner.req_to_token, runner.next_ids, rows_t, seq_t, loc,
+                                   kv_indptr, kv_indices)
+        fb = ForwardBatch(ForwardMode.DECODE, rows_t.numel(), ids, pos, loc, kv_indptr,
+                          kv_indptr, kv_indices, seq_t, None, runner.kv_pool)
+        return runner.compute_logits(runner.model(fb))
 
 
 @pytest.mark.parametrize("bs", [1, 3, 17, 24])
@@ -104,18 +109,18 @@ def test_graph_decode_equals_eager(runner, bs):
     lens = torch.randint(1, 200, (bs,), generator=gen, device="cuda").tolist()
     rows, slots = _prefill(runner, lens, gen)
     dev = runner.device
-    ids = torch.randint(3, 1000, (bs,), generator=gen, device=dev)
-    positions = torch.tensor(lens, dtype=torch.int64, device=dev)
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+    runner.next_ids[rows_t] = torch.randint(3, 1000, (bs,), generator=gen, device=dev)
+    seq_t = torch.tensor([n + 1 for n in lens], dtype=torch.int32, device=dev)
     loc = torch.stack([s[n] for s, n in zip(slots, lens)]).to(dev)
-    qo = torch.arange(bs + 1, dtype=torch.int32, device=dev)
-    fb = _batch(runner, ForwardMode.DECODE, rows, [n + 1 for n in lens], ids, positions, loc, qo)
-    assert runner.graph_runner.can_run(fb)
+    assert runner.graph_runner.can_run(bs)
 
-    eager = runner.forward(fb).clone()                              # [bs, vocab]
+    eager = _eager_decode(runner, rows_t, seq_t, loc).clone()        # [bs, vocab]
     k_eager = [k[loc.long()].clone() for k in runner.kv_pool.k_buffers]
     k_before = [k.clone() for k in runner.kv_pool.k_buffers]
     v_before = [v.clone() for v in runner.kv_pool.v_buffers]
-    graph = runner.graph_runner.replay(fb).clone()
+    table_before = runner.req_to_token.clone()
+    graph = runner.graph_runner.replay(bs, rows_t, seq_t, loc).clone()
     torch.cuda.synchronize()
 
     assert graph.shape == eager.shape and torch.isfinite(graph).all()
@@ -137,79 +142,70 @@ def test_graph_decode_equals_eager(runner, bs):
         assert not (changed & ~allowed).any(), f"layer {layer}: graph wrote foreign KV slots"
         torch.testing.assert_close(k[loc.long()].float(), k_eager[layer].float(),
                                    atol=2e-2, rtol=2e-2)
-    _release(runner, rows, slots)
+    # table: the batch's rows hold the same slots as after the eager step; no other row moved
+    # but the padding row
+    changed_rows = (runner.req_to_token != table_before).any(1).nonzero().flatten().tolist()
+    assert set(changed_rows) <= {runner.padding_row}
+    _release(runner, slots)
 
 
-def test_graph_rejects_what_it_cannot_run(runner):
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    rows, slots = _prefill(runner, [5, 9], gen)
-    dev = runner.device
-    qo = torch.tensor([0, 5, 14], dtype=torch.int32, device=dev)
-    ids = torch.randint(3, 1000, (14,), generator=gen, device=dev)
-    pos = torch.cat([torch.arange(5, device=dev), torch.arange(9, device=dev)])
-    loc = torch.cat([slots[0][:5], slots[1][:9]]).to(dev)
-    extend = _batch(runner, ForwardMode.EXTEND, rows, [5, 9], ids, pos, loc, qo)
-    assert not runner.graph_runner.can_run(extend)
+def test_graph_bounds(runner):
+    assert not runner.graph_runner.can_run(25) and not runner.graph_runner.can_run(0)
     with pytest.raises(ValueError, match="exceeds"):
         runner.graph_runner.bucket_for(25)
-    _release(runner, rows, slots)
 
 
-def test_run_step_decode_goes_through_graphs(tmp_path_factory, monkeypatch):
-    """ModelRunner.run_step sends a decode step to CudaGraphRunner.replay (bf16: graphs on) and
-    --disable-cuda-graph keeps it off; the greedy ids agree with an eager argmax either way."""
+def _decode_step(rows, seq_lens, loc):
+    from radixserve.model.step_io import SamplingInputs, StepInput
+
+    n = len(rows)
+    si = SamplingInputs(temperature=[0.0] * n, top_k=[-1] * n, top_p=[1.0] * n, min_p=[0.0] * n,
+                        seeds=[0] * n, offsets=[0] * n, top_logprobs_num=[0] * n)
+    return StepInput(ForwardMode.DECODE, n, list(rows), list(seq_lens), loc, list(rows), si)
+
+
+def test_launch_decode_goes_through_graphs(tmp_path_factory, monkeypatch):
+    """ModelRunner.launch sends a decode step to CudaGraphRunner.replay (bf16: graphs on, up to
+    the running limit by default) and --disable-cuda-graph keeps it off; the greedy ids agree
+    with an eager argmax either way and land in next_ids as the rows' next inputs."""
     from radixserve.model import cuda_graph_runner as cgr
     from radixserve.model.runner import ModelRunner
 
     calls = {"n": 0}
     real = cgr.CudaGraphRunner.replay
 
-    def counting(self, fb):
+    def counting(self, *a):
         calls["n"] += 1
-        return real(self, fb)
+        return real(self, *a)
 
     monkeypatch.setattr(cgr.CudaGraphRunner, "replay", counting)
     path = _model_dir(tmp_path_factory, 64)
     for disable in (False, True):
         args = ServerArgs(model_path=path, load_format="dummy", device="cuda", dtype="bfloat16",
-                          max_total_tokens=4000, max_running_requests=8, cuda_graph_max_bs=8,
+                          max_total_tokens=4000, max_running_requests=8,
                           disable_cuda_graph=disable)
         r = ModelRunner(args, ModelConfig.from_path(path), path, context_len=256)
         assert (r.graph_runner is None) == disable
+        if not disable:
+            assert r.graph_runner.max_bs == 8          # every batch the running limit allows
         before = calls["n"]
         gen = torch.Generator(device="cuda").manual_seed(1)
         rows, slots = _prefill(r, [4, 6, 8], gen)
         dev = r.device
-        fb = _batch(r, ForwardMode.DECODE, rows, [5, 7, 9],
-                    torch.tensor([5, 6, 7], device=dev), torch.tensor([4, 6, 8], device=dev),
-                    torch.stack([slots[0][4], slots[1][6], slots[2][8]]).to(dev),
-                    torch.arange(4, dtype=torch.int32, device=dev))
-
-        class _Step:  # the fields run_step reads
-            forward_batch = fb
-            num_prompt_rows = 0
-            prompt_counts = [0, 0, 0]
-            sampling_info = _greedy_info(3, dev)
-
-        eager_ids = r.forward(fb).argmax(-1).tolist()
-        out = r.run_step(_Step)
-        assert len(out.sample.ids) == 3
+        r.next_ids[torch.tensor(rows, device=dev)] = torch.tensor([5, 6, 7], device=dev)
+        loc = torch.stack([slots[0][4], slots[1][6], slots[2][8]])
+        table = r.req_to_token.clone()
+        eager_ids = _eager_decode(r, torch.tensor(rows, device=dev),
+                                  torch.tensor([5, 7, 9], dtype=torch.int32, device=dev),
+                                  loc.to(dev)).argmax(-1).tolist()
+        r.req_to_token.copy_(table)
+        r.next_ids[torch.tensor(rows, device=dev)] = torch.tensor([5, 6, 7], device=dev)
+        out = r.run_step(_decode_step(rows, [5, 7, 9], loc))
+        assert len(out.sample.ids) == 3 and all(out.sample.finite)
         if disable:
             assert out.sample.ids == eager_ids
+        assert r.next_ids[torch.tensor(rows, device=dev)].tolist() == out.sample.ids
         assert (calls["n"] > before) == (not disable)
-        _release(r, rows, slots)
+        _release(r, slots)
         del r
         torch.cuda.empty_cache()
-
-
-def _greedy_info(n: int, dev):
-    from radixserve.sampling.penalties import PenaltyInfo
-    from radixserve.sampling.sampler import SamplingBatchInfo
-
-    f32 = dict(dtype=torch.float32, device=dev)
-    return SamplingBatchInfo(
-        temperature=torch.zeros(n, **f32), top_k=torch.full((n,), -1, dtype=torch.int32, device=dev),
-        top_p=torch.ones(n, **f32), min_p=torch.zeros(n, **f32),
-        seeds=torch.zeros(n, dtype=torch.int64, device=dev),
-        offsets=torch.zeros(n, dtype=torch.int64, device=dev), penalties=PenaltyInfo(),
-        logprob_rows=[], top_logprobs_num=[0] * n, all_greedy=True)

@@ -125,7 +125,8 @@ class _Runner:
         self.model, self.device = model, device
         self.pool = KVPool(4096, config.num_hidden_layers, config.num_key_value_heads,
                            config.head_dim, dtype, device)
-        self.rows = ReqToTokenPool(2, 1024, device)
+        self.rows = ReqToTokenPool(2, 1024)                                   # host rows
+        self.table = torch.zeros((2, 1024), dtype=torch.int32, device=device)  # device copy
 
     def run(self, ids: Sequence[int], decode_from: int) -> torch.Tensor:
         """Logits [len(ids), vocab] f32 (row t predicts ids[t+1]): a prefill of
@@ -133,6 +134,7 @@ class _Runner:
         row = self.rows.alloc()
         slots = self.pool.alloc(len(ids))
         self.rows.write(row, 0, slots)
+        self.table[row, :len(ids)] = slots.to(device=self.device, dtype=torch.int32)
         out: List[torch.Tensor] = []
         chunks = [(0, decode_from)] + [(t, t + 1) for t in range(decode_from, len(ids))]
         for start, end in chunks:
@@ -142,7 +144,7 @@ class _Runner:
             seq_lens = torch.tensor([end], dtype=torch.int32, device=dev)
             kv_indptr = torch.zeros(2, dtype=torch.int32, device=dev)
             kv_indices = torch.zeros(end, dtype=torch.int32, device=dev)
-            ops.build_kv_indices(self.rows.req_to_token,
+            ops.build_kv_indices(self.table,
                                  torch.tensor([row], dtype=torch.int32, device=dev), seq_lens,
                                  kv_indptr, kv_indices)
             fb = ForwardBatch(

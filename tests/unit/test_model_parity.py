@@ -33,7 +33,7 @@ class MiniRunner:
         self.model = model
         self.pool = KVPool(num_slots, config.num_hidden_layers, config.num_key_value_heads,
                            config.head_dim, dtype, "cpu")
-        self.req_to_token = ReqToTokenPool(max_reqs, max_context, "cpu")
+        self.req_to_token = ReqToTokenPool(max_reqs, max_context)
         self.seq_lens: dict = {}     # row -> tokens already in the KV cache
 
     def new_request(self) -> int:

@@ -1,10 +1,16 @@
-"""Sampler and penalties: formulas against naive per-token loops, min_new_tokens, seeded
-sampling, logprobs / top_logprobs, chunked prompt logprobs."""
+"""Sampler and penalties: formulas against naive per-token loops, penalty state kept on the
+device across steps, min_new_tokens, seeded sampling, logprobs / top_logprobs from the sampler's
+own outputs, non-finite rows flagged, chunked prompt logprobs."""
+import math
+
 import torch
 
 from radixserve.engine.req import Req
+from radixserve.engine.schedule_batch import ScheduleBatch
+from radixserve.model.forward_batch import ForwardMode
 from radixserve.sampling import sampler
 from radixserve.sampling.params import SamplingParams
+from radixserve.sampling.penalties import PenaltyState
 
 VOCAB = 50
 EOS = 3
@@ -19,8 +25,25 @@ def make_req(rid="r", prompt=(5, 6, 7), output=(), **sp_kw):
     return req
 
 
-def info_for(reqs, eos=(EOS,)):
-    return sampler.sampling_batch_info(reqs, VOCAB, list(eos), torch.device("cpu"))
+def run(logits, reqs, eos=(EOS,), state=None):
+    """One sampling step of reqs (rows 0..n-1) as the runner does it: inputs from a
+    ScheduleBatch, penalty rows initialised on first use, host results. Returns
+    (ids, logprobs, top_logprobs, finite, state)."""
+    batch = ScheduleBatch(ForwardMode.DECODE)
+    for i, r in enumerate(reqs):
+        r.req_pool_idx = i
+        r.num_output_scheduled = len(r.output_ids)
+        batch.add(r, 0, 1, torch.tensor([1]), sample=True, from_device=True)
+    si = batch._sampling_inputs(list(eos), VOCAB)
+    state = state or PenaltyState(len(reqs), VOCAB, torch.device("cpu"))
+    state.init_rows(si.penalty_init)
+    st = sampler.sampling_tensors(si, torch.device("cpu"))
+    out = sampler.sample(logits, si, st, torch.arange(len(reqs)), state)
+    ids = out.ids.tolist()
+    tv = out.top_values.tolist() if out.top_values is not None else None
+    ti = out.top_ids.tolist() if out.top_ids is not None else None
+    lp, top, finite = sampler.host_result(si, ids, out.logprobs.tolist(), tv, ti)
+    return ids, lp, top, finite, state
 
 
 def naive_penalized(logits, req):
@@ -37,6 +60,22 @@ def naive_penalized(logits, req):
     return out
 
 
+def penalized_logits(logits, reqs):
+    """What the sampler would sample from: apply the device state of reqs to logits."""
+    batch = ScheduleBatch(ForwardMode.DECODE)
+    for i, r in enumerate(reqs):
+        r.req_pool_idx = i
+        r.num_output_scheduled = len(r.output_ids)
+        batch.add(r, 0, 1, torch.tensor([1]), sample=True)
+    si = batch._sampling_inputs([EOS], VOCAB)
+    state = PenaltyState(len(reqs), VOCAB, torch.device("cpu"))
+    state.init_rows(si.penalty_init)
+    st = sampler.sampling_tensors(si, torch.device("cpu"))
+    work = logits.clone()
+    state.apply(work, st.penalty_rows, st.penalty_rows, st.repetition, st.frequency, st.presence)
+    return work
+
+
 def test_penalties_match_naive_formulas():
     torch.manual_seed(0)
     logits = torch.randn(3, VOCAB) * 3
@@ -46,17 +85,36 @@ def test_penalties_match_naive_formulas():
         make_req("c", prompt=(1,), output=(1, 1), repetition_penalty=0.8, frequency_penalty=-0.3,
                  presence_penalty=1.0),
     ]
-    info = info_for(reqs)
-    work = logits.clone()
-    sampler.apply_penalties(work, info.penalties)
+    work = penalized_logits(logits, reqs)
     for i, r in enumerate(reqs):
         torch.testing.assert_close(work[i], naive_penalized(logits[i], r))
     # a penalty changes the greedy choice: the token that leads gets pushed below the runner-up
     logits2 = torch.zeros(1, VOCAB)
     logits2[0, 10], logits2[0, 11] = 2.0, 1.9
     r = make_req(output=(10, 10), temperature=0.0, frequency_penalty=1.0)
-    assert sampler.sample(logits2, info_for([r])).ids == [11]
-    assert sampler.sample(logits2, info_for([make_req(output=(10, 10), temperature=0.0)])).ids == [10]
+    assert run(logits2, [r])[0] == [11]
+    assert run(logits2, [make_req(output=(10, 10), temperature=0.0)])[0] == [10]
+
+
+def test_penalty_state_counts_each_sampled_token_on_the_device():
+    """Across steps the state is updated incrementally (record), never rebuilt: after k greedy
+    steps under a frequency penalty its counts equal the bincount of the k outputs, and each
+    step's choice equals the naive formula's."""
+    torch.manual_seed(4)
+    base = torch.randn(2, VOCAB)
+    reqs = [make_req("a", temperature=0.0, frequency_penalty=0.7, presence_penalty=0.1),
+            make_req("b", temperature=0.0, repetition_penalty=1.5, prompt=(4, 8))]
+    state = None
+    for step in range(6):
+        want = [int(naive_penalized(base[i], r).argmax()) for i, r in enumerate(reqs)]
+        ids, _, _, _, state = run(base, reqs, state=state)
+        assert ids == want, f"step {step}"
+        for r, t in zip(reqs, ids):
+            r.output_ids.append(t)
+    for i, r in enumerate(reqs):
+        counts = torch.bincount(torch.tensor(r.output_ids), minlength=VOCAB).to(torch.int32)
+        assert torch.equal(state.counts[i], counts)
+    assert len(set(reqs[0].output_ids)) > 1       # the penalty moved the choice at least once
 
 
 def test_min_new_tokens_blocks_eos_and_stop_ids():
@@ -66,32 +124,28 @@ def test_min_new_tokens_blocks_eos_and_stop_ids():
     logits[:, 30] = 8.0
     blocked = make_req("a", output=(1,), temperature=0.0, min_new_tokens=3, stop_token_ids=[20])
     free = make_req("b", output=(1, 2, 3), temperature=0.0, min_new_tokens=3, stop_token_ids=[20])
-    res = sampler.sample(logits, info_for([blocked, free]))
-    assert res.ids == [30, EOS]
+    assert run(logits, [blocked, free])[0] == [30, EOS]
     # sampling (temperature > 0) never draws a blocked token either
     hot = make_req("c", output=(), temperature=1.0, min_new_tokens=1, stop_token_ids=[20])
     for seed in range(20):
         hot.seed = seed
-        assert sampler.sample(logits[:1], info_for([hot])).ids[0] not in (EOS, 20)
+        assert run(logits[:1], [hot])[0][0] not in (EOS, 20)
 
 
 def test_seeded_sampling_reproducible_and_batch_independent():
     torch.manual_seed(1)
     logits = torch.randn(4, VOCAB)
     reqs = [make_req(f"r{i}", output=(1,) * i, temperature=1.0, seed=100 + i) for i in range(4)]
-    batch = sampler.sample(logits, info_for(reqs)).ids
-    again = sampler.sample(logits, info_for(reqs)).ids
-    assert batch == again
+    batch = run(logits, reqs)[0]
+    assert run(logits, reqs)[0] == batch
     # each row alone (or in another order) draws the same token as inside the batch
     for i in range(4):
-        assert sampler.sample(logits[i:i + 1], info_for([reqs[i]])).ids == [batch[i]]
-    rev = sampler.sample(logits.flip(0), info_for(reqs[::-1])).ids
-    assert rev == batch[::-1]
+        assert run(logits[i:i + 1], [reqs[i]])[0] == [batch[i]]
+    assert run(logits.flip(0), reqs[::-1])[0] == batch[::-1]
     # the stream depends on the seed: over several seeds the draws are not all equal
     draws = set()
     for seed in range(8):
-        r = make_req(output=(), temperature=1.0, seed=seed)
-        draws.add(sampler.sample(logits[:1], info_for([r])).ids[0])
+        draws.add(run(logits[:1], [make_req(output=(), temperature=1.0, seed=seed)])[0][0])
     assert len(draws) > 1
 
 
@@ -102,19 +156,31 @@ def test_logprobs_and_top_logprobs_consistent():
             make_req("b", temperature=0.0),
             make_req("c", temperature=0.7, return_logprob=True, top_logprobs_num=0,
                      repetition_penalty=1.5)]
-    res = sampler.sample(logits, info_for(reqs))
+    ids, lps, tops, finite, _ = run(logits, reqs)
     ref = torch.log_softmax(logits, dim=-1)
-    assert res.logprobs[1] is None and res.top_logprobs[1] is None
-    assert abs(res.logprobs[0] - ref[0, res.ids[0]].item()) < 1e-5
-    assert abs(res.logprobs[2] - ref[2, res.ids[2]].item()) < 1e-5   # raw logits, pre-penalty
-    top = res.top_logprobs[0]
+    assert lps[1] is None and tops[1] is None
+    assert abs(lps[0] - ref[0, ids[0]].item()) < 1e-5
+    assert abs(lps[2] - ref[2, ids[2]].item()) < 1e-5   # raw logits, pre-penalty
+    top = tops[0]
     assert len(top) == 5
     values = [v for v, _ in top]
     assert values == sorted(values, reverse=True)
-    assert top[0][1] == res.ids[0] and abs(top[0][0] - res.logprobs[0]) < 1e-6   # greedy = top-1
+    assert top[0][1] == ids[0] and abs(top[0][0] - lps[0]) < 1e-6   # greedy = top-1
     for v, t in top:
         assert abs(v - ref[0, t].item()) < 1e-5
-    assert res.top_logprobs[2] is None
+    assert tops[2] is None
+    assert finite == [True, True, True]
+
+
+def test_non_finite_rows_are_flagged_alone():
+    torch.manual_seed(5)
+    logits = torch.randn(4, VOCAB)
+    logits[1, 7] = float("nan")
+    logits[2, 9] = float("inf")
+    reqs = [make_req(f"r{i}", temperature=t) for i, t in enumerate((0.0, 0.0, 0.9, 0.9))]
+    ids, _, _, finite, _ = run(logits, reqs)
+    assert finite == [True, False, False, True]
+    assert ids[0] == int(logits[0].argmax()) and 0 <= ids[3] < VOCAB
 
 
 def test_prompt_logprobs_chunked_equals_direct():
@@ -128,3 +194,4 @@ def test_prompt_logprobs_chunked_equals_direct():
     assert len(tops) == hidden.shape[0]
     for row, entries in enumerate(tops):
         assert [t for _, t in entries] == torch.topk(ref[row], 3).indices.tolist()
+    assert all(math.isfinite(v) for v in values)

@@ -11,8 +11,9 @@
 //   the next step to issue are fetched one step ahead.
 // Each row group keeps its own online-softmax state per q head; the row groups are merged
 // in shared memory at the end. With num_splits > 1 every split writes a normalised partial
-// output and its log2-sum-exp; decode_merge_kernel combines them. Empty splits write
-// lse = -inf. The grid depends only on host-known shapes, so the launch is graph-safe.
+// output and its log2-sum-exp; decode_merge_kernel combines them. Empty splits write only
+// lse = -inf and exit; the merge skips them. The grid depends only on host-known shapes, so
+// the launch is graph-safe; each request's split ranges follow its real length.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +41,7 @@ struct DecodeParams {
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeUnroll = 4;   // tokens per row group per step
 constexpr int kDecodeStages = 3;   // cp.async pipeline depth (48 KiB: 4 CTAs per SM)
+constexpr int kDecodeMinSplitTokens = 256;   // the host heuristic's floor, applied per request
 // dynamic shared memory of paged_decode_kernel: [stages][unroll][k|v][threads] 16-byte vectors
 constexpr int kDecodeSmemBytes = kDecodeStages * kDecodeUnroll * 2 * kDecodeThreads * 16;
 
@@ -73,9 +75,19 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   const int kv_start = p.kv_indptr[b];
   const int kv_len = p.kv_indptr[b + 1] - kv_start;
-  const int chunk = (kv_len + p.num_splits - 1) / p.num_splits;
+  // The split plan comes from the real length, on the device: at least kDecodeMinSplitTokens
+  // per split, so a short request under a grid sized for long ones (a CUDA graph's grid is fixed
+  // at capture) keeps only the splits it can fill; the others exit here.
+  const int chunk = max((kv_len + p.num_splits - 1) / p.num_splits, kDecodeMinSplitTokens);
   const int lo = min(kv_len, split * chunk);
   const int hi = min(kv_len, lo + chunk);
+  if constexpr (kSplit) {
+    if (lo >= hi) {
+      const int64_t row0 = ((int64_t)b * p.num_q_heads + qh0) * p.num_splits + split;
+      if (tid < gcount) p.part_lse[row0 + (int64_t)tid * p.num_splits] = -INFINITY;
+      return;   // uniform over the CTA: no barrier is left waiting
+    }
+  }
 
   // q of every head of the subgroup, pre-scaled into the log2 domain. Padding heads
   // (g >= gcount) get q = 0 and are computed but never written: the hot loop carries no
@@ -276,6 +288,7 @@ __global__ void __launch_bounds__(128)
     float num = 0.f, den = 0.f;
     if (M != -INFINITY) {
       for (int s = 0; s < num_splits; ++s) {
+        if (lse[s] == -INFINITY) continue;   // an empty split wrote no partial output
         const float w = fast_exp2(lse[s] - M);
         den += w;
         num += w * part_o[(row * num_splits + s) * D + d];

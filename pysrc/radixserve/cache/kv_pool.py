@@ -7,7 +7,7 @@ Page size 1: one slot holds one token's K and V for every layer.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -74,19 +74,23 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """Rows of slot indices, one row per running request: [max_running_reqs, max_context_len] int32.
+    """Rows of slot indices, one row per running request: the scheduler's host copy,
+    [max_running_reqs, max_context_len] int32 on the CPU.
 
     A request holds one row from admission to finish (or retraction); row r, positions
-    [0, seq_len) are that request's KV slots (prefix from the cache, then its own).
+    [0, kv_len) are that request's KV slots (prefix from the cache, then its own). The device
+    copy (ModelRunner.req_to_token) receives the same writes through each step's inputs, in step
+    order; this copy is what the scheduler reads (publishing to the cache, integrity checks), so
+    reading it never waits for the device.
     """
 
-    def __init__(self, max_running_reqs: int, max_context_len: int, device: str | torch.device):
+    def __init__(self, max_running_reqs: int, max_context_len: int):
         self.size = max_running_reqs
         self.max_context_len = max_context_len
-        # [max_running_reqs, max_context_len] int32
-        self.req_to_token = torch.zeros((max_running_reqs, max_context_len), dtype=torch.int32,
-                                        device=device)
+        # [max_running_reqs, max_context_len] int32, host
+        self.req_to_token = torch.zeros((max_running_reqs, max_context_len), dtype=torch.int32)
         self._free_rows = list(range(max_running_reqs))
+        self._pending: List[Tuple[int, int, torch.Tensor]] = []   # writes the device lacks
 
     def available_size(self) -> int:
         return len(self._free_rows)
@@ -98,8 +102,34 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.req_to_token[row, start:start + slots.numel()] = slots.to(self.req_to_token.device,
-                                                                       torch.int32)
+        """Positions [start, start + n) of row = slots; the next step carries the write to the
+        device copy (take_pending)."""
+        if slots.numel() == 0:
+            return
+        self.req_to_token[row, start:start + slots.numel()] = slots.to(torch.int32)
+        self._pending.append((row, start, slots.to(torch.int64)))
+
+    def take_pending(self) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The writes since the last call as (rows, cols, slots) int64 tensors, or None."""
+        if not self._pending:
+            return None
+        rows = torch.cat([torch.full((s.numel(),), r, dtype=torch.int64)
+                          for r, _, s in self._pending])
+        cols = torch.cat([torch.arange(c, c + s.numel(), dtype=torch.int64)
+                          for _, c, s in self._pending])
+        slots = torch.cat([s for _, _, s in self._pending])
+        self._pending = []
+        return rows, cols, slots
+
+    def write_many(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], cols[i]] = slots[i], one indexed write: a decode step's slots,
+        which the step itself writes on the device (model/runner.decode_prologue)."""
+        self.req_to_token[rows, cols] = slots.to(torch.int32)
+
+    def slots(self, row: int, end: int) -> torch.Tensor:
+        """Slots of positions [0, end) of row: int64 [end] (a copy)."""
+        return self.req_to_token[row, :end].to(torch.int64)
 
     def reset(self) -> None:
         self._free_rows = list(range(self.size))
+        self._pending = []

@@ -1,15 +1,17 @@
 """AsyncEngine: the one object the server (and the offline Engine) talks to.
 
-Threads. Everything runs on the event-loop thread except one thing: the forward + sampling of a
-step, which runs in a dedicated single-thread executor so HTTP stays responsive while the model
-computes. The split of state:
-  * loop thread: the Scheduler (queues, requests, KV free list, ReqToToken rows, prefix cache),
-    detokenizers, output queues; schedule() and process_batch_result() run here;
-  * worker thread: ModelRunner.run_step(step_input): reads the StepInput tensors, the model
-    weights, and writes the K/V of that step's own (already allocated) slots. It never sees a Req.
-While a step is in flight the loop only enqueues new requests and marks aborts; slots are freed
-and reallocated only in schedule() / process_batch_result(), i.e. never under the running forward.
-The scheduling loop sleeps on an asyncio.Event when there is no work (no busy polling).
+Threads. Everything runs on the event-loop thread except the steps themselves:
+  * loop thread: the Scheduler (queues, requests, KV free list, host ReqToToken rows, prefix
+    cache), detokenizers, output queues; the step pipeline (engine/pipeline.py) runs here;
+  * forward worker (one thread): ModelRunner.launch(step_input): on the CPU it computes the step,
+    on CUDA it enqueues it on the compute stream and returns. It touches only the StepInput, the
+    weights and the runner's device state; it never sees a Req;
+  * waiter (one thread, CUDA): PendingStep.wait(), the one blocking event wait per step.
+With overlap the loop processes step N-1 and builds step N+1 while the worker (CPU) or the GPU
+runs step N. Slots freed while a step is in flight are safe to hand out again: the step that
+uses them next runs after it, in stream (or worker) order. The loop sleeps on an asyncio.Event
+when there is no work (no busy polling). If the loop itself ever dies, the engine reports
+unhealthy and calls on_fatal (the server then exits non-zero so a supervisor restarts it).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-from typing import Any, AsyncIterator, Dict, Optional
+from typing import Any, AsyncIterator, Callable, Dict, Optional
 
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.engine.io import GenerateOutput, GenerateReqInput
@@ -48,6 +50,8 @@ class AsyncEngine:
         self.scheduler = Scheduler(server_args, self.runner, tokenizer=self.tokenizer,
                                    detokenizer_factory=self._make_detokenizer)
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._waiter: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.on_fatal: Optional[Callable[[BaseException], None]] = None
         self._wakeup: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
         self._stopping = False
@@ -67,6 +71,8 @@ class AsyncEngine:
             return
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="radixserve-forward")
+        self._waiter = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="radixserve-wait")
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run_loop(),
@@ -86,47 +92,56 @@ class AsyncEngine:
             pass
         self._task = None
         self._executor.shutdown(wait=True)
-        self._executor = None
+        self._waiter.shutdown(wait=True)
+        self._executor = self._waiter = None
+
+    async def _launch(self, step_input):
+        """Hand the step to the forward worker; the handle is that worker's future."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, self.runner.launch,
+                                                          step_input)
+
+    async def _wait(self, handle):
+        pending = await handle                 # launched (CUDA) or computed (CPU)
+        if pending.ready():
+            return pending.wait()
+        return await asyncio.get_running_loop().run_in_executor(self._waiter, pending.wait)
 
     async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         sched = self.scheduler
+        pipeline = sched.pipeline
         try:
             while not self._stopping:
-                batch = sched.schedule()
-                if batch is None:
-                    if self.server_args.debug_integrity:
-                        sched.check_integrity()
-                    self._wakeup.clear()
-                    if not sched.has_work():
-                        await self._wakeup.wait()
-                    else:
-                        # work exists but nothing fits now (cannot last: schedule() drops a
-                        # request that can never fit); wait for a change, briefly
-                        try:
-                            await asyncio.wait_for(self._wakeup.wait(), 0.05)
-                        except asyncio.TimeoutError:
-                            pass
+                if await pipeline.turn(self._launch, self._wait):
+                    await asyncio.sleep(0)     # let HTTP handlers and consumers run between turns
                     continue
-                try:
-                    out = await loop.run_in_executor(self._executor, self.runner.run_step,
-                                                     batch.step_input)
-                except Exception as e:   # a failed forward fails its batch, not the server
-                    logger.exception("forward failed")
-                    sched.fail_batch(batch, e)
-                    continue
-                sched.process_batch_result(batch, out)
-                # let HTTP handlers and consumers run between steps
-                await asyncio.sleep(0)
+                if self.server_args.debug_integrity:
+                    sched.check_integrity()
+                self._wakeup.clear()
+                if not sched.has_work():
+                    await self._wakeup.wait()
+                else:
+                    # work exists but nothing fits now (cannot last: admission refuses what can
+                    # never fit); wait for a change, briefly
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), 0.05)
+                    except asyncio.TimeoutError:
+                        pass
             # shutdown: finish the requests marked for abort above, so their consumers end
+            await pipeline.drain(self._wait)
             sched.handle_aborts()
         except BaseException as e:
             self._loop_error = e
-            logger.exception("the scheduling loop stopped")
-            for rid in list(sched.reqs):
-                req = sched.reqs[rid]
-                sched._finish(req, {"type": "abort", "matched": None,
-                                    "message": f"internal error: {e}"})
+            logger.exception("the scheduling loop stopped; the engine cannot serve")
+            for req in list(sched.reqs.values()):
+                try:
+                    sched._finish(req, {"type": "abort", "matched": None,
+                                        "message": f"internal error: {e}"})
+                except Exception:     # noqa: BLE001 - the consumers must still be woken
+                    if req.sink is not None:
+                        req.sink(GenerateOutput(req.rid, "", [], True, {
+                            "type": "abort", "matched": None, "message": f"internal error: {e}"}))
+            if self.on_fatal is not None:
+                self.on_fatal(e)
             raise
 
     # ------------------------------------------------------------------ requests
@@ -155,6 +170,12 @@ class AsyncEngine:
         if n >= pool:
             raise ValueError(f"prompt has {n} tokens; the KV pool holds {pool}: shorten the prompt "
                              f"or raise --max-total-tokens")
+        if sp.max_new_tokens is not None and n + sp.max_new_tokens > pool:
+            # it could be admitted, then never finish: refuse it now, not under pressure later
+            raise ValueError(f"prompt has {n} tokens and max_new_tokens is {sp.max_new_tokens}: "
+                             f"{n + sp.max_new_tokens} KV slots, but the KV pool holds {pool} "
+                             f"({n + sp.max_new_tokens - pool} too many); lower max_new_tokens to "
+                             f"at most {pool - n} or raise --max-total-tokens")
         if sp.json_schema is not None or sp.regex is not None or sp.ebnf is not None:
             raise ValueError("constrained decoding (json_schema, regex, ebnf) is not supported by "
                              "this engine; remove that field")
@@ -174,8 +195,8 @@ class AsyncEngine:
         if self._loop_error is not None:
             raise RuntimeError(f"the engine's scheduling loop failed: {self._loop_error}")
         sp = req.sampling_params
-        max_new = (sp.max_new_tokens if sp.max_new_tokens is not None
-                   else self.context_len - len(req.input_ids))
+        max_new = (sp.max_new_tokens if sp.max_new_tokens is not None   # None: all that fits
+                   else min(self.context_len, self.runner.max_total_tokens) - len(req.input_ids))
         queue: asyncio.Queue = asyncio.Queue()
         r = Req(req.rid, req.input_ids, sp, max_new, return_logprob=req.return_logprob,
                 logprob_start_len=req.logprob_start_len if req.return_logprob else -1,

@@ -39,3 +39,4 @@ class GenerateOutput:
     output_top_logprobs_delta: List[List[LogprobEntry]] = field(default_factory=list)
     input_token_logprobs: Optional[List[LogprobEntry]] = None   # once, with the first output
     input_top_logprobs: Optional[List[List[LogprobEntry]]] = None
+    queue_time_s: Optional[float] = None      # once, with the first output: arrival in the engine -> first admission

@@ -4,9 +4,14 @@ KV bookkeeping while a request holds a ReqToTokenPool row (`req_pool_idx is not 
   * positions [0, prefix_len) of the row are slots the prefix cache owns; the request keeps them
     alive with one lock on `last_node`;
   * positions [prefix_len, kv_len) are slots the request allocated and owns;
-  * `fill_ids` = origin_input_ids + output_ids; between steps a running (decoding) request has
-    kv_len == len(fill_ids) - 1: every token has KV except the last sampled one, which is the
-    next decode step's input.
+  * `fill_ids` = origin_input_ids + output_ids. With no step of the request in flight, a running
+    (decoding) request has kv_len == len(fill_ids) - 1: every token has KV except the last
+    sampled one, which is the next decode step's input. While a decode step of it is in flight
+    (overlap scheduling), kv_len == len(fill_ids): that step writes the KV of the last known
+    token and samples one the host learns when it processes the step.
+  * `num_output_scheduled` counts the output tokens that will exist once every scheduled step
+    has run (len(output_ids) plus the tokens in flight): a step's sampling offset, and what
+    stops scheduling a request whose max_new_tokens is already covered.
 A request without a row owns nothing. Only the event-loop thread mutates a Req.
 """
 from __future__ import annotations
@@ -51,6 +56,11 @@ class Req:
         self.status = ReqStatus.WAITING
         self.admit_order = -1                          # larger = admitted later (retraction order)
         self.num_retractions = 0
+        self.num_output_scheduled = 0                  # see the module docstring
+        self.penalty_ready = False                     # its device penalty row is initialised
+        self.arrival_time: Optional[float] = None      # perf_counter at add_request
+        self.queue_time: Optional[float] = None        # arrival -> first admission, seconds
+        self.queue_time_sent = False
         # finishing
         self.finish_reason: Optional[Dict[str, Any]] = None
         self.to_abort = False
@@ -93,6 +103,18 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def uses_penalties(self) -> bool:
+        sp = self.sampling_params
+        return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0
+                or sp.presence_penalty != 0.0)
+
+    def done_scheduling(self, context_len: int) -> bool:
+        """Every token it may still produce is already scheduled: max_new_tokens is covered,
+        or the sequence reaches the context length with the tokens in flight."""
+        return (self.num_output_scheduled >= self.max_new_tokens
+                or len(self.origin_input_ids) + self.num_output_scheduled >= context_len)
 
     def remaining_new_tokens(self) -> int:
         return max(self.max_new_tokens - len(self.output_ids), 0)

@@ -1,44 +1,53 @@
-"""ScheduleBatch: the requests of one step and what each computes; builds the ForwardBatch.
+"""ScheduleBatch: the requests of one step and what each computes; builds the step's StepInput.
 
-The scheduler fills a ScheduleBatch on the event-loop thread (slots already allocated and written
-into the ReqToTokenPool rows), then prepare() turns it into a StepInput: pure tensors on the
-model's device plus plain lists. The forward worker thread sees only the StepInput.
+The scheduler fills a ScheduleBatch on the event-loop thread (slots allocated, the host
+ReqToToken rows written), then prepare() turns it into a StepInput of plain host values
+(model/step_io.py). The forward worker sees only the StepInput. Sampling offsets are taken when
+a request is added (add()), so a step scheduled before the previous step's tokens reach the host
+samples exactly what the serial loop would.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from radixserve import ops
-from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.engine.req import Req
-from radixserve.model.forward_batch import ForwardBatch, ForwardMode
-from radixserve.sampling.sampler import SampleResult, SamplingBatchInfo
+from radixserve.model.forward_batch import ForwardMode
+from radixserve.model.step_io import SamplingInputs, StepInput
 
 
 @dataclass
 class ScheduleBatch:
-    """reqs[i] computes fill_ids[extend_starts[i] : extend_starts[i] + extend_lens[i]] this step
-    (decode: extend_lens[i] == 1, the last sampled token). sample[i]: the step ends req i's
-    prefill (or is a decode), so a token is sampled from its last position.
-    prompt_lp[i]: positions [p0, p1) whose logits give prompt logprobs of tokens p0+1 .. p1."""
+    """reqs[i] computes fill positions [extend_starts[i], extend_starts[i] + extend_lens[i]) this
+    step. from_device[i]: its one input token is the id its previous step sampled, still on the
+    device (decode rows). sample[i]: the step ends req i's prefill (or is a decode), so a token
+    is drawn from its last position, at output offset offsets[i]. prompt_lp[i]: positions
+    [p0, p1) whose logits give prompt logprobs of tokens p0+1 .. p1."""
     mode: ForwardMode
     reqs: List[Req] = field(default_factory=list)
     extend_starts: List[int] = field(default_factory=list)
     extend_lens: List[int] = field(default_factory=list)
+    from_device: List[bool] = field(default_factory=list)
     sample: List[bool] = field(default_factory=list)
+    offsets: List[int] = field(default_factory=list)
     prompt_lp: List[Optional[Tuple[int, int]]] = field(default_factory=list)
     new_slots: List[torch.Tensor] = field(default_factory=list)   # per req, [extend_len] int64 CPU
-    step_input: Optional["StepInput"] = None                      # set by Scheduler.schedule()
+    decode_slots: Optional[torch.Tensor] = None                   # decode: all new slots, [B]
+    step_input: Optional[StepInput] = None                        # set by Scheduler.schedule()
 
     def add(self, req: Req, start: int, length: int, slots: torch.Tensor, sample: bool,
-            prompt_lp: Optional[Tuple[int, int]] = None) -> None:
+            prompt_lp: Optional[Tuple[int, int]] = None, from_device: bool = False) -> None:
         self.reqs.append(req)
         self.extend_starts.append(start)
         self.extend_lens.append(length)
+        self.from_device.append(from_device)
         self.sample.append(sample)
+        self.offsets.append(req.num_output_scheduled if sample else -1)
+        if sample:
+            req.num_output_scheduled += 1
         self.prompt_lp.append(prompt_lp)
         self.new_slots.append(slots)
 
@@ -54,82 +63,91 @@ class ScheduleBatch:
     def sampling_reqs(self) -> List[Req]:
         return [r for r, s in zip(self.reqs, self.sample) if s]
 
-    def prepare(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
-                sampling_info: SamplingBatchInfo) -> "StepInput":
-        """Build the device tensors of this step. Loop thread; the rows must be written already."""
-        device = kv_pool.device
+    # ------------------------------------------------------------------ StepInput
+    def prepare(self, rows: ReqToTokenPool, eos_ids: Sequence[int], vocab_size: int,
+                decode_slots: Optional[torch.Tensor] = None) -> StepInput:
+        """The StepInput of this batch. Loop thread; the host rows must be written already.
+        decode_slots: a decode batch's new slots as one tensor (saves a cat of B pieces)."""
+        pool_rows = [r.req_pool_idx for r in self.reqs]
+        seq_lens = [s + n for s, n in zip(self.extend_starts, self.extend_lens)]
+        if decode_slots is not None:
+            out_cache_loc = decode_slots
+        else:
+            out_cache_loc = (torch.cat(self.new_slots) if self.new_slots
+                             else torch.empty(0, dtype=torch.int64))           # [num_tokens]
+        sample_rows = [row for row, s in zip(pool_rows, self.sample) if s]
+        step = StepInput(self.mode, self.batch_size, pool_rows, seq_lens, out_cache_loc,
+                         sample_rows, self._sampling_inputs(eos_ids, vocab_size))
+        pending = rows.take_pending()
+        if pending is not None:
+            step.table_rows, step.table_cols, step.table_slots = pending
+        if self.mode is not ForwardMode.DECODE:
+            self._extend_fields(step)
+        return step
+
+    def _extend_fields(self, step: StepInput) -> None:
         input_ids: List[int] = []
         positions: List[int] = []
-        seq_lens: List[int] = []
-        qo_indptr = [0]
         prompt_rows: List[int] = []
-        prompt_targets: List[int] = []
-        prompt_counts: List[int] = []
         sample_rows: List[int] = []
-        top_k = 0
+        base = 0
         for i, req in enumerate(self.reqs):
             start, n = self.extend_starts[i], self.extend_lens[i]
-            base = qo_indptr[-1]
-            if self.mode == ForwardMode.DECODE:
-                input_ids.append(req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1])
+            if self.from_device[i]:
+                step.resolve_pos.append(base)
+                step.resolve_rows.append(req.req_pool_idx)
+                input_ids.append(-1)
             else:
                 input_ids += req.fill_ids[start:start + n]
             positions += range(start, start + n)
-            seq_lens.append(start + n)
-            qo_indptr.append(base + n)
             lp = self.prompt_lp[i]
             if lp is not None:
-                fill = req.fill_ids
                 p0, p1 = lp
                 prompt_rows += range(base + p0 - start, base + p1 - start)
-                prompt_targets += fill[p0 + 1:p1 + 1]
-                prompt_counts.append(p1 - p0)
-                top_k = max(top_k, req.top_logprobs_num)
+                step.prompt_targets += req.fill_ids[p0 + 1:p1 + 1]
+                step.prompt_counts.append(p1 - p0)
+                step.prompt_top_k = max(step.prompt_top_k, req.top_logprobs_num)
             else:
-                prompt_counts.append(0)
+                step.prompt_counts.append(0)
             if self.sample[i]:
                 sample_rows.append(base + n - 1)
-        batch = len(self.reqs)
-        pool_rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)   # [batch + 1]
-        total_kv = sum(seq_lens)
-        kv_indices = torch.empty(max(total_kv, 1), dtype=torch.int32, device=device)  # [nnz]
-        ops.build_kv_indices(req_to_token_pool.req_to_token, pool_rows.to(device),
-                             seq_lens_t.to(device), kv_indptr, kv_indices)
-        out_cache_loc = (torch.cat(self.new_slots) if self.new_slots
-                         else torch.empty(0, dtype=torch.int64))              # [num_tokens]
-        fb = ForwardBatch(
-            mode=self.mode,
-            batch_size=batch,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device),
-            positions=torch.tensor(positions, dtype=torch.int64).to(device),
-            out_cache_loc=out_cache_loc.to(device),
-            qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32).to(device),
-            kv_indptr=kv_indptr,
-            kv_indices=kv_indices,
-            seq_lens=seq_lens_t.to(device),
-            logits_indices=torch.tensor(prompt_rows + sample_rows, dtype=torch.int64).to(device),
-            kv_pool=kv_pool,
-        )
-        return StepInput(fb, sampling_info, len(prompt_rows),
-                         torch.tensor(prompt_targets, dtype=torch.int64).to(device),
-                         prompt_counts, top_k)
+            base += n
+        step.input_ids, step.positions = input_ids, positions
+        step.extend_lens = list(self.extend_lens)
+        step.logits_indices = prompt_rows + sample_rows
+        step.num_prompt_rows = len(prompt_rows)
 
-
-class StepInput(NamedTuple):
-    """Everything the forward worker needs for one step (tensors + plain values only)."""
-    forward_batch: ForwardBatch
-    sampling_info: SamplingBatchInfo
-    num_prompt_rows: int           # the first rows of logits_indices are prompt-logprob rows
-    prompt_targets: torch.Tensor   # [num_prompt_rows] int64: the token each of those rows scores
-    prompt_counts: List[int]       # per req, how many prompt rows are its (in order)
-    prompt_top_k: int              # top logprobs to keep per prompt row (0 = none)
-
-
-class StepOutput(NamedTuple):
-    """What the worker returns: sampled tokens for the sampling reqs (in batch order), and the
-    prompt logprobs of the prompt rows, split per req (empty lists for reqs without)."""
-    sample: SampleResult
-    prompt_logprobs: List[List[float]]
-    prompt_top_logprobs: List[Optional[List[List[Tuple[float, int]]]]]
+    def _sampling_inputs(self, eos_ids: Sequence[int], vocab_size: int) -> SamplingInputs:
+        """Per sampling row, from values the requests were validated with at admission."""
+        si = SamplingInputs()
+        row = 0
+        for req, s, offset in zip(self.reqs, self.sample, self.offsets):
+            if not s:
+                continue
+            sp = req.sampling_params
+            si.temperature.append(float(sp.temperature))
+            si.top_k.append(int(sp.top_k) if sp.top_k and sp.top_k > 0 else -1)
+            si.top_p.append(float(sp.top_p))
+            si.min_p.append(float(sp.min_p))
+            si.seeds.append(int(req.seed or 0))
+            si.offsets.append(offset)
+            top_n = int(req.top_logprobs_num) if req.return_logprob else 0
+            si.top_logprobs_num.append(top_n)
+            if req.return_logprob:
+                si.logprob_rows.append(row)
+            if req.uses_penalties:
+                si.penalty_rows.append(row)
+                si.repetition.append(float(sp.repetition_penalty))
+                si.frequency.append(float(sp.frequency_penalty))
+                si.presence.append(float(sp.presence_penalty))
+                if not req.penalty_ready:
+                    si.penalty_init.append((req.req_pool_idx, list(req.origin_input_ids),
+                                            list(req.output_ids)))
+                    req.penalty_ready = True
+            if offset < sp.min_new_tokens:
+                for t in sorted({t for t in list(eos_ids) + list(sp.stop_token_ids or [])
+                                 if 0 <= t < vocab_size}):
+                    si.banned_rows.append(row)
+                    si.banned_cols.append(t)
+            row += 1
+        return si

@@ -1,25 +1,37 @@
-"""ModelRunner: owns the model, the KV pool and the ReqToTokenPool, and runs one step's forward.
+"""ModelRunner: owns the model, the KV pool, the device-side batch tables, and runs steps.
 
 Device and dtype come from ServerArgs.resolved_*(). KV pool size: --max-total-tokens if given,
 else --mem-fraction-static of free memory (GPU: 0.85 of free device memory after the weights;
 CPU: 0.10 of MemAvailable), capped at what max_running_requests * context_len could ever use.
-forward_hidden / compute_logits / run_step are called from the engine's single forward worker
-thread; they touch only the tensors of the step they are given and the KV buffers. On CUDA in
-bf16/fp16, decode steps replay CUDA graphs (model/cuda_graph_runner.py) unless
---disable-cuda-graph.
+
+Device-side state, written only by steps, in step order (the "device" is the GPU's compute
+stream, or on the CPU the one thread that runs steps):
+  req_to_token [num_rows + 1, context_len + 1] int32: each ReqToToken row's KV slots. The
+               scheduler keeps the host mirror (cache/kv_pool.ReqToTokenPool); each step sends
+               the writes it adds. Row num_rows is the padding row of CUDA-graph batches.
+  next_ids     [num_rows + 1] int64: the id each row sampled last, the input of its next decode
+               step (a decode step reads it on the device, so it never waits for the host).
+  penalties    PenaltyState: per-row token counts (sampling/penalties.py).
+launch(step) enqueues a whole step (inputs up, forward, sampling, ids into next_ids, results
+down into pinned memory behind an event) and returns a PendingStep at once on CUDA; wait() is
+the one blocking point. On the CPU, launch computes the step and wait() returns its values.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import time
+from typing import List, Optional
 
 import torch
 
-from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
+from radixserve import ops
+from radixserve.cache.kv_pool import KVPool
 from radixserve.config import ModelConfig, ServerArgs
-from radixserve.engine.schedule_batch import StepInput, StepOutput
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.forward_batch import ForwardBatch, ForwardMode
+from radixserve.model.staging import Packer, Upload
+from radixserve.model.step_io import SampleResult, StepInput, StepOutput
 from radixserve.sampling import sampler
+from radixserve.sampling.penalties import PenaltyState
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +50,54 @@ def _cpu_available_bytes() -> int:
     except OSError:
         pass
     return 4 << 30
+
+
+def decode_prologue(req_to_token: torch.Tensor, next_ids: torch.Tensor, rows: torch.Tensor,
+                    seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, kv_indptr: torch.Tensor,
+                    kv_indices: torch.Tensor):
+    """The device half of building a decode batch (graph-safe: no host reads).
+    rows [B] int64, seq_lens [B] int32 (KV length after this step), out_cache_loc [B] int64.
+    Writes each row's new slot at position seq_len - 1 and flattens the rows into kv_indptr /
+    kv_indices; returns (input_ids [B] int64 = next_ids[rows], positions [B] int64)."""
+    positions = seq_lens.long() - 1
+    req_to_token.index_put_((rows, positions), out_cache_loc.to(torch.int32))
+    ops.build_kv_indices(req_to_token, rows, seq_lens, kv_indptr, kv_indices)
+    return next_ids.index_select(0, rows), positions
+
+
+class PendingStep:
+    """A launched step. wait() blocks until its results are on the host (once)."""
+
+    def __init__(self, step: StepInput, host: dict, events=None, uploads=(), device_time=0.0,
+                 prompt=None):
+        self.step = step
+        self._host = host                  # name -> host tensor (pinned on CUDA)
+        self._events = events              # (start, end) CUDA events, or None on the CPU
+        self._uploads = uploads            # keep the staging buffers alive until done
+        self._device_time = device_time
+        self._prompt = prompt              # (per-request logprobs, tops), computed at launch
+
+    def ready(self) -> bool:
+        """wait() would not block (the CPU computed the step at launch)."""
+        return self._events is None
+
+    def wait(self) -> StepOutput:
+        device_time = self._device_time
+        if self._events is not None:
+            start, end = self._events
+            end.synchronize()
+            device_time = start.elapsed_time(end) / 1e3
+        self._uploads = ()
+        h = self._host
+        inputs = self.step.sampling
+        ids = h["ids"].tolist() if "ids" in h else []
+        logprobs = h["logprobs"].tolist() if "logprobs" in h else []
+        top_v = h["top_values"].tolist() if "top_values" in h else None
+        top_i = h["top_ids"].tolist() if "top_ids" in h else None
+        lp, tops, finite = sampler.host_result(inputs, ids, logprobs, top_v, top_i)
+        per_lp, per_top = self._prompt or ([[] for _ in range(self.step.batch_size)],
+                                           [None] * self.step.batch_size)
+        return StepOutput(SampleResult(ids, lp, tops, finite), per_lp, per_top, device_time)
 
 
 class ModelRunner:
@@ -68,18 +128,31 @@ class ModelRunner:
         self.kv_pool = KVPool(self.max_total_tokens, model_config.num_hidden_layers,
                               model_config.num_key_value_heads, model_config.head_dim,
                               self.dtype, self.device)
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 1,
-                                                self.device)
+        self.num_rows = self.max_running_requests
+        self.padding_row = self.num_rows
+        dev = self.device
+        # [num_rows + 1, context_len + 1] int32 and [num_rows + 1] int64 (see the module doc)
+        self.req_to_token = torch.zeros((self.num_rows + 1, self.context_len + 1),
+                                        dtype=torch.int32, device=dev)
+        self.next_ids = torch.zeros(self.num_rows + 1, dtype=torch.int64, device=dev)
+        self.penalties = PenaltyState(self.num_rows + 1, model_config.vocab_size, dev)
+        self.compute_stream = self.copy_stream = None
+        if dev.type == "cuda":
+            self.compute_stream = torch.cuda.Stream(device=dev)
+            self.copy_stream = torch.cuda.Stream(device=dev)
         logger.info("KV pool: %d tokens, %.1f MB", self.max_total_tokens,
                     self.kv_pool.size_bytes / (1 << 20))
         self.graph_runner = None
         if self._cuda_graph_usable():
-            from radixserve.model.cuda_graph_runner import DEFAULT_MAX_BS, CudaGraphRunner
+            from radixserve.model.cuda_graph_runner import CudaGraphRunner
 
             max_bs = min(self.max_running_requests,
-                         server_args.cuda_graph_max_bs or DEFAULT_MAX_BS)
-            self.graph_runner = CudaGraphRunner(self.model, self.kv_pool, model_config.vocab_size,
-                                                self.context_len + 1, max_bs)
+                         server_args.cuda_graph_max_bs or self.max_running_requests)
+            self.graph_runner = CudaGraphRunner(self, max_bs)
+            if max_bs < self.max_running_requests:
+                logger.info("decode batches above %d (--cuda-graph-max-bs) run eagerly", max_bs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)   # weights and tables are ready before any step stream
 
     def _cuda_graph_usable(self) -> bool:
         """Decode runs as CUDA graphs where every op on its path is a graph-safe kernel."""
@@ -116,7 +189,7 @@ class ModelRunner:
                              "--mem-fraction-static or give --max-total-tokens")
         return tokens
 
-    # ------------------------------------------------------------------ forward (worker thread)
+    # ------------------------------------------------------------------ forward pieces
     @torch.inference_mode()
     def forward_hidden(self, fb: ForwardBatch) -> torch.Tensor:
         """Hidden states of the rows fb.logits_indices selects: [num_logit_rows, hidden]."""
@@ -133,33 +206,153 @@ class ModelRunner:
         """Logits of the rows fb.logits_indices selects: [num_logit_rows, vocab] float32."""
         return self.compute_logits(self.forward_hidden(fb))
 
+    # ------------------------------------------------------------------ steps
+    def _stream(self):
+        if self.compute_stream is None:
+            import contextlib
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.compute_stream)
+
     @torch.inference_mode()
-    def run_step(self, step: StepInput) -> StepOutput:
-        """Forward + sampling of one step; returns host-side values. Worker thread."""
-        fb = step.forward_batch
-        if fb.logits_indices.numel() == 0:
+    def launch(self, step: StepInput) -> PendingStep:
+        """Enqueue one step; returns without waiting for the device (CUDA). Thread: the one
+        that runs steps (the engine's forward worker). Raises for inputs the model rejects;
+        the device state then holds at most this step's partial KV and table writes."""
+        t0 = time.perf_counter()
+        events = None
+        with self._stream():
+            if self.device.type == "cuda":
+                events = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+                events[0].record()
+            ints, floats = self._upload(step)
+            if step.table_slots is not None:
+                self.req_to_token.index_put_((ints["table_rows"], ints["table_cols"]),
+                                             ints["table_slots"].to(torch.int32))
+            prompt = None
+            if step.mode is ForwardMode.DECODE:
+                logits = self._decode_logits(step, ints)            # [B, vocab] float32
+                pool_rows = ints["rows"]
+            else:
+                logits, prompt = self._extend_logits(step, ints)    # [S, vocab] float32
+                pool_rows = ints["sample_rows"]
+            host = self._sample(step, logits, pool_rows, ints, floats)
+            if events is not None:
+                events[1].record()
+        device_time = 0.0 if events is not None else time.perf_counter() - t0
+        return PendingStep(step, host, events, (ints, floats), device_time, prompt)
+
+    def _upload(self, step: StepInput):
+        """Pack the step's ints and floats into one host buffer each and send them up."""
+        sp = step.sampling
+        ints, floats = Packer(torch.int64), Packer(torch.float32)
+        ints.add("rows", step.req_pool_indices)
+        ints.add("seq_lens", step.seq_lens)
+        ints.add("out_cache_loc", step.out_cache_loc)
+        has_table = step.table_slots is not None
+        ints.add("table_rows", step.table_rows if has_table else [])
+        ints.add("table_cols", step.table_cols if has_table else [])
+        ints.add("table_slots", step.table_slots if has_table else [])
+        if step.mode is not ForwardMode.DECODE:
+            qo = [0]
+            for n in step.extend_lens:
+                qo.append(qo[-1] + n)
+            ints.add("input_ids", step.input_ids)
+            ints.add("positions", step.positions)
+            ints.add("qo_indptr", qo)
+            ints.add("resolve_pos", step.resolve_pos)
+            ints.add("resolve_rows", step.resolve_rows)
+            ints.add("logits_indices", step.logits_indices)
+            ints.add("sample_rows", step.sample_rows)
+            ints.add("prompt_targets", step.prompt_targets)
+        for name in ("top_k", "seeds", "offsets", "penalty_rows", "banned_rows", "banned_cols"):
+            ints.add(name, getattr(sp, name))
+        for name in ("temperature", "top_p", "min_p", "repetition", "frequency", "presence"):
+            floats.add(name, getattr(sp, name))
+        return (ints.upload(self.device, self.copy_stream),
+                floats.upload(self.device, self.copy_stream))
+
+    def _decode_logits(self, step: StepInput, ints: Upload) -> torch.Tensor:
+        bs = step.batch_size
+        if self.graph_runner is not None and self.graph_runner.can_run(bs):
+            return self.graph_runner.replay(bs, ints["rows"], ints["seq_lens"],
+                                            ints["out_cache_loc"])
+        nnz = sum(step.seq_lens)
+        kv_indptr = torch.empty(bs + 1, dtype=torch.int32, device=self.device)   # [B + 1]
+        kv_indices = torch.empty(max(nnz, 1), dtype=torch.int32, device=self.device)  # [nnz]
+        input_ids, positions = decode_prologue(
+            self.req_to_token, self.next_ids, ints["rows"], ints["seq_lens"].to(torch.int32),
+            ints["out_cache_loc"], kv_indptr, kv_indices)
+        fb = ForwardBatch(ForwardMode.DECODE, bs, input_ids, positions, ints["out_cache_loc"],
+                          kv_indptr, kv_indptr, kv_indices, ints["seq_lens"], None, self.kv_pool)
+        return self.compute_logits(self.model(fb))
+
+    def _extend_logits(self, step: StepInput, ints: Upload):
+        """Forward of an extend (or mixed) step: logits of the sampling rows, and the prompt
+        logprobs (read back to the host here: prompt logprobs come only with extend steps)."""
+        bs = step.batch_size
+        input_ids = ints["input_ids"]
+        if step.resolve_pos:
+            input_ids = input_ids.clone()
+            input_ids.index_copy_(0, ints["resolve_pos"],
+                                  self.next_ids.index_select(0, ints["resolve_rows"]))
+        nnz = sum(step.seq_lens)
+        kv_indptr = torch.empty(bs + 1, dtype=torch.int32, device=self.device)       # [B + 1]
+        kv_indices = torch.empty(max(nnz, 1), dtype=torch.int32, device=self.device)  # [nnz]
+        ops.build_kv_indices(self.req_to_token, ints["rows"], ints["seq_lens"], kv_indptr,
+                             kv_indices)
+        fb = ForwardBatch(step.mode, bs, input_ids, ints["positions"], ints["out_cache_loc"],
+                          ints["qo_indptr"].to(torch.int32), kv_indptr, kv_indices,
+                          ints["seq_lens"].to(torch.int32), ints["logits_indices"], self.kv_pool)
+        if not step.logits_indices:
             self.model(fb)     # a chunk that only fills the KV cache
-            return StepOutput(sampler.SampleResult([], [], []), [[] for _ in step.prompt_counts],
-                              [None for _ in step.prompt_counts])
+            return None, None
+        hidden = self.forward_hidden(fb)                             # [rows, hidden]
         n_prompt = step.num_prompt_rows
-        if n_prompt == 0 and self.graph_runner is not None and self.graph_runner.can_run(fb):
-            logits = self.graph_runner.replay(fb)                   # [batch, vocab] float32
-            return StepOutput(sampler.sample(logits, step.sampling_info),
-                              [[] for _ in step.prompt_counts],
-                              [None for _ in step.prompt_counts])
-        hidden = self.forward_hidden(fb)                            # [rows, hidden]
-        logits = self.compute_logits(hidden[n_prompt:])             # [num_sampling_reqs, vocab]
-        result = sampler.sample(logits, step.sampling_info)
-        per_req_lp, per_req_top = [], []
+        logits = self.compute_logits(hidden[n_prompt:]) if step.sample_rows else None
+        prompt = None
         if n_prompt:
-            values, tops = sampler.prompt_logprobs(self.compute_logits, hidden[:n_prompt],
-                                                   step.prompt_targets, step.prompt_top_k)
-            pos = 0
-            for count in step.prompt_counts:
-                per_req_lp.append(values[pos:pos + count])
-                per_req_top.append(tops[pos:pos + count] if tops is not None else None)
-                pos += count
-        else:
-            per_req_lp = [[] for _ in step.prompt_counts]
-            per_req_top = [None for _ in step.prompt_counts]
-        return StepOutput(result, per_req_lp, per_req_top)
+            prompt = self._prompt_logprobs(step, hidden[:n_prompt], ints["prompt_targets"])
+        return logits, prompt
+
+    def _prompt_logprobs(self, step: StepInput, hidden: torch.Tensor, targets: torch.Tensor):
+        values, tops = sampler.prompt_logprobs(self.compute_logits, hidden, targets,
+                                               step.prompt_top_k)
+        per_lp: List[List[float]] = []
+        per_top: List[Optional[list]] = []
+        pos = 0
+        for count in step.prompt_counts:
+            per_lp.append(values[pos:pos + count])
+            per_top.append(tops[pos:pos + count] if tops is not None else None)
+            pos += count
+        return per_lp, per_top
+
+    def _sample(self, step: StepInput, logits: Optional[torch.Tensor], pool_rows: torch.Tensor,
+                ints: Upload, floats: Upload) -> dict:
+        """Sample, keep the ids on the device as the rows' next inputs, start the copies down."""
+        if logits is None or not step.sample_rows:
+            return {}
+        sp = step.sampling
+        self.penalties.init_rows(sp.penalty_init)
+        st = sampler.SamplingTensors(
+            floats["temperature"], ints["top_k"].to(torch.int32), floats["top_p"],
+            floats["min_p"], ints["seeds"], ints["offsets"], ints["penalty_rows"],
+            floats["repetition"], floats["frequency"], floats["presence"],
+            ints["banned_rows"], ints["banned_cols"])
+        out = sampler.sample(logits, sp, st, pool_rows, self.penalties)
+        self.next_ids.index_copy_(0, pool_rows, out.ids)
+        device = {"ids": out.ids, "logprobs": out.logprobs.float()}
+        if out.top_values is not None:
+            device["top_values"], device["top_ids"] = out.top_values, out.top_ids
+        if self.device.type != "cuda":
+            return device
+        host = {}
+        for name, t in device.items():
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            host[name] = h
+        return host
+
+    def run_step(self, step: StepInput) -> StepOutput:
+        """launch + wait: one step, synchronously."""
+        return self.launch(step).wait()

@@ -171,6 +171,8 @@ def bitmask_sample(logits: torch.Tensor, bitmask: Optional[torch.Tensor], temper
                                temperature[sample_rows], top_k[sample_rows], top_p[sample_rows],
                                min_p[sample_rows])
         for j, row in enumerate(sample_rows):
+            if not bool(torch.isfinite(probs[j]).all()) or not float(probs[j].sum()) > 0:
+                continue   # non-finite logits: keep the argmax; the NaN logprob flags the row
             g = _row_generator(int(seeds[row]), int(offsets[row]), probs.device)
             ids[row] = torch.multinomial(probs[j], 1, generator=g)[0]
     logprobs = raw_logprobs.gather(-1, ids[:, None])[:, 0] if batch else raw_logprobs[:, 0]

@@ -1,8 +1,19 @@
 """SamplingParams: per-request sampling settings, named as SGLang's native API names them."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Union
+
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MAX_TEMPERATURE = 1e4          # above this every distribution is flat in float32 anyway
+MIN_TEMPERATURE = 1e-5         # logits / T must stay finite in float32
+MIN_NORMAL_FLOAT32 = 1.1754944e-38
+MAX_N = 128
+MAX_STOP_LEN = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -48,54 +59,75 @@ class SamplingParams:
         return sp
 
     def verify(self) -> None:
-        """Raise ValueError saying which field to change. Context-length checks happen later."""
+        """Raise ValueError saying which field to change. Context-length checks happen later.
+
+        Every number is checked in the type the engine uses it in: float32 for temperature, top_p,
+        min_p and the penalties (finite; a repetition_penalty must stay a normal float32, since
+        the sampler divides by it), int32 for top_k, int64 for the seed and for seed + n - 1 (the
+        seed of the last of n samples). NaN and infinities are refused.
+        """
         def num(name, v, kind=(int, float)):
             if isinstance(v, bool) or not isinstance(v, kind):
                 raise ValueError(f"{name} must be a number, got {type(v).__name__}")
 
+        def f32(name, v, lo, hi, lo_open=False):
+            num(name, v)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v}")
+            if (v <= lo if lo_open else v < lo) or v > hi:
+                raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], "
+                                 f"got {v}")
+
         num("temperature", self.temperature)
-        num("top_p", self.top_p)
-        num("top_k", self.top_k, int)
-        num("min_p", self.min_p)
-        num("frequency_penalty", self.frequency_penalty)
-        num("presence_penalty", self.presence_penalty)
-        num("repetition_penalty", self.repetition_penalty)
-        num("min_new_tokens", self.min_new_tokens, int)
-        num("n", self.n, int)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not -2 <= self.presence_penalty <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        f32("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        f32("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        num("top_k", self.top_k, int)
+        f32("min_p", self.min_p, 0.0, 1.0)
+        f32("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        f32("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        f32("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        if self.repetition_penalty < MIN_NORMAL_FLOAT32:
+            raise ValueError(f"repetition_penalty {self.repetition_penalty} is too small for "
+                             f"float32; use at least {MIN_NORMAL_FLOAT32}")
+        num("min_new_tokens", self.min_new_tokens, int)
+        num("n", self.n, int)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
+                             f"got {self.temperature}")
+        if not (self.top_k == -1 or self.top_k == 0 or 1 <= self.top_k <= INT32_MAX):
+            raise ValueError(f"top_k must be -1 (off) or in [1, {INT32_MAX}], got {self.top_k}")
         if self.max_new_tokens is not None:
             num("max_new_tokens", self.max_new_tokens, int)
-            if self.max_new_tokens < 0:
-                raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+            if not 0 <= self.max_new_tokens <= INT32_MAX:
+                raise ValueError(f"max_new_tokens must be in [0, {INT32_MAX}], got "
+                                 f"{self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= INT32_MAX:
+            raise ValueError(f"min_new_tokens must be in [0, {INT32_MAX}], got {self.min_new_tokens}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.seed is not None:
             num("seed", self.seed, int)
+            if not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
+                raise ValueError(f"seed must be in [{INT64_MIN}, {INT64_MAX - (self.n - 1)}] "
+                                 f"(a 64-bit integer, leaving room for seed + n - 1), got "
+                                 f"{self.seed}")
         if self.stop is not None:
             stops = self.stop_strs
             if not all(isinstance(s, str) and s for s in stops):
                 raise ValueError("stop must be a non-empty string or a list of non-empty strings")
             if len(stops) > 16:
                 raise ValueError("at most 16 stop strings are allowed")
+            if any(len(s) > MAX_STOP_LEN for s in stops):
+                raise ValueError(f"each stop string may have at most {MAX_STOP_LEN} characters")
         if self.stop_token_ids is not None:
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                       for t in self.stop_token_ids):
+            if not isinstance(self.stop_token_ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
+                    for t in self.stop_token_ids):
                 raise ValueError("stop_token_ids must be a list of non-negative integers")
+            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed")
         constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]
         if len(constraints) > 1:
             raise ValueError("give at most one of json_schema, regex, ebnf")

@@ -1,4 +1,4 @@
-"""Logit penalties, applied to a batch's logits before sampling (in place).
+"""Logit penalties with their state on the device, updated incrementally each step.
 
 Semantics:
   * repetition_penalty r (HF transformers): for every token seen in prompt + output so far,
@@ -6,74 +6,81 @@ Semantics:
   * frequency_penalty f, presence_penalty p (OpenAI): logit -= f * count_in_output + p * (count > 0),
     counting output tokens only.
   * min_new_tokens: until a request has that many output tokens, its EOS and stop_token_ids
-    get -inf so they cannot be sampled.
+    get -inf so they cannot be sampled (banned (row, token) pairs sent with the step).
+
+PenaltyState keeps, per ReqToToken row, the counts of the row's output tokens and a mask of its
+prompt tokens: [num_rows, vocab] each, allocated on the first step that needs them (most
+workloads never pay for them). A request's row is initialised on its first sampled token after
+admission (init_rows) and every sampled token is counted on the device (record), so no step
+rebuilds [batch, vocab] state from Python lists. Owned by the ModelRunner; used only from the
+thread that runs steps, in step order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 
-@dataclass
-class PenaltyInfo:
-    """Per-batch penalty tensors (None where no row of the batch uses that penalty)."""
-    repetition: Optional[torch.Tensor] = None      # [batch] float32, 1 = off
-    seen_mask: Optional[torch.Tensor] = None       # [batch, vocab] bool: seen in prompt + output
-    frequency: Optional[torch.Tensor] = None       # [batch] float32
-    presence: Optional[torch.Tensor] = None        # [batch] float32
-    output_counts: Optional[torch.Tensor] = None   # [batch, vocab] float32: counts in output
-    banned_rows: Optional[torch.Tensor] = None     # [num_banned] int64 } logits[rows, cols] = -inf
-    banned_cols: Optional[torch.Tensor] = None     # [num_banned] int64 }
+class PenaltyState:
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device):
+        self.num_rows = num_rows
+        self.vocab_size = vocab_size
+        self.device = device
+        self.counts: Optional[torch.Tensor] = None        # [num_rows, vocab] int32
+        self.prompt_seen: Optional[torch.Tensor] = None   # [num_rows, vocab] bool
 
     @property
-    def active(self) -> bool:
-        return (self.repetition is not None or self.frequency is not None
-                or self.banned_rows is not None)
+    def allocated(self) -> bool:
+        return self.counts is not None
 
-    @classmethod
-    def build(cls, vocab_size: int, device: torch.device, rep: Sequence[float],
-              freq: Sequence[float], pres: Sequence[float], prompt_ids: Sequence[List[int]],
-              output_ids: Sequence[List[int]], banned: Sequence[List[int]]) -> "PenaltyInfo":
-        """rep/freq/pres: one value per row; prompt_ids/output_ids: each row's tokens so far;
-        banned: token ids each row may not sample this step (min_new_tokens)."""
-        batch = len(rep)
-        info = cls()
-        if any(r != 1.0 for r in rep):
-            info.repetition = torch.tensor(rep, dtype=torch.float32, device=device)
-            seen = torch.zeros((batch, vocab_size), dtype=torch.bool)        # [batch, vocab]
-            for b in range(batch):
-                if rep[b] != 1.0:
-                    ids = prompt_ids[b] + output_ids[b]
-                    if ids:
-                        seen[b, torch.tensor(ids, dtype=torch.int64)] = True
-            info.seen_mask = seen.to(device)
-        if any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres):
-            info.frequency = torch.tensor(freq, dtype=torch.float32, device=device)
-            info.presence = torch.tensor(pres, dtype=torch.float32, device=device)
-            counts = torch.zeros((batch, vocab_size), dtype=torch.float32)   # [batch, vocab]
-            for b in range(batch):
-                if (freq[b] != 0.0 or pres[b] != 0.0) and output_ids[b]:
-                    counts[b] = torch.bincount(torch.tensor(output_ids[b], dtype=torch.int64),
-                                               minlength=vocab_size)[:vocab_size].float()
-            info.output_counts = counts.to(device)
-        rows = [b for b in range(batch) for _ in banned[b]]
-        if rows:
-            cols = [t for b in range(batch) for t in banned[b]]
-            info.banned_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-            info.banned_cols = torch.tensor(cols, dtype=torch.int64, device=device)
-        return info
+    def _allocate(self) -> None:
+        shape = (self.num_rows, self.vocab_size)
+        self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+
+    def init_rows(self, inits: Sequence[Tuple[int, List[int], List[int]]]) -> None:
+        """inits: (row, prompt ids, output ids so far) of requests whose state starts now."""
+        if not inits:
+            return
+        if not self.allocated:
+            self._allocate()
+        rows = torch.tensor([r for r, _, _ in inits], dtype=torch.int64, device=self.device)
+        self.counts.index_fill_(0, rows, 0)
+        self.prompt_seen.index_fill_(0, rows, False)
+        p_rows = [r for r, prompt, _ in inits for _ in prompt]
+        p_ids = [t for _, prompt, _ in inits for t in prompt]
+        if p_rows:
+            idx = (torch.tensor(p_rows, device=self.device), torch.tensor(p_ids, device=self.device))
+            self.prompt_seen.index_put_(idx, torch.ones(len(p_rows), dtype=torch.bool,
+                                                        device=self.device))
+        o_rows = [r for r, _, out in inits for _ in out]
+        o_ids = [t for _, _, out in inits for t in out]
+        if o_rows:
+            idx = (torch.tensor(o_rows, device=self.device), torch.tensor(o_ids, device=self.device))
+            self.counts.index_put_(idx, torch.ones(len(o_rows), dtype=torch.int32,
+                                                   device=self.device), accumulate=True)
+
+    def apply(self, logits: torch.Tensor, batch_rows: torch.Tensor, pool_rows: torch.Tensor,
+              repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> None:
+        """In place on logits [S, vocab] float32, rows batch_rows [n] (whose ReqToToken rows are
+        pool_rows [n]), with per-row settings [n] float32."""
+        x = logits.index_select(0, batch_rows)                   # [n, vocab]
+        counts = self.counts.index_select(0, pool_rows)          # [n, vocab] int32
+        present = counts > 0
+        seen = self.prompt_seen.index_select(0, pool_rows) | present
+        r = repetition[:, None]
+        x = torch.where(seen & (r != 1.0), torch.where(x > 0, x / r, x * r), x)
+        x = x - frequency[:, None] * counts.float() - presence[:, None] * present.float()
+        logits.index_copy_(0, batch_rows, x)
+
+    def record(self, pool_rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Count the tokens just sampled: ids [S] int64 for ReqToToken rows pool_rows [S]."""
+        if self.allocated and pool_rows.numel():
+            self.counts.index_put_((pool_rows, ids), torch.ones_like(ids, dtype=torch.int32),
+                                   accumulate=True)
 
 
-def apply_penalties(logits: torch.Tensor, info: PenaltyInfo) -> None:
-    """logits: [batch, vocab] float32, modified in place."""
-    if info.repetition is not None:
-        r = info.repetition[:, None]
-        penalized = torch.where(logits > 0, logits / r, logits * r)
-        logits.copy_(torch.where(info.seen_mask, penalized, logits))
-    if info.frequency is not None:
-        counts = info.output_counts
-        logits -= info.frequency[:, None] * counts + info.presence[:, None] * (counts > 0).float()
-    if info.banned_rows is not None:
-        logits[info.banned_rows, info.banned_cols] = float("-inf")
+def ban_tokens(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    """logits[rows, cols] = -inf, in place (min_new_tokens)."""
+    logits.index_put_((rows, cols), torch.full_like(rows, 0, dtype=logits.dtype) - float("inf"))

@@ -1,123 +1,116 @@
-"""Sampler: turns a batch's logits into next-token ids (+ logprobs), and prompt logits into
-prompt logprobs.
+"""Sampler: turns a step's logits into next-token ids (+ logprobs) on the device, without a
+host synchronisation, and prompt logits into prompt logprobs.
 
-SamplingBatchInfo is built on the event-loop thread from the requests (sampling_batch_info());
-sample() and prompt_logprobs() run on the forward worker thread and touch only the tensors they
-are given. Logprobs are the model's own: log_softmax of the raw logits, before penalties,
-temperature and filters; top_logprobs are torch.topk of the same log_softmax row.
+Logprobs are the model's own: log_softmax of the raw logits, before penalties, temperature and
+filters. They come from the sampler's own outputs (bitmask_sample returns the chosen id's log
+probability of the logits it was given; top logprobs are topk(logits) - logsumexp(logits)), not
+from a second full-vocabulary log_softmax. A row whose chosen logprob is not finite had
+non-finite logits: the caller fails that row alone.
+
+Runs on the thread that runs steps; touches only the tensors it is given and PenaltyState.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 from radixserve import ops
-from radixserve.sampling.penalties import PenaltyInfo, apply_penalties
+from radixserve.model.step_io import SamplingInputs
+from radixserve.sampling.penalties import PenaltyState, ban_tokens
 
 # rows of prompt logits turned into log_softmax at a time (bounds the [rows, vocab] temporaries)
 PROMPT_LOGPROB_CHUNK = 128
 
 
-@dataclass
-class SamplingBatchInfo:
-    """Per-row sampling tensors for the rows that sample this step (on the model's device)."""
-    temperature: torch.Tensor      # [batch] float32, 0 = greedy
-    top_k: torch.Tensor            # [batch] int32, <= 0 = off
-    top_p: torch.Tensor            # [batch] float32
-    min_p: torch.Tensor            # [batch] float32
-    seeds: torch.Tensor            # [batch] int64
-    offsets: torch.Tensor          # [batch] int64: output tokens so far (the step offset)
-    penalties: PenaltyInfo
-    logprob_rows: List[int]        # rows whose sampled-token logprob is returned
-    top_logprobs_num: List[int]    # per row, 0 = none
-    all_greedy: bool
+class SamplingTensors(NamedTuple):
+    """SamplingInputs on the device. [S] per sampling row unless noted."""
+    temperature: torch.Tensor      # float32
+    top_k: torch.Tensor            # int32, <= 0 = off
+    top_p: torch.Tensor            # float32
+    min_p: torch.Tensor            # float32
+    seeds: torch.Tensor            # int64
+    offsets: torch.Tensor          # int64
+    penalty_rows: torch.Tensor     # [P] int64 rows that use penalties
+    repetition: torch.Tensor       # [P] float32
+    frequency: torch.Tensor        # [P] float32
+    presence: torch.Tensor         # [P] float32
+    banned_rows: torch.Tensor      # [N] int64 } logits[rows, cols] = -inf
+    banned_cols: torch.Tensor      # [N] int64 }
 
 
-class SampleResult(NamedTuple):
-    ids: List[int]                                   # [batch]
-    logprobs: List[Optional[float]]                  # [batch], None where not asked
-    top_logprobs: List[Optional[List[Tuple[float, int]]]]  # [batch], sorted desc, None where not asked
+def sampling_tensors(inputs: SamplingInputs, device: torch.device) -> SamplingTensors:
+    """SamplingTensors built field by field (tests, tools); the runner builds the same tensors
+    from its packed upload."""
+    def t(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    f32, i64 = torch.float32, torch.int64
+    return SamplingTensors(
+        t(inputs.temperature, f32), t(inputs.top_k, torch.int32), t(inputs.top_p, f32),
+        t(inputs.min_p, f32), t(inputs.seeds, i64), t(inputs.offsets, i64),
+        t(inputs.penalty_rows, i64), t(inputs.repetition, f32), t(inputs.frequency, f32),
+        t(inputs.presence, f32), t(inputs.banned_rows, i64), t(inputs.banned_cols, i64))
 
 
-def sampling_batch_info(reqs: Sequence, vocab_size: int, eos_ids: Sequence[int],
-                        device: torch.device) -> SamplingBatchInfo:
-    """Build the tensors for reqs (engine Req objects), in order. Loop thread only."""
-    temps, top_ks, top_ps, min_ps, seeds, offsets = [], [], [], [], [], []
-    rep, freq, pres, prompts, outputs, banned = [], [], [], [], [], []
-    logprob_rows, top_nums = [], []
-    for i, r in enumerate(reqs):
-        sp = r.sampling_params
-        temps.append(float(sp.temperature))
-        top_ks.append(int(sp.top_k) if sp.top_k and sp.top_k > 0 else -1)
-        top_ps.append(float(sp.top_p))
-        min_ps.append(float(sp.min_p))
-        seeds.append(int(r.seed or 0))
-        offsets.append(len(r.output_ids))
-        rep.append(float(sp.repetition_penalty))
-        freq.append(float(sp.frequency_penalty))
-        pres.append(float(sp.presence_penalty))
-        prompts.append(r.origin_input_ids)
-        outputs.append(r.output_ids)
-        ban: List[int] = []
-        if len(r.output_ids) < sp.min_new_tokens:
-            ban = sorted({t for t in list(eos_ids) + list(sp.stop_token_ids or [])
-                          if 0 <= t < vocab_size})
-        banned.append(ban)
-        if r.return_logprob:
-            logprob_rows.append(i)
-        top_nums.append(int(r.top_logprobs_num) if r.return_logprob else 0)
-    penalties = PenaltyInfo.build(vocab_size, device, rep, freq, pres, prompts, outputs, banned)
-    return SamplingBatchInfo(
-        temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-        top_k=torch.tensor(top_ks, dtype=torch.int32, device=device),
-        top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
-        min_p=torch.tensor(min_ps, dtype=torch.float32, device=device),
-        seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-        offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
-        penalties=penalties,
-        logprob_rows=logprob_rows,
-        top_logprobs_num=top_nums,
-        all_greedy=all(t == 0.0 for t in temps),
-    )
+class DeviceSample(NamedTuple):
+    """Sampler outputs, still on the device."""
+    ids: torch.Tensor                  # [S] int64
+    logprobs: torch.Tensor             # [S] float32, raw-logit log probability of ids
+    top_values: Optional[torch.Tensor]  # [S, K] float32 top logprobs (K = max asked), or None
+    top_ids: Optional[torch.Tensor]     # [S, K] int64
 
 
-def sample(logits: torch.Tensor, info: SamplingBatchInfo,
-           bitmask: Optional[torch.Tensor] = None) -> SampleResult:
-    """logits: [batch, vocab] float32 raw model logits (not modified). Worker thread."""
-    batch = logits.shape[0]
-    if batch == 0:
-        return SampleResult([], [], [])
-    want_logprobs = bool(info.logprob_rows)
-    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
-    if info.penalties.active:
-        work = logits.float().clone()
-        apply_penalties(work, info.penalties)
+def sample(logits: torch.Tensor, inputs: SamplingInputs, st: SamplingTensors,
+           pool_rows: torch.Tensor, penalties: PenaltyState,
+           bitmask: Optional[torch.Tensor] = None) -> DeviceSample:
+    """logits: [S, vocab] float32 raw model logits (not modified: they may be a CUDA graph's
+    static output). pool_rows: [S] int64 ReqToToken rows of the sampling rows (penalty state).
+    inputs: the host copy of st (its list lengths and flags decide which work runs, with no
+    device read). Records the sampled ids in the penalty state."""
+    penalized = bool(inputs.penalty_rows) or bool(inputs.banned_rows)
+    work = logits
+    if penalized:
+        work = logits.clone()
+        if inputs.penalty_rows:
+            penalties.apply(work, st.penalty_rows, pool_rows.index_select(0, st.penalty_rows),
+                            st.repetition, st.frequency, st.presence)
+        if inputs.banned_rows:
+            ban_tokens(work, st.banned_rows, st.banned_cols)
+    if inputs.all_greedy and bitmask is None:
+        ids = work.argmax(dim=-1)
+        logprobs = None
     else:
-        work = logits
-    if info.all_greedy and bitmask is None:
-        ids_t = work.argmax(dim=-1)
-    else:
-        ids_t = ops.bitmask_sample(work, bitmask, info.temperature, info.top_k, info.top_p,
-                                   info.min_p, info.seeds, info.offsets).ids
-    ids = ids_t.tolist()
-    logprobs: List[Optional[float]] = [None] * batch
-    tops: List[Optional[List[Tuple[float, int]]]] = [None] * batch
-    if want_logprobs:
-        rows = torch.tensor(info.logprob_rows, dtype=torch.int64, device=logits.device)
-        chosen = raw_logprobs[rows].gather(-1, ids_t[rows][:, None])[:, 0].tolist()
-        for j, row in enumerate(info.logprob_rows):
-            logprobs[row] = chosen[j]
-        max_k = max(info.top_logprobs_num)
-        if max_k > 0:
-            vals, idx = torch.topk(raw_logprobs[rows], max_k, dim=-1)
-            vals, idx = vals.tolist(), idx.tolist()
-            for j, row in enumerate(info.logprob_rows):
-                k = info.top_logprobs_num[row]
-                if k > 0:
-                    tops[row] = list(zip(vals[j][:k], idx[j][:k]))
-    return SampleResult(ids, logprobs, tops)
+        ids, logprobs = ops.bitmask_sample(work, bitmask, st.temperature, st.top_k, st.top_p,
+                                           st.min_p, st.seeds, st.offsets)
+    max_k = max(inputs.top_logprobs_num, default=0)
+    lse = None
+    if logprobs is None or penalized or max_k > 0:
+        lse = torch.logsumexp(logits, dim=-1)                                # [S]
+    if logprobs is None or penalized:
+        logprobs = logits.gather(-1, ids[:, None])[:, 0] - lse
+    top_values = top_ids = None
+    if max_k > 0:
+        top_values, top_ids = torch.topk(logits, max_k, dim=-1)
+        top_values = top_values - lse[:, None]
+    penalties.record(pool_rows, ids)
+    return DeviceSample(ids, logprobs, top_values, top_ids)
+
+
+def host_result(inputs: SamplingInputs, ids: List[int], logprobs: List[float],
+                top_values: Optional[List[List[float]]], top_ids: Optional[List[List[int]]]):
+    """(logprobs, top_logprobs, finite) lists per row from host copies of a DeviceSample:
+    logprobs only where asked, top entries cut to each row's own count."""
+    n = len(ids)
+    out_lp: List[Optional[float]] = [None] * n
+    out_top: List[Optional[List[Tuple[float, int]]]] = [None] * n
+    for row in inputs.logprob_rows:
+        out_lp[row] = logprobs[row]
+        k = inputs.top_logprobs_num[row]
+        if k > 0 and top_values is not None:
+            out_top[row] = list(zip(top_values[row][:k], top_ids[row][:k]))
+    finite = [v == v and v not in (float("inf"), float("-inf")) for v in logprobs]
+    return out_lp, out_top, finite
 
 
 def prompt_logprobs(compute_logits, hidden: torch.Tensor, target_ids: torch.Tensor,
@@ -128,6 +121,8 @@ def prompt_logprobs(compute_logits, hidden: torch.Tensor, target_ids: torch.Tens
     hidden:     [num_rows, hidden] hidden states of the positions before each target token
     target_ids: [num_rows] int64 on hidden's device
     top_k:      > 0 also returns each row's top_k (logprob, id) pairs, sorted desc
+    Reads the values back to the host (prompt logprobs come only with prefill steps, which the
+    pipeline resolves before scheduling the next step anyway).
     """
     values: List[float] = []
     tops: Optional[List[List[Tuple[float, int]]]] = [] if top_k > 0 else None

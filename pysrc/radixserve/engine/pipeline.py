@@ -1,0 +1,92 @@
+"""StepPipeline: the step loop of DESIGN.md ("The step pipeline"), in one place.
+
+    turn:  [resolve N-1 first, if N can't be scheduled over it] -> schedule N -> launch N
+           -> resolve N-1 (wait for its results, process them) -> N is now in flight
+
+With overlap (the default) the host processes step N-1's results (stop checks, detokenizing,
+streaming, admission) and builds step N+1 while the device runs step N. A step is scheduled
+over the one in flight only when the host state it needs is known without that step's
+results: after a decode step, when no retraction is needed. After an extend step (prefill
+chunks publish their KV, prefills join the running batch, prompt logprobs) and before a step
+that must retract, the step in flight is resolved first. --disable-overlap-schedule resolves
+every step right after launching it (the serial loop, for A/B runs).
+
+launch(step_input) -> handle and wait(handle) -> StepOutput are coroutines the owner supplies:
+AsyncEngine hands them to its worker threads; Scheduler.step() runs them synchronously (tests).
+A launch or wait that raises fails that step's batch (Scheduler.fail_batch), not the loop.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable, Optional, Tuple
+
+from radixserve.model.forward_batch import ForwardMode
+
+logger = logging.getLogger(__name__)
+
+Launch = Callable[[Any], Awaitable[Any]]
+Wait = Callable[[Any], Awaitable[Any]]
+
+
+class StepPipeline:
+    def __init__(self, scheduler, overlap: bool):
+        self.scheduler = scheduler
+        self.overlap = overlap
+        self.inflight: Optional[Tuple[Any, Any]] = None     # (ScheduleBatch, handle)
+        self.num_overlapped = 0    # steps launched while the previous one was still in flight
+
+    async def turn(self, launch: Launch, wait: Wait) -> bool:
+        """One turn; False when there was nothing to schedule and nothing in flight."""
+        sched = self.scheduler
+        had_inflight = self.inflight is not None
+        if self.inflight is not None and not self._can_schedule_over(self.inflight[0]):
+            await self._resolve(wait)
+        batch = sched.schedule()
+        launched = None
+        if batch is not None:
+            if self.inflight is not None:
+                self.num_overlapped += 1
+            try:
+                launched = (batch, await launch(batch.step_input))
+            except Exception as e:       # noqa: BLE001 - a failed launch fails its batch
+                logger.exception("launching a step failed")
+                sched.fail_batch(batch, e)
+        if self.inflight is not None:
+            await self._resolve(wait)
+        self.inflight = launched
+        if launched is not None and not self.overlap:
+            await self._resolve(wait)
+        return batch is not None or had_inflight
+
+    def _can_schedule_over(self, batch) -> bool:
+        return (self.overlap and batch.mode is ForwardMode.DECODE
+                and not self.scheduler.decode_memory_short())
+
+    async def drain(self, wait: Wait) -> None:
+        """Resolve the step in flight, if any (shutdown, tests)."""
+        if self.inflight is not None:
+            await self._resolve(wait)
+
+    async def _resolve(self, wait: Wait) -> None:
+        batch, handle = self.inflight
+        self.inflight = None
+        try:
+            out = await wait(handle)
+        except Exception as e:           # noqa: BLE001 - a failed step fails its batch
+            logger.exception("a step failed on the device")
+            self.scheduler.fail_batch(batch, e)
+            return
+        self.scheduler.process_batch_result(batch, out)
+
+    def inflight_reqs(self):
+        return [] if self.inflight is None else self.inflight[0].reqs
+
+
+def run_sync(coro):
+    """Run a coroutine that never suspends (synchronous launch/wait) to its result."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("a synchronous pipeline turn suspended")

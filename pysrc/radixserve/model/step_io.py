@@ -1,0 +1,112 @@
+"""What one step hands the ModelRunner and what comes back: the seam between engine/ and model/.
+
+The scheduler (engine/) builds a StepInput on the event-loop thread from plain host values; the
+runner (model/) moves it to the device in one packed copy per dtype, runs the step there, and
+returns a PendingStep whose wait() gives the host-side StepOutput. Neither side sees the other's
+objects: no Req crosses this seam, no device tensor crosses it back.
+
+Decode steps send only what the device cannot derive itself: each row's ReqToToken row, its KV
+length after the step and its new slot. Positions (seq_len - 1), the ReqToToken writes and the
+input token (the id the previous step sampled for that row, kept on the device in a per-row
+buffer) are computed on the device, so a step never waits for the host to learn a token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+
+from radixserve.model.forward_batch import ForwardMode
+
+
+@dataclass
+class SamplingInputs:
+    """Per sampling row (the rows that draw a token this step, in batch order)."""
+    temperature: List[float] = field(default_factory=list)   # 0 = greedy
+    top_k: List[int] = field(default_factory=list)           # <= 0 = off
+    top_p: List[float] = field(default_factory=list)
+    min_p: List[float] = field(default_factory=list)
+    seeds: List[int] = field(default_factory=list)
+    offsets: List[int] = field(default_factory=list)         # output tokens before this one
+    logprob_rows: List[int] = field(default_factory=list)    # rows whose logprobs are returned
+    top_logprobs_num: List[int] = field(default_factory=list)  # per row, 0 = none
+    # penalties: rows of this step that use any; their settings, in the same order
+    penalty_rows: List[int] = field(default_factory=list)
+    repetition: List[float] = field(default_factory=list)
+    frequency: List[float] = field(default_factory=list)
+    presence: List[float] = field(default_factory=list)
+    # penalty state that starts this step (a request's first sampled token since admission):
+    # (ReqToToken row, prompt ids, output ids so far)
+    penalty_init: List[Tuple[int, List[int], List[int]]] = field(default_factory=list)
+    # (row, token) pairs that may not be sampled this step (min_new_tokens)
+    banned_rows: List[int] = field(default_factory=list)
+    banned_cols: List[int] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.temperature)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0.0 for t in self.temperature)
+
+
+@dataclass
+class StepInput:
+    """One step, host side. Shapes: B = batch_size, T = num_tokens (decode: T == B).
+
+    Every mode:
+      req_pool_indices [B]  ReqToToken row of each request
+      seq_lens         [B]  KV length of each request once this step has run
+      out_cache_loc    [T]  int64 CPU tensor: the slot each new token's K/V goes to
+      sample_rows      [S]  ReqToToken rows of the requests that sample (their new id is kept
+                            on the device as that row's next input)
+      table_rows / table_cols / table_slots [W]: ReqToToken writes the device copy lacks (the
+                            matched prefix of admitted requests, every extend token's slot,
+                            rows re-pointed at the cache after a chunk is published); None: none
+    EXTEND only (DECODE derives them on the device):
+      input_ids [T] (-1 where resolve_pos says the id comes from the device), positions [T],
+      extend_lens [B], logits_indices (prompt-logprob rows first, then one sampling row per
+      sampling request), prompt_* (prompt logprobs).
+    """
+    mode: ForwardMode
+    batch_size: int
+    req_pool_indices: List[int]
+    seq_lens: List[int]
+    out_cache_loc: torch.Tensor
+    sample_rows: List[int]
+    sampling: SamplingInputs
+    input_ids: List[int] = field(default_factory=list)
+    positions: List[int] = field(default_factory=list)
+    extend_lens: List[int] = field(default_factory=list)
+    resolve_pos: List[int] = field(default_factory=list)
+    resolve_rows: List[int] = field(default_factory=list)
+    table_rows: Optional[torch.Tensor] = None                 # int64 CPU, [W]
+    table_cols: Optional[torch.Tensor] = None                 # int64 CPU, [W]
+    table_slots: Optional[torch.Tensor] = None                # int64 CPU, [W]
+    logits_indices: List[int] = field(default_factory=list)
+    num_prompt_rows: int = 0
+    prompt_targets: List[int] = field(default_factory=list)   # [num_prompt_rows]
+    prompt_counts: List[int] = field(default_factory=list)    # [B], prompt rows per request
+    prompt_top_k: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_cache_loc.numel())
+
+
+class SampleResult(NamedTuple):
+    ids: List[int]                                           # [S]
+    logprobs: List[Optional[float]]                          # [S], None where not asked
+    top_logprobs: List[Optional[List[Tuple[float, int]]]]    # [S], sorted desc, None where not asked
+    finite: List[bool]                                       # [S]: the row's logits were finite
+
+
+class StepOutput(NamedTuple):
+    """Host values of one step: the sampled rows (batch order), prompt logprobs per request
+    (empty / None for requests without), and the step's device time in seconds."""
+    sample: SampleResult
+    prompt_logprobs: List[List[float]]
+    prompt_top_logprobs: List[Optional[List[List[Tuple[float, int]]]]]
+    device_time: float
