@@ -118,6 +118,7 @@ setup(
         "uvloop",
         "xgrammar",
         "prometheus_client",
+        "orjson",
         "tqdm",
         "gguf",
         "transformers",

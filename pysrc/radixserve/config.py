@@ -45,9 +45,21 @@ class ServerArgs:
     # runtime
     random_seed: int = 0
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: Optional[int] = None       # largest decode batch run as a CUDA graph (default 160)
+    cuda_graph_max_bs: Optional[int] = None       # largest decode batch run as a CUDA graph (default: the running limit)
+    disable_overlap_schedule: bool = False        # serial loop: each step waits for the previous step's tokens
+    enable_mixed_chunk: bool = False              # a prefill chunk and the running decodes share one forward
     debug_integrity: bool = False
     cpu_threads: Optional[int] = None            # torch threads for the CPU forward (default: torch's)
+    # security (server/)
+    api_key: Optional[str] = None                 # Bearer key for every route but /health (default: $RADIXSERVE_API_KEY)
+    allowed_origins: Optional[str] = None         # comma list of browser origins allowed cross-origin (CORS); "*" = any
+    allowed_hosts: Optional[str] = None           # comma list of Host names answered (default: see server/security.py)
+    max_request_bytes: int = 8 * 1024 * 1024      # larger request bodies get 413 before they are read
+    expose_server_info: bool = False              # /get_server_info shows filesystem paths too (never the API key)
+    # observability (server/)
+    enable_metrics: bool = False                 # /metrics also serves latency histograms (TTFT, ITL, TPOT, e2e, queue time)
+    metrics_prefix: str = "radixserve:"          # prefix of every metric name; "sglang:" gives SGLang's names
+    log_requests: bool = False                   # one INFO line per finished request: rid, token counts, timings, finish reason
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -59,6 +71,12 @@ class ServerArgs:
             return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
         return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "half": torch.float16}[self.dtype]
+
+    def resolved_api_key(self) -> Optional[str]:
+        """--api-key, else the environment's RADIXSERVE_API_KEY (an empty one counts as unset)."""
+        if self.api_key is not None:
+            return self.api_key
+        return os.environ.get("RADIXSERVE_API_KEY") or None
 
     def resolved_chunked_prefill_size(self) -> Optional[int]:
         if self.chunked_prefill_size is None:
@@ -79,6 +97,22 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.tp_size != 1:
             raise ValueError("--tp-size > 1 is not supported yet")
+        # security (server/)
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty (leave it out to serve without a key)")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
+        for origin in (self.allowed_origins or "").split(","):
+            origin = origin.strip()
+            if origin and origin != "*" and not (origin.startswith(("http://", "https://"))
+                                                 and "/" not in origin.split("://", 1)[1].rstrip("/")):
+                raise ValueError(f"--allowed-origins takes origins like https://app.example.com "
+                                 f"(scheme://host[:port], no path) or *, not {origin!r}")
+        for host in (self.allowed_hosts or "").split(","):
+            host = host.strip()
+            if host and ("/" in host or " " in host):
+                raise ValueError(f"--allowed-hosts takes host names like example.com, .example.com "
+                                 f"(and its subdomains) or *, not {host!r}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

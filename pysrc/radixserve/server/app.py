@@ -2,19 +2,23 @@
 in ONE process and ONE uvloop event loop.
 
 The app's lifespan starts the engine (engine.start() creates its scheduling task in the
-running loop) and shuts it down. Every route runs inside `_guarded`: ApiError -> its 4xx/5xx
-body, anything unexpected -> a 500 body (logged); the loop keeps serving either way.
+running loop) and shuts it down. Every request first passes the door (server/security.py:
+Host, Origin/CORS, API key, body size); every route then runs inside `_guarded`, which hands it
+the engine as the requesting client sees it (security.ClientView: request ownership) and turns
+ApiError into its 4xx/5xx body and anything unexpected into a 500 body (logged); the loop keeps
+serving either way.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Optional
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -22,6 +26,8 @@ from starlette.routing import Route
 from radixserve.config import ServerArgs
 from radixserve.server import native_api, openai_api
 from radixserve.server.errors import ApiError, error_response
+from radixserve.server.security import (ClientView, Door, DoorPolicy, RequestOwners, client_identity,
+                                        is_loopback_bind)
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +37,13 @@ Handler = Callable[[Request, object], Awaitable[Response]]
 def _guarded(handler: Handler, engine) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         try:
-            return await handler(request, engine)
+            view = ClientView(engine, client_identity(request), request.app.state.request_owners)
+            return await handler(request, view)
         except ApiError as e:
             return error_response(e)
+        except RecursionError:   # a structure deep enough to exhaust the stack came from the client
+            logger.warning("RecursionError in %s %s", request.method, request.url.path, exc_info=True)
+            return error_response(ApiError("the request is nested too deeply to process; flatten it", 400))
         except Exception as e:  # noqa: BLE001 - nothing a client sends may take the server down
             logger.exception("unhandled error in %s %s", request.method, request.url.path)
             return error_response(ApiError(f"internal server error: {type(e).__name__}: {e}", 500))
@@ -51,8 +61,12 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(ApiError(msg, exc.status_code))
 
 
-def create_app(engine) -> Starlette:
-    """The ASGI app serving `engine` (an AsyncEngine or anything with its interface)."""
+def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
+    """The ASGI app serving `engine` (an AsyncEngine or anything with its interface) behind
+    the door `policy` (default: from engine.server_args)."""
+    if policy is None:
+        policy = DoorPolicy.from_server_args(engine.server_args)
+
     def route(path, handler, methods):
         return Route(path, _guarded(handler, engine), methods=methods)
 
@@ -60,12 +74,13 @@ def create_app(engine) -> Starlette:
         route("/v1/chat/completions", openai_api.chat_completions, ["POST"]),
         route("/v1/completions", openai_api.completions, ["POST"]),
         route("/v1/models", openai_api.list_models, ["GET"]),
+        route("/v1/models/{model_id:path}", openai_api.retrieve_model, ["GET"]),
         route("/generate", native_api.generate, ["POST"]),
         route("/health", native_api.health, ["GET"]),
         route("/health_generate", native_api.health_generate, ["GET"]),
         route("/get_model_info", native_api.get_model_info, ["GET"]),
         route("/get_server_info", native_api.get_server_info, ["GET"]),
-        route("/flush_cache", native_api.flush_cache, ["POST", "GET"]),
+        route("/flush_cache", native_api.flush_cache, ["POST"]),
         route("/abort_request", native_api.abort_request, ["POST"]),
         route("/metrics", native_api.metrics, ["GET"]),
     ]
@@ -79,8 +94,11 @@ def create_app(engine) -> Starlette:
         finally:
             await engine.shutdown()
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+                    middleware=[Middleware(Door, policy=policy)])
     app.state.engine = engine
+    app.state.door_policy = policy
+    app.state.request_owners = RequestOwners()
     app.state.metrics_registry = native_api.metrics_registry(engine)
     return app
 
@@ -92,12 +110,23 @@ def serve(server_args: ServerArgs) -> None:
 
     engine = AsyncEngine(server_args)
     app = create_app(engine)
+    _log_door(server_args, app.state.door_policy)
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, loop="uvloop",
         log_level=server_args.log_level, access_log=server_args.log_level == "debug",
         timeout_keep_alive=5, timeout_graceful_shutdown=5,
     )
     _Server(config, engine.served_model_name).run()
+
+
+def _log_door(server_args: ServerArgs, policy: DoorPolicy) -> None:
+    if policy.api_key is None and not is_loopback_bind(server_args.host):
+        logger.warning("listening on %s without an API key: anyone who can reach this port can "
+                       "use the model; set --api-key or RADIXSERVE_API_KEY", server_args.host)
+    logger.info("door: API key %s; Host check %s; CORS origins %s; max request body %d bytes",
+                "required" if policy.api_key else "off",
+                ", ".join(policy.allowed_hosts) + " (and IP addresses)" if policy.allowed_hosts else "off",
+                ", ".join(policy.allowed_origins) or "none", policy.max_request_bytes)
 
 
 class _Server(uvicorn.Server):

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-from starlette.responses import JSONResponse
+from radixserve.server.jsonio import JSONResponse
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    421: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -41,5 +45,5 @@ def bad_request(message: str, param: Optional[str] = None) -> ApiError:
     return ApiError(message, 400, param)
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+def error_response(err: ApiError, headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)

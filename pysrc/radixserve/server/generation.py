@@ -16,6 +16,7 @@ from starlette.types import Receive
 from radixserve.engine.io import GenerateOutput, GenerateReqInput
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.errors import bad_request
+from radixserve.server.metrics import RequestMetrics
 from radixserve.server.protocol import SeqResult
 from radixserve.server.sse import wait_for_disconnect
 
@@ -57,21 +58,28 @@ def validate_all(engine, reqs: Sequence[GenerateReqInput]) -> None:
             raise bad_request(str(e)) from None
 
 
-async def merge_generations(engine, reqs: Sequence[GenerateReqInput]
+async def merge_generations(engine, reqs: Sequence[GenerateReqInput],
+                            metrics: Optional[RequestMetrics] = None
                             ) -> AsyncIterator[Tuple[int, GenerateOutput]]:
     """Yield (index into reqs, output) from all sequences, in the order the engine produces
     them. A ValueError from the engine (a request it refuses) is raised as a 400 ApiError; any
     other engine exception propagates. However this generator ends, it closes every engine
-    generator it opened (aborting the unfinished ones)."""
+    generator it opened (aborting the unfinished ones). With `metrics` (the app's
+    RequestMetrics), every output is observed as it arrives (TTFT, inter-token latency, ...)."""
+    trackers = metrics.track(reqs) if metrics is not None else None
     if len(reqs) == 1:
         agen = engine.generate(reqs[0])
         try:
             async for out in agen:
+                if trackers is not None:
+                    trackers[0].observe(out)
                 yield 0, out
         except ValueError as e:
             raise bad_request(str(e)) from None
         finally:
             await agen.aclose()
+            if trackers is not None:
+                trackers[0].close()
         return
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -80,6 +88,8 @@ async def merge_generations(engine, reqs: Sequence[GenerateReqInput]
         agen = engine.generate(req)
         try:
             async for out in agen:
+                if trackers is not None:
+                    trackers[i].observe(out)
                 queue.put_nowait((i, out))
         except Exception as e:  # handed to the consumer, which raises it
             queue.put_nowait((i, e))
@@ -105,6 +115,8 @@ async def merge_generations(engine, reqs: Sequence[GenerateReqInput]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for tracker in trackers or ():
+            tracker.close()
 
 
 class ClientDisconnected(Exception):
@@ -112,12 +124,14 @@ class ClientDisconnected(Exception):
 
 
 async def collect(engine, reqs: Sequence[GenerateReqInput], results: Sequence[SeqResult],
-                  receive: Optional[Receive] = None) -> None:
+                  receive: Optional[Receive] = None,
+                  metrics: Optional[RequestMetrics] = None) -> None:
     """Run every sequence to its end, feeding results[i] with sequence i's outputs. With
     `receive` (the request's ASGI receive, body already read), a client disconnect cancels the
-    run (aborting the sequences) and raises ClientDisconnected."""
+    run (aborting the sequences) and raises ClientDisconnected. `metrics`: as in
+    merge_generations."""
     async def run() -> None:
-        async for i, out in merge_generations(engine, reqs):
+        async for i, out in merge_generations(engine, reqs, metrics):
             results[i].feed(out)
 
     if receive is None:

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import uuid
-from typing import AsyncIterator, List, Sequence
+from typing import AsyncIterator, List, Optional, Sequence
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response
 
 from radixserve.engine.io import GenerateReqInput
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as P
 from radixserve.server.errors import ApiError, bad_request, error_response
+from radixserve.server.jsonio import JSONResponse
 from radixserve.server.generation import (ClientDisconnected, collect, expand_requests,
                                           merge_generations, validate_all)
+from radixserve.server.metrics import MetricsRegistry, RequestMetrics, request_metrics
+from radixserve.server.security import read_json_object, redact_server_info
 from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 # --------------------------------------------------------------------------- /generate
 
 async def generate(request: Request, engine) -> Response:
-    body = P.parse_json_body(await request.body())
+    body = await read_json_object(request)
     req = P.parse_generate_request(body)
     prompt_param = "text" if body.get("text") is not None else "input_ids"
     prompt_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
@@ -52,10 +53,11 @@ async def generate(request: Request, engine) -> Response:
     return_logprob = [req.return_logprob[i // n] for i in range(len(reqs))]
     many = req.is_batch or n > 1
     if req.stream:
-        return EventStreamResponse(_generate_events(engine, reqs, seq_prompts, return_logprob, many))
+        return EventStreamResponse(_generate_events(engine, reqs, seq_prompts, return_logprob, many,
+                                                    request_metrics(request)))
     results = [P.SeqResult(i, seq_prompts[i]) for i in range(len(reqs))]
     try:
-        await collect(engine, reqs, results, request.receive)
+        await collect(engine, reqs, results, request.receive, request_metrics(request))
     except ClientDisconnected:
         return Response(status_code=499)
     out = [P.native_result(r, reqs[r.index].rid, return_logprob[r.index]) for r in results]
@@ -63,11 +65,12 @@ async def generate(request: Request, engine) -> Response:
 
 
 async def _generate_events(engine, reqs: Sequence[GenerateReqInput], seq_prompts: Sequence[List[int]],
-                           return_logprob: Sequence[bool], many: bool) -> AsyncIterator[bytes]:
+                           return_logprob: Sequence[bool], many: bool,
+                           metrics: Optional[RequestMetrics] = None) -> AsyncIterator[bytes]:
     """Chunks with the CUMULATIVE text and output ids so far (SGLang's native streaming);
     batches add "index". Errors become an error event; [DONE] ends the stream."""
     results = [P.SeqResult(i, seq_prompts[i]) for i in range(len(reqs))]
-    gen = merge_generations(engine, reqs)
+    gen = merge_generations(engine, reqs, metrics)
     try:
         async for i, out in gen:
             results[i].feed(out)
@@ -120,7 +123,10 @@ async def get_model_info(request: Request, engine) -> Response:
 
 
 async def get_server_info(request: Request, engine) -> Response:
-    return JSONResponse(engine.server_info())
+    """engine.server_info() without secrets and, unless --expose-server-info, without
+    filesystem paths (security.redact_server_info)."""
+    expose = request.app.state.door_policy.expose_server_info
+    return JSONResponse(redact_server_info(engine.server_info(), expose_paths=expose))
 
 
 async def flush_cache(request: Request, engine) -> Response:
@@ -131,7 +137,9 @@ async def flush_cache(request: Request, engine) -> Response:
 
 
 async def abort_request(request: Request, engine) -> Response:
-    body = P.parse_json_body(await request.body())
+    """Abort a live request of this client's (security.ClientView.abort); 200 whether or not
+    there was one to abort."""
+    body = await read_json_object(request)
     rid = P.get_field(body, "rid", "string")
     if not rid:
         raise bad_request("rid is required", param="rid")
@@ -141,57 +149,11 @@ async def abort_request(request: Request, engine) -> Response:
 
 # --------------------------------------------------------------------------- /metrics
 
-# engine.metrics() keys that are monotonically increasing counts (exposed as <key>_total);
-# every other numeric key is a gauge.
-_COUNTERS = {
-    "prompt_tokens": "Prompt tokens received",
-    "cached_tokens": "Prompt tokens served from the prefix cache",
-    "generation_tokens": "Tokens generated",
-    "num_requests": "Requests received",
-    "num_finished_requests": "Requests finished",
-    "num_aborted_requests": "Requests aborted",
-    "num_prefill_steps": "Prefill steps run",
-    "num_decode_steps": "Decode steps run",
-    "num_retractions": "Running requests retracted to the queue for lack of KV slots",
-}
-_GAUGE_HELP = {
-    "num_running_reqs": "Requests running",
-    "num_waiting_reqs": "Requests waiting",
-    "token_usage": "Fraction of KV slots held by requests",
-    "num_used_tokens": "KV slots held by requests",
-    "max_total_tokens": "KV slots in the pool",
-    "evictable_tokens": "KV slots held only by the prefix cache (evictable)",
-}
-
-
-class EngineCollector:
-    """Reads engine.metrics() at scrape time: the counter keys (and keys ending in `_total`)
-    become counters `radixserve:<key>_total`, other numeric keys gauges `radixserve:<key>`,
-    each with a model_name label."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def collect(self):
-        model = self.engine.served_model_name
-        for key, value in sorted(self.engine.metrics().items()):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            name = "radixserve:" + re.sub(r"[^a-zA-Z0-9_:]", "_", key)
-            if key in _COUNTERS or key.endswith("_total"):
-                family = CounterMetricFamily(name, _COUNTERS.get(key, key.replace("_", " ")),
-                                             labels=["model_name"])
-            else:
-                family = GaugeMetricFamily(name, _GAUGE_HELP.get(key, key.replace("_", " ")),
-                                           labels=["model_name"])
-            family.add_metric([model], float(value))
-            yield family
-
-
-def metrics_registry(engine) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine))
-    return registry
+def metrics_registry(engine) -> MetricsRegistry:
+    """The app's registry (server/metrics.py): the engine's counters and gauges, read at scrape
+    time, and the per-request instruments (`.requests`) that --enable-metrics and
+    --log-requests turn on. Raises ValueError for a bad --metrics-prefix."""
+    return MetricsRegistry(engine)
 
 
 async def metrics(request: Request, engine) -> Response:

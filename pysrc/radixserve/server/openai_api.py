@@ -10,16 +10,19 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import AsyncIterator, List, Sequence
+from typing import AsyncIterator, List, Optional, Sequence
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from radixserve.engine.io import GenerateReqInput
 from radixserve.server import protocol as P
 from radixserve.server.errors import ApiError, bad_request
+from radixserve.server.jsonio import JSONResponse
 from radixserve.server.generation import (ClientDisconnected, collect, expand_requests,
                                           merge_generations, validate_all)
+from radixserve.server.metrics import RequestMetrics, request_metrics
+from radixserve.server.security import read_json_object
 from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
 
 logger = logging.getLogger(__name__)
@@ -59,7 +62,7 @@ def _raise_if_aborted(results: Sequence[P.SeqResult]) -> None:
 # --------------------------------------------------------------------------- chat
 
 async def chat_completions(request: Request, engine) -> Response:
-    body = P.parse_json_body(await request.body())
+    body = await read_json_object(request)
     P.check_model(body, engine.served_model_name, _model_aliases(engine))
     req = P.parse_chat_request(body)
     try:
@@ -78,10 +81,11 @@ async def chat_completions(request: Request, engine) -> Response:
     model = engine.served_model_name
     if req.stream:
         return EventStreamResponse(_stream_errors_as_events(
-            _chat_events(engine, rid, created, model, req, reqs, prompt_ids)))
+            _chat_events(engine, rid, created, model, req, reqs, prompt_ids,
+                         request_metrics(request))))
     results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
     try:
-        await collect(engine, reqs, results, request.receive)
+        await collect(engine, reqs, results, request.receive, request_metrics(request))
     except ClientDisconnected:
         return Response(status_code=499)
     _raise_if_aborted(results)
@@ -90,13 +94,14 @@ async def chat_completions(request: Request, engine) -> Response:
 
 
 async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRequest,
-                       reqs: Sequence[GenerateReqInput], prompt_ids: List[int]) -> AsyncIterator[bytes]:
+                       reqs: Sequence[GenerateReqInput], prompt_ids: List[int],
+                       metrics: Optional[RequestMetrics] = None) -> AsyncIterator[bytes]:
     results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
     usage_null = req.include_usage
     for i in range(len(reqs)):
         yield encode_event(P.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""},
                                         usage_null=usage_null))
-    async for i, out in merge_generations(engine, reqs):
+    async for i, out in merge_generations(engine, reqs, metrics):
         results[i].feed(out)
         _raise_if_aborted([results[i]])
         logprobs = None
@@ -118,7 +123,7 @@ async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRe
 # --------------------------------------------------------------------------- completions
 
 async def completions(request: Request, engine) -> Response:
-    body = P.parse_json_body(await request.body())
+    body = await read_json_object(request)
     P.check_model(body, engine.served_model_name, _model_aliases(engine))
     req = P.parse_completion_request(body)
     tok = engine.tokenizer
@@ -142,10 +147,11 @@ async def completions(request: Request, engine) -> Response:
     seq_echo = [echo_texts[i // req.n] for i in range(len(reqs))]
     if req.stream:
         return EventStreamResponse(_stream_errors_as_events(
-            _completion_events(engine, rid, created, model, req, reqs, seq_prompts, seq_echo)))
+            _completion_events(engine, rid, created, model, req, reqs, seq_prompts, seq_echo,
+                               request_metrics(request))))
     results = [P.SeqResult(i, seq_prompts[i]) for i in range(len(reqs))]
     try:
-        await collect(engine, reqs, results, request.receive)
+        await collect(engine, reqs, results, request.receive, request_metrics(request))
     except ClientDisconnected:
         return Response(status_code=499)
     _raise_if_aborted(results)
@@ -155,13 +161,14 @@ async def completions(request: Request, engine) -> Response:
 
 async def _completion_events(engine, rid: str, created: int, model: str, req: P.CompletionRequest,
                              reqs: Sequence[GenerateReqInput], seq_prompts: Sequence[List[int]],
-                             seq_echo: Sequence[str]) -> AsyncIterator[bytes]:
+                             seq_echo: Sequence[str],
+                             metrics: Optional[RequestMetrics] = None) -> AsyncIterator[bytes]:
     results = [P.SeqResult(i, seq_prompts[i]) for i in range(len(reqs))]
     sent_chars = [0] * len(reqs)      # characters of choice i's text already streamed
     started = [False] * len(reqs)
     token_text = engine.tokenizer.token_text
     usage_null = req.include_usage
-    async for i, out in merge_generations(engine, reqs):
+    async for i, out in merge_generations(engine, reqs, metrics):
         r = results[i]
         r.feed(out)
         _raise_if_aborted([r])
@@ -190,8 +197,20 @@ async def _completion_events(engine, rid: str, created: int, model: str, req: P.
 
 # --------------------------------------------------------------------------- models
 
+def _model_card(engine) -> dict:
+    return {"id": engine.served_model_name, "object": "model", "created": 0,
+            "owned_by": "radixserve", "root": engine.model_path, "max_model_len": engine.context_len}
+
+
 async def list_models(request: Request, engine) -> Response:
-    return JSONResponse({"object": "list", "data": [{
-        "id": engine.served_model_name, "object": "model", "created": 0,
-        "owned_by": "radixserve", "root": engine.model_path,
-        "max_model_len": engine.context_len}]})
+    return JSONResponse({"object": "list", "data": [_model_card(engine)]})
+
+
+async def retrieve_model(request: Request, engine) -> Response:
+    """GET /v1/models/{id} (the openai client's models.retrieve): the served model's card for
+    its name (or an alias), 404 in OpenAI's error shape for any other id."""
+    model_id = request.path_params["model_id"]
+    if model_id != engine.served_model_name and model_id not in _model_aliases(engine):
+        raise ApiError(f"The model '{model_id[:200]}' does not exist; this server serves "
+                       f"'{engine.served_model_name}'", status=404, param="model")
+    return JSONResponse(_model_card(engine))

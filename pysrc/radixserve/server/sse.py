@@ -8,12 +8,13 @@ generators it wraps abort their requests and free their KV at once, not at garba
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any, AsyncIterator, Optional
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from radixserve.server.jsonio import dumps
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +22,9 @@ DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def encode_event(obj: Any) -> bytes:
-    """One SSE event carrying `obj` as compact JSON (UTF-8, non-ASCII kept verbatim)."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+    """One SSE event carrying `obj` as compact JSON (orjson: UTF-8, non-ASCII kept verbatim;
+    never raises for what the server builds, see jsonio.dumps)."""
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 class EventStreamResponse(Response):

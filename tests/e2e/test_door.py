@@ -1,0 +1,170 @@
+"""The door over real HTTP: a server of its own (the default model's config with dummy weights:
+the door does not care what the model says) started with the API key in RADIXSERVE_API_KEY
+(the CLI path), one allowed CORS origin and a 64 KiB body limit. The official openai client
+with the right and a wrong key, models.retrieve, 413 from uvicorn before a huge body is read
+(Content-Length and chunked), 415, 405, surrogates, deep nesting, CORS, /get_server_info."""
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEY = "sk-door-test-9f2c"
+ORIGIN = "https://app.example"
+LIMIT = 64 * 1024
+STARTUP_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = str(tmp_path_factory.mktemp("door") / "server.log")
+    env = dict(os.environ, RADIXSERVE_API_KEY=KEY)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "pysrc")] +
+                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
+           "--load-format", "dummy", "--max-total-tokens", "2048", "--allowed-origins", ORIGIN,
+           "--max-request-bytes", str(LIMIT)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                with open(log_path) as f:
+                    pytest.fail(f"the server exited with {proc.returncode}:\n{f.read()[-4000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.3)
+        yield url, port
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def http(door):
+    with httpx.Client(base_url=door[0], timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        yield c
+
+
+def _raw(port: int, head: bytes, chunked_body: bool = False):
+    """Send a request head (and, with chunked_body, 64 KiB chunks until the server answers);
+    return (status line, response bytes, body bytes sent)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sent = 0
+    try:
+        sock.sendall(head)
+        if chunked_body:
+            chunk = b"10000\r\n" + b" " * 0x10000 + b"\r\n"
+            try:
+                for _ in range(1000):
+                    if select.select([sock], [], [], 0)[0]:
+                        break
+                    sock.sendall(chunk)
+                    sent += 0x10000
+            except OSError:            # the server closed the connection after answering
+                pass
+        data = sock.recv(65536)
+    finally:
+        sock.close()
+    return data.split(b"\r\n", 1)[0], data, sent
+
+
+def test_api_key_with_the_openai_client(door):
+    import openai
+    url, _ = door
+    assert httpx.get(url + "/health").status_code == 200
+    r = httpx.get(url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    good = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    model = good.models.list().data[0].id
+    card = good.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        good.models.retrieve("no-such-model")
+    out = good.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_oversized_bodies_get_413_unread(door):
+    _, port = door
+    auth = f"Authorization: Bearer {KEY}\r\n".encode()
+    head = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth +
+            b"Content-Type: application/json\r\nContent-Length: 100000000000\r\n\r\n")
+    status, data, _ = _raw(port, head)         # not a byte of the body is sent
+    assert b" 413 " in status and b"--max-request-bytes" in data
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth +
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    status, data, sent = _raw(port, head, chunked_body=True)
+    assert b" 413 " in status and b'"code":413' in data
+    assert sent < 1000 * 0x10000               # answered long before the client gave up
+    # the key comes first: without it, even the size is not looked at
+    status, _, _ = _raw(port, b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                               b"Content-Length: 100000000000\r\n\r\n")
+    assert b" 401 " in status
+
+
+def test_client_mistakes_are_4xx(http):
+    r = http.post("/generate", content=b'{"text": "hi"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 415
+    assert http.get("/flush_cache").status_code == 405
+    for path, raw, param in [("/generate", rb'{"text": "\ud800"}', "text"),
+                             ("/generate", rb'{"text": "hi", "rid": "\udc00"}', "rid"),
+                             ("/v1/completions", rb'{"prompt": ["ok", "\ud800"]}', "prompt[1]"),
+                             ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800"}]}',
+                              "messages[0].content"),
+                             ("/abort_request", rb'{"rid": "\ud800"}', "rid")]:
+        r = http.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+    deep = b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    r = http.post("/v1/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nests deeper" in r.json()["error"]["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_cors(http):
+    preflight = {"origin": ORIGIN, "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    r = httpx.options(str(http.base_url) + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.options(str(http.base_url) + "/v1/chat/completions",
+                      headers={**preflight, "origin": "https://evil.example"})
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    r = http.get("/v1/models", headers={"origin": ORIGIN})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_server_info_has_no_paths_or_key(http):
+    r = http.get("/get_server_info")
+    info = r.json()
+    assert KEY not in r.text and info["context_len"] > 0 and info["served_model_name"]
+    model_path = http.get("/get_model_info").json()["model_path"]
+    assert model_path and model_path not in r.text
+    assert "model_path" not in info and "model_path" not in info["server_args"]
+    assert json.dumps(info).count('"/') == 0           # no absolute path anywhere
