@@ -51,6 +51,14 @@ for stage in "$@"; do
         '{"messages":[{"role":"user","content":"What is the capital of France?"}],"temperature":0,"max_tokens":24}' \
         | tee "$OUT/serve_reply.json"; echo
       kill %1; sleep 1; tail -5 "$OUT/serve.txt" ;;
+    decode)
+      python3 bench/decode_steps.py --preset llama-3.1-8b --out "$OUT/decode-steps-h200.json" \
+        2>&1 | tee "$OUT/decode.txt" | tail -30 ;;
+    serving)
+      python3 bench/serving.py --preset llama-3.1-8b --compare overlap --dataset random \
+        --random-input-len 1024 --random-output-len 1024 --num-prompts 200 --request-rate 16 \
+        --server-log-dir "$OUT/serving-logs" --output-file "$OUT/serving-h200.json" 2>&1 \
+        | tee "$OUT/serving.txt" | tail -40 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

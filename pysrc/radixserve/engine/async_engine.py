@@ -30,6 +30,20 @@ from radixserve.engine.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
+def merge_outputs(a: GenerateOutput, b: GenerateOutput) -> GenerateOutput:
+    """b's fields, with a's deltas in front of b's (b is the later output of the same request)."""
+    return dataclasses.replace(
+        b, text_delta=a.text_delta + b.text_delta,
+        output_ids_delta=a.output_ids_delta + b.output_ids_delta,
+        output_token_logprobs_delta=a.output_token_logprobs_delta + b.output_token_logprobs_delta,
+        output_top_logprobs_delta=a.output_top_logprobs_delta + b.output_top_logprobs_delta,
+        input_token_logprobs=a.input_token_logprobs if a.input_token_logprobs is not None
+        else b.input_token_logprobs,
+        input_top_logprobs=a.input_top_logprobs if a.input_top_logprobs is not None
+        else b.input_top_logprobs,
+        queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s)
+
+
 class AsyncEngine:
     def __init__(self, server_args: ServerArgs):
         """Blocking: resolves the model, loads tokenizer, config, weights, KV pool, scheduler."""
@@ -209,6 +223,9 @@ class AsyncEngine:
         try:
             while True:
                 out: GenerateOutput = await queue.get()
+                while not out.finished and not queue.empty():
+                    # the consumer fell behind the steps: one merged delta, not one per step
+                    out = merge_outputs(out, queue.get_nowait())
                 finished = out.finished
                 yield out
                 if finished:

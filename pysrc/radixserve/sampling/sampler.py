@@ -56,7 +56,8 @@ def sampling_tensors(inputs: SamplingInputs, device: torch.device) -> SamplingTe
 class DeviceSample(NamedTuple):
     """Sampler outputs, still on the device."""
     ids: torch.Tensor                  # [S] int64
-    logprobs: torch.Tensor             # [S] float32, raw-logit log probability of ids
+    logprobs: torch.Tensor             # [S] float32, raw-logit log probability of ids (when no
+                                       # row asks for logprobs: a value finite iff the row is)
     top_values: Optional[torch.Tensor]  # [S, K] float32 top logprobs (K = max asked), or None
     top_ids: Optional[torch.Tensor]     # [S, K] int64
 
@@ -84,11 +85,12 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs, st: SamplingTensors,
         ids, logprobs = ops.bitmask_sample(work, bitmask, st.temperature, st.top_k, st.top_p,
                                            st.min_p, st.seeds, st.offsets)
     max_k = max(inputs.top_logprobs_num, default=0)
-    lse = None
-    if logprobs is None or penalized or max_k > 0:
-        lse = torch.logsumexp(logits, dim=-1)                                # [S]
-    if logprobs is None or penalized:
-        logprobs = logits.gather(-1, ids[:, None])[:, 0] - lse
+    want_lp = bool(inputs.logprob_rows)
+    lse = torch.logsumexp(logits, dim=-1) if want_lp else None              # [S]
+    if logprobs is None or (penalized and want_lp):
+        chosen = logits.gather(-1, ids[:, None])[:, 0]                       # [S]
+        # not asked for: the chosen raw logit stands in; it is finite iff the row's logits are
+        logprobs = chosen - lse if want_lp else chosen
     top_values = top_ids = None
     if max_k > 0:
         top_values, top_ids = torch.topk(logits, max_k, dim=-1)

@@ -101,6 +101,7 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin):
         self._decode_log_tokens = 0
         self._decode_log_time = time.perf_counter()
         self._device_time = 0.0
+        self.total_device_time = 0.0        # device seconds of every step processed
         self.gen_throughput = 0.0
         self.gpu_busy_fraction = 0.0
         self.counters: Dict[str, int] = {

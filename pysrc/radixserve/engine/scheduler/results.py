@@ -28,6 +28,7 @@ class ResultsMixin:
         sample_i = 0
         generated = 0
         self._device_time += out.device_time
+        self.total_device_time += out.device_time
         for i, req in enumerate(batch.reqs):
             if batch.sample[i]:
                 row, sample_i = sample_i, sample_i + 1

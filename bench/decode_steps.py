@@ -1,0 +1,160 @@
+"""Decode-step time against the weight-streaming floor, overlap on vs off, in one process.
+
+For each batch size B (default 1, 8, 64, 128, 256) the scheduler gets B requests of
+--prompt-len tokens, prefills them, then runs --steps decode turns of the real step pipeline
+(engine/pipeline.py, driven synchronously: a turn launches step N, then waits for step N-1 and
+processes it). Measured per configuration (overlap, serial):
+  step_ms     wall time per decode step (mean over the timed turns)
+  gpu_busy    device time of the steps (CUDA events) / wall time; idle = 1 - gpu_busy
+and once per process:
+  floor_ms    streamed weight bytes (every parameter but the embedding table, read once per
+              step) / the device-to-device copy bandwidth measured here (bytes read + written)
+Ratios printed and written to --out: step_ms(B=1) / floor_ms, step_ms(B=8) / step_ms(B=1), and
+the idle fraction at B=64, overlap on and off. Both configurations share one set of weights.
+
+    python bench/decode_steps.py --preset llama-3.1-8b --out bench/results/decode-steps-h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def copy_bandwidth(device, nbytes=2 << 30, iters=20) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), median of iters."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(iters + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times = sorted(times[3:])
+    return 2 * src.numel() * 4 / times[len(times) // 2]
+
+
+def streamed_weight_bytes(model) -> int:
+    """Every parameter once (named_parameters yields a tied LM head once, as the embedding),
+    except an untied embedding table: a decode step reads one row of it per request."""
+    total = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name and not model.config.tie_word_embeddings:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def make_scheduler(model_dir, args, serial, model=None):
+    from radixserve.config import ModelConfig, ServerArgs
+    from radixserve.engine.scheduler import Scheduler
+    from radixserve.model.runner import ModelRunner
+
+    max_bs = max(args.batch_sizes)
+    sa = ServerArgs(model_path=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
+                    max_total_tokens=max_bs * (args.prompt_len + args.steps + 64) + 1024,
+                    max_running_requests=max_bs, context_length=args.prompt_len + 4096,
+                    disable_overlap_schedule=serial, chunked_prefill_size=8192)
+    runner = ModelRunner(sa, ModelConfig.from_path(model_dir), model_dir,
+                         context_len=sa.context_length, model=model)
+    return Scheduler(sa, runner)
+
+
+def measure(sched, batch_size, args, seed):
+    import random
+
+    from radixserve.engine.req import Req
+    from radixserve.sampling.params import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = sched.vocab_size
+    n_new = args.steps + args.warmup + 4
+    reqs = [Req(f"b{batch_size}-{seed}-{i}", [rng.randrange(1000, vocab - 1000)
+                                             for _ in range(args.prompt_len)],
+                SamplingParams(max_new_tokens=n_new, temperature=0.0, ignore_eos=True), n_new)
+            for i in range(batch_size)]
+    for r in reqs:
+        sched.add_request(r)
+    while len(sched.running) < batch_size:             # prefill everything
+        sched.step()
+    for _ in range(args.warmup):
+        sched.step()
+    torch.cuda.synchronize()
+    dev0 = sched.total_device_time
+    steps0 = sched.counters["num_decode_steps"]
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        sched.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    steps = sched.counters["num_decode_steps"] - steps0
+    busy = (sched.total_device_time - dev0) / wall
+    for r in reqs:
+        sched.abort(r.rid)
+    while sched.has_work():
+        sched.step()
+    return {"step_ms": 1e3 * wall / max(steps, 1), "gpu_busy": busy, "steps": steps}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--batch-sizes", default="1,8,64,128,256")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    from presets import build_preset
+
+    model_dir = build_preset(args.preset, os.path.join(tempfile.gettempdir(),
+                                                       f"preset-{args.preset}"))
+    bw = copy_bandwidth(torch.device("cuda"))
+    results = {}
+    first = None
+    for serial in (False, True):
+        name = "no-overlap" if serial else "overlap"
+        sched = make_scheduler(model_dir, args, serial, model=first)
+        first = sched.runner.model if first is None else first
+        results[name] = {str(b): measure(sched, b, args, seed=b) for b in args.batch_sizes}
+        for b in args.batch_sizes:
+            r = results[name][str(b)]
+            print(f"{name:10s} bs {b:4d}: {r['step_ms']:7.2f} ms/step, GPU busy "
+                  f"{100 * r['gpu_busy']:5.1f}%", flush=True)
+        del sched
+    weight_bytes = streamed_weight_bytes(first)
+    floor_ms = 1e3 * weight_bytes / bw
+    summary = {"copy_bandwidth_GBps": bw / 1e9, "streamed_weight_GB": weight_bytes / 1e9,
+               "floor_ms": floor_ms}
+    for name, res in results.items():
+        b1 = res.get("1", {}).get("step_ms")
+        b8 = res.get("8", {}).get("step_ms")
+        b64 = res.get("64")
+        if b1:
+            summary[f"{name}_bs1_over_floor"] = b1 / floor_ms
+        if b1 and b8:
+            summary[f"{name}_bs8_over_bs1"] = b8 / b1
+        if b64:
+            summary[f"{name}_bs64_gpu_idle"] = 1 - b64["gpu_busy"]
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
+                       "device": torch.cuda.get_device_name(), "summary": summary,
+                       "results": results}, f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
