@@ -125,7 +125,8 @@ setup(
         "accelerate",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "openai", "httpx"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "openai", "httpx", "matplotlib"],
+        "bench": ["httpx", "matplotlib"],
         "build": ["pybind11", "ninja", "nvidia-cutlass"],
     },
     entry_points={"console_scripts": ["radixserve=radixserve.cli:main"]},

@@ -59,6 +59,12 @@ for stage in "$@"; do
         --random-input-len 1024 --random-output-len 1024 --num-prompts 200 --request-rate 16 \
         --server-log-dir "$OUT/serving-logs" --output-file "$OUT/serving-h200.json" 2>&1 \
         | tee "$OUT/serving.txt" | tail -40 ;;
+    sweep)
+      python3 bench/serving.py --preset llama-3.1-8b --compare overlap --dataset random \
+        --random-input-len 1024 --random-output-len 256 --num-prompts 512 \
+        --sweep-concurrency 1,2,4,8,16,32,64,128,256 --sweep-prompts-per-concurrency 2 \
+        --server-log-dir "$OUT/sweep-logs" --output-file "$OUT/sweep-h200.json" 2>&1 \
+        | tee "$OUT/sweep.txt" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -14,13 +14,20 @@ Datasets
 
 Arrivals: --request-rate (Poisson, requests/s; inf = all at once) and/or --max-concurrency.
 
---compare launches the server itself (`python -m radixserve.launch_server` on a free port, one
-configuration after another: radix cache + fcfs, --disable-radix-cache, radix cache + lpm), runs the
-same workload against each, and reports throughput and mean-TTFT ratios from that one run.
+--compare NAME launches the server itself (`python -m radixserve.launch_server` on a free port, one
+configuration after another), runs the same workload against each, and reports throughput and
+mean TTFT / ITL ratios from that one run. NAME radix (the default): radix cache + fcfs,
+--disable-radix-cache, radix cache + lpm; NAME overlap: overlap scheduling, --disable-overlap-schedule.
+--launch does the same for one server; --preset NAME serves bench/presets.py's model directory of
+that name with --load-format dummy. --sweep-concurrency 1,2,4,... runs the workload at each
+max-concurrency. --output-file writes JSON (with per-request TTFT and ITL lists) and, next to it,
+the PNG plots of bench/plots.py.
 
 Examples (see bench/README.md):
   python bench/serving.py --port 30000 --dataset random --num-prompts 64 --request-rate 8
   python bench/serving.py --compare --dataset generated-shared-prefix --output-file out.json
+  python bench/serving.py --preset llama-3.1-8b --compare overlap --dataset random \
+      --sweep-concurrency 1,2,4,8,16,32,64,128,256 --output-file out.json
 """
 from __future__ import annotations
 
@@ -31,25 +38,22 @@ import math
 import os
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import httpx
 import numpy as np
 from tqdm.asyncio import tqdm
 
-PYSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pysrc")
-COMPARE_CONFIGS = [
-    ("radix-fcfs", []),
-    ("no-radix-fcfs", ["--disable-radix-cache"]),
-    ("radix-lpm", ["--schedule-policy", "lpm"]),
-]
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+if BENCH_DIR not in sys.path:          # `radixserve bench` runs this file with runpy
+    sys.path.insert(0, BENCH_DIR)
+
+from launcher import (LaunchedServer, free_port, radixserve_command, source_revision,  # noqa: E402
+                      stop_servers_on_sigterm)
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -246,17 +250,26 @@ def summarize(results: List[RequestResult], duration: float) -> Dict:
         "tpot_ms": _percentiles(tpot, 1e3),
         "itl_ms": _percentiles([x for r in ok for x in r.itl], 1e3),
         "e2e_latency_ms": _percentiles([r.latency for r in ok], 1e3),
+        # per successful request, in completion order: what CDF plots need (bench/plots.py)
+        "per_request": {
+            "ttft_ms": [round(r.ttft * 1e3, 3) for r in ok],
+            "latency_ms": [round(r.latency * 1e3, 3) for r in ok],
+            "output_len": [r.output_len for r in ok],
+            "itl_ms": [[round(x * 1e3, 3) for x in r.itl] for r in ok],
+        },
     }
 
 
 class Runner:
     """Sends a workload with the configured arrival process and concurrency limit."""
 
-    def __init__(self, args, base_url: str, model: str):
+    def __init__(self, args, base_url: str, model: str, max_concurrency: Optional[int] = None):
+        """max_concurrency: requests in flight at most (default: --max-concurrency; None: no cap)."""
         self.args = args
         self.base_url = base_url
         self.model = model
-        self.sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        limit = max_concurrency or args.max_concurrency
+        self.sem = asyncio.Semaphore(limit) if limit else None
 
     async def _send(self, client, prompt_ids, output_len) -> RequestResult:
         if self.args.backend == "generate":
@@ -342,11 +355,13 @@ async def server_facts(base_url: str) -> Dict:
         return r.json()
 
 
-async def benchmark_once(args, base_url: str, workload) -> Dict:
+async def benchmark_once(args, base_url: str, workload,
+                         max_concurrency: Optional[int] = None) -> Dict:
+    """Run workload (requests, conversations) once against base_url; its metrics (summarize)."""
     facts = await server_facts(base_url)
     model = args.model or facts.get("served_model_name") or ""
     requests, conversations = workload
-    metrics = await Runner(args, base_url, model).run(requests, conversations)
+    metrics = await Runner(args, base_url, model, max_concurrency).run(requests, conversations)
     return metrics
 
 
@@ -370,54 +385,24 @@ def print_metrics(name: str, m: Dict) -> None:
         print("error:", e)
 
 
-# ----------------------------------------------------------------------------- --compare
+# ----------------------------------------------------------------------------- launched servers
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LaunchedServer:
-    """`python -m radixserve.launch_server` in a subprocess, logging to a file, until stopped."""
-
-    def __init__(self, extra_args: List[str], log_path: str, timeout: float):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1",
-                    "--port", str(self.port)] + extra_args
-        self.log_path = log_path
-        self.timeout = timeout
-        self.proc: Optional[subprocess.Popen] = None
-
-    def __enter__(self):
-        self.log = open(self.log_path, "w")
-        # the server imports radixserve from this checkout unless it is installed
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (PYSRC, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + self.timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"server not healthy after {self.timeout}s; see {self.log_path}")
-
-    def __exit__(self, *exc):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+# --compare NAME: the server configurations run in turn (extra launch_server flags each) ...
+COMPARE_SETS: Dict[str, List[Tuple[str, List[str]]]] = {
+    "radix": [("radix-fcfs", []),
+              ("no-radix-fcfs", ["--disable-radix-cache"]),
+              ("radix-lpm", ["--schedule-policy", "lpm"])],
+    "overlap": [("overlap", []),
+                ("no-overlap", ["--disable-overlap-schedule"])],
+}
+# ... and the ratios reported: (name, this configuration, its peer)
+COMPARE_PAIRS: Dict[str, List[Tuple[str, str, str]]] = {
+    "radix": [("radix_over_no_radix", "radix-fcfs", "no-radix-fcfs"),
+              ("lpm_over_fcfs", "radix-lpm", "radix-fcfs")],
+    "overlap": [("overlap_over_no_overlap", "overlap", "no-overlap")],
+}
+# kept for callers of the old module-level name
+COMPARE_CONFIGS = COMPARE_SETS["radix"]
 
 
 async def warm_up(base_url: str, vocab_size: int) -> None:
@@ -427,6 +412,12 @@ async def warm_up(base_url: str, vocab_size: int) -> None:
         r = await client.post(base_url + "/generate", json={
             "input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}})
         r.raise_for_status()
+        await flush_cache(base_url)
+
+
+async def flush_cache(base_url: str) -> None:
+    """POST /flush_cache (the server must be idle), so no run reuses an earlier run's KV."""
+    async with httpx.AsyncClient(timeout=60) as client:
         r = await client.post(base_url + "/flush_cache")
         r.raise_for_status()
 
@@ -435,48 +426,138 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("inf")
 
 
-def run_compare(args) -> Dict:
-    # a SIGTERM still runs the context managers below, so no server outlives the bench
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+def pair_ratios(this: Dict, peer: Dict) -> Dict[str, float]:
+    """this over peer: throughputs as this / peer, latencies as a speed-up (peer / this)."""
+    return {
+        "request_throughput": ratio(this["request_throughput"], peer["request_throughput"]),
+        "output_token_throughput": ratio(this["output_token_throughput"],
+                                         peer["output_token_throughput"]),
+        "total_token_throughput": ratio(this["total_token_throughput"],
+                                        peer["total_token_throughput"]),
+        "mean_ttft_speedup": ratio(peer["ttft_ms"]["mean"], this["ttft_ms"]["mean"]),
+        "mean_itl_speedup": ratio(peer["itl_ms"]["mean"], this["itl_ms"]["mean"]),
+    }
+
+
+def _head(workload, n: int):
+    """The first n requests (or conversations) of a workload."""
+    requests, conversations = workload
+    return (requests[:n] if requests is not None else None,
+            conversations[:n] if conversations is not None else None)
+
+
+def run_sweep(args, base_url: str, workload) -> List[Dict]:
+    """The workload at each --sweep-concurrency level, the cache flushed before each; one point
+    (max_concurrency, num_requests and the metrics) per level. With
+    --sweep-prompts-per-concurrency K, level c sends the first c * K requests of the workload."""
+    points = []
+    total = len(workload[0] if workload[0] is not None else workload[1])
+    print(f"{'concurrency':>11} {'requests':>9} {'out tok/s':>11} {'mean TTFT ms':>13} "
+          f"{'mean ITL ms':>12} {'failed':>7}")
+    for c in args.sweep_concurrency:
+        n = min(total, c * args.sweep_prompts_per_concurrency) \
+            if args.sweep_prompts_per_concurrency else total
+        asyncio.run(flush_cache(base_url))
+        m = asyncio.run(benchmark_once(args, base_url, _head(workload, n), max_concurrency=c))
+        points.append({"max_concurrency": c, "num_requests": n, **m})
+        print(f"{c:>11} {n:>9} {m['output_token_throughput']:>11.1f} "
+              f"{m['ttft_ms']['mean']:>13.1f} {m['itl_ms']['mean']:>12.2f} {m['failed']:>7}")
+    return points
+
+
+def _prepare_model(args, work_dir: str) -> Tuple[List[str], Optional[int]]:
+    """launch_server flags naming the model (--preset: a built directory, dummy weights) and the
+    highest prompt token id to use (the preset's ordinary vocabulary; None: the server's)."""
+    if not args.preset:
+        return [], None
+    from presets import PRESETS, build_preset, ordinary_vocab_end
+
+    out = args.preset_dir or os.path.join(work_dir, f"preset-{args.preset}")
+    build_preset(args.preset, out)
+    print(f"--- preset {args.preset} ({PRESETS[args.preset].hf_name} shapes) built in {out}")
+    return (["--model-path", out, "--load-format", "dummy"],
+            ordinary_vocab_end(PRESETS[args.preset]))
+
+
+def run_launched(args) -> Dict:
+    """Launch `python -m radixserve.launch_server` per configuration (--compare NAME: each of
+    COMPARE_SETS[NAME]; else one), warm each up, run the identical workload (or the sweep), stop
+    it. Returns {"runs" | "sweep", "ratios" (with --compare), "server_logs", ...}."""
+    stop_servers_on_sigterm()   # the `with` blocks below then stop the server on SIGTERM too
     log_dir = args.server_log_dir or tempfile.mkdtemp(prefix="radixserve-bench-")
     os.makedirs(log_dir, exist_ok=True)
-    base_args = shlex.split(args.server_args)
+    model_args, token_limit = _prepare_model(args, log_dir)
+    base_args = model_args + shlex.split(args.server_args)
+    configs = COMPARE_SETS[args.compare] if args.compare else [("default", [])]
     runs: Dict[str, Dict] = {}
+    sweep: Dict[str, List[Dict]] = {}
+    facts: Dict = {}
     workload = None
-    for name, extra in COMPARE_CONFIGS:
+    for name, extra in configs:
         log_path = os.path.join(log_dir, f"{name}.log")
+        port = free_port()
+        cmd = radixserve_command(port, base_args + extra)
         print(f"\n--- {name}: launching server ({' '.join(base_args + extra)}); log {log_path}")
-        with LaunchedServer(base_args + extra, log_path, args.server_timeout) as server:
+        with LaunchedServer(cmd, port, log_path, args.server_timeout) as server:
             facts = asyncio.run(server_facts(server.base_url))
             if workload is None:
-                workload = build_workload(args, facts["vocab_size"])
+                vocab = facts["vocab_size"] if token_limit is None else min(token_limit,
+                                                                            facts["vocab_size"])
+                workload = build_workload(args, vocab)
             asyncio.run(warm_up(server.base_url, facts["vocab_size"]))
-            metrics = asyncio.run(benchmark_once(args, server.base_url, workload))
-        metrics["server_args"] = base_args + extra
-        runs[name] = metrics
-        print_metrics(name, metrics)
-    radix, plain, lpm = runs["radix-fcfs"], runs["no-radix-fcfs"], runs["radix-lpm"]
-    ratios = {
-        "radix_over_no_radix": {
-            "request_throughput": ratio(radix["request_throughput"], plain["request_throughput"]),
-            "total_token_throughput": ratio(radix["total_token_throughput"],
-                                            plain["total_token_throughput"]),
-            "mean_ttft_speedup": ratio(plain["ttft_ms"]["mean"], radix["ttft_ms"]["mean"]),
-        },
-        "lpm_over_fcfs": {
-            "request_throughput": ratio(lpm["request_throughput"], radix["request_throughput"]),
-            "total_token_throughput": ratio(lpm["total_token_throughput"],
-                                            radix["total_token_throughput"]),
-            "mean_ttft_speedup": ratio(radix["ttft_ms"]["mean"], lpm["ttft_ms"]["mean"]),
-        },
-    }
+            if args.sweep_concurrency:
+                sweep[name] = run_sweep(args, server.base_url, workload)
+                for point in sweep[name]:
+                    point["server_args"] = base_args + extra
+            else:
+                metrics = asyncio.run(benchmark_once(args, server.base_url, workload))
+                metrics["server_args"] = base_args + extra
+                runs[name] = metrics
+                print_metrics(name, metrics)
+    out: Dict = {"server_logs": log_dir, "server": facts}
+    if args.sweep_concurrency:
+        out["sweep"] = sweep
+    else:
+        out["runs"] = runs
+    if args.compare:
+        out["ratios"] = compare_ratios(args.compare, runs, sweep)
+    return out
+
+
+def compare_ratios(compare: str, runs: Dict[str, Dict], sweep: Dict[str, List[Dict]]) -> Dict:
+    """COMPARE_PAIRS[compare] as ratios: of the runs, or per concurrency level of the sweep."""
+    ratios: Dict = {}
     print("\n============ ratios (one run each) ============")
-    for pair, vals in ratios.items():
-        print(pair + ": " + ", ".join(f"{k} {v:.2f}x" for k, v in vals.items()))
-    return {"runs": runs, "ratios": ratios, "server_logs": log_dir}
+    for pair, this, peer in COMPARE_PAIRS[compare]:
+        if runs:
+            ratios[pair] = pair_ratios(runs[this], runs[peer])
+            print(pair + ": " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios[pair].items()))
+        else:
+            ratios[pair] = [{"max_concurrency": a["max_concurrency"], **pair_ratios(a, b)}
+                            for a, b in zip(sweep[this], sweep[peer])]
+            print(pair + " by concurrency:")
+            for r in ratios[pair]:
+                print(f"  {r['max_concurrency']:>4}: output tok/s {r['output_token_throughput']:.2f}x, "
+                      f"mean TTFT {r['mean_ttft_speedup']:.2f}x, mean ITL {r['mean_itl_speedup']:.2f}x")
+    return ratios
+
+
+# kept for callers of the old name
+run_compare = run_launched
 
 
 # ----------------------------------------------------------------------------- CLI
+
+def _int_list(text: str) -> List[int]:
+    """'1,2,4' -> [1, 2, 4]; every value >= 1."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -515,12 +596,38 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--output-file", default=None, help="write the results as JSON here")
-    p.add_argument("--compare", action="store_true",
-                   help="launch the server per configuration (radix/fcfs, no radix, radix/lpm) and compare")
-    p.add_argument("--server-args", default="", help="extra launch_server flags for --compare")
-    p.add_argument("--server-timeout", type=float, default=900.0)
-    p.add_argument("--server-log-dir", default=None)
+    p.add_argument("--no-plots", action="store_true",
+                   help="do not write PNG plots next to --output-file")
+    g = p.add_argument_group("launching the server (--launch, --preset, --compare)")
+    g.add_argument("--launch", action="store_true",
+                   help="launch `python -m radixserve.launch_server` on a free port for the run "
+                        "and stop it afterwards (implied by --preset and --compare)")
+    g.add_argument("--preset", default=None, metavar="NAME",
+                   help="serve the real shapes of NAME (bench/presets.py: llama-3.1-8b, "
+                        "llama-3.2-1b, qwen2.5-7b, smollm2-135m) with dummy weights; implies --launch")
+    g.add_argument("--preset-dir", default=None,
+                   help="build the preset here (default: inside the server log directory)")
+    g.add_argument("--compare", nargs="?", const="radix", default=None, choices=sorted(COMPARE_SETS),
+                   help="launch one server per configuration and report ratios: radix (the default "
+                        "when given alone): radix/fcfs vs --disable-radix-cache vs radix/lpm; "
+                        "overlap: overlap scheduling vs --disable-overlap-schedule")
+    g.add_argument("--server-args", default="", help="extra launch_server flags for every server")
+    g.add_argument("--server-timeout", type=float, default=900.0)
+    g.add_argument("--server-log-dir", default=None)
+    g = p.add_argument_group("concurrency sweep")
+    g.add_argument("--sweep-concurrency", type=_int_list, default=None, metavar="1,2,4,...",
+                   help="run the workload at each max-concurrency (cache flushed between levels) "
+                        "and record the throughput per level")
+    g.add_argument("--sweep-prompts-per-concurrency", type=int, default=None, metavar="K",
+                   help="level c sends the first c*K requests of the workload (default: all)")
     args = p.parse_args(argv)
+    if args.preset:
+        from presets import PRESETS
+        if args.preset not in PRESETS:
+            p.error(f"--preset must be one of {', '.join(PRESETS)}")
+    args.launch = bool(args.launch or args.preset or args.compare)
+    if args.sweep_prompts_per_concurrency is not None and args.sweep_prompts_per_concurrency < 1:
+        p.error("--sweep-prompts-per-concurrency must be >= 1")
     for name in ("num_prompts", "random_input_len", "random_output_len", "gsp_num_groups",
                  "gsp_prompts_per_group", "gsp_question_len", "gsp_output_len", "mt_turns",
                  "mt_first_len", "mt_message_len", "mt_output_len"):
@@ -538,22 +645,57 @@ def main(argv=None) -> Dict:
     result: Dict = {"command": "python bench/serving.py " + shlex.join(sys.argv[1:] if argv is None else argv),
                     "args": {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf")
                              for k, v in vars(args).items()},
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    if args.compare:
-        result.update(run_compare(args))
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "source": source_revision()}
+    if args.launch:
+        result.update(run_launched(args))
+        if not args.compare and "runs" in result:      # one launched server: as against a running one
+            result["metrics"] = result.pop("runs")["default"]
     else:
         base_url = args.base_url or f"http://{args.host}:{args.port}"
         facts = asyncio.run(server_facts(base_url))
         workload = build_workload(args, facts["vocab_size"])
-        result["metrics"] = asyncio.run(benchmark_once(args, base_url, workload))
         result["server"] = facts
-        print_metrics(args.dataset, result["metrics"])
+        if args.sweep_concurrency:
+            result["sweep"] = {"default": run_sweep(args, base_url, workload)}
+        else:
+            result["metrics"] = asyncio.run(benchmark_once(args, base_url, workload))
+            print_metrics(args.dataset, result["metrics"])
     if args.output_file:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
         with open(args.output_file, "w") as f:
-            json.dump(result, f, indent=2)
+            f.write(to_json(result) + "\n")
         print(f"\nwrote {args.output_file}")
+        if not args.no_plots:
+            write_plots(result, args.output_file)
     return result
+
+
+def to_json(obj, indent: int = 0) -> str:
+    """JSON with one key per line, except that a list of numbers (a per-request series) stays on
+    one line, so files with thousands of latencies remain readable and small."""
+    pad, inner = "  " * indent, "  " * (indent + 1)
+    if isinstance(obj, dict) and obj:
+        items = [f"{inner}{json.dumps(str(k))}: {to_json(v, indent + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(obj, (list, tuple)) and obj and any(isinstance(v, (dict, list, tuple)) for v in obj):
+        if all(isinstance(v, (list, tuple)) and not any(isinstance(x, (dict, list)) for x in v)
+               for v in obj):
+            return "[" + ", ".join(json.dumps(list(v)) for v in obj) + "]"
+        return "[\n" + ",\n".join(inner + to_json(v, indent + 1) for v in obj) + "\n" + pad + "]"
+    return json.dumps(obj)
+
+
+def write_plots(result: Dict, output_file: str) -> List[str]:
+    """bench/plots.py's PNGs next to output_file; a missing matplotlib is reported, not fatal."""
+    try:
+        import plots
+        paths = plots.write_plots(result, output_file)
+    except ImportError as e:
+        print(f"no plots ({e}); pip install matplotlib, or pass --no-plots")
+        return []
+    for path in paths:
+        print(f"wrote {path}")
+    return paths
 
 
 if __name__ == "__main__":

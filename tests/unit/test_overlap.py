@@ -205,3 +205,26 @@ def test_lone_request_that_fits_is_never_aborted(make_scheduler):
         run_to_completion(sched, reqs)
         assert all(r.finish_reason == {"type": "length", "matched": None} for r in reqs)
         assert all(len(r.output_ids) == 90 for r in reqs)
+
+
+def test_non_finite_logits_fail_only_their_request(make_scheduler, greedy_alone, text_prompts):
+    """NaN in one request's cached V makes its logits non-finite: it aborts with a clear
+    message, and its batch-mates finish with exactly their solo greedy outputs."""
+    sched = make_scheduler()
+    reqs = reqs_for(text_prompts[:4], 10, "nan")
+    for r in reqs:
+        sched.add_request(r)
+    while not all(r in sched.running for r in reqs):
+        sched.step()
+    victim = reqs[2]
+    slots = sched.req_to_token_pool.slots(victim.req_pool_idx, 3)
+    for v in sched.kv_pool.v_buffers:
+        v[slots] = float("nan")
+    run_to_completion(sched, [])
+    assert victim.finish_reason["type"] == "abort"
+    assert "non-finite" in victim.finish_reason["message"]
+    for i, r in enumerate(reqs):
+        if r is not victim:
+            assert r.finish_reason["type"] == "length"
+            assert r.output_ids == greedy_alone(text_prompts[i], 10)
+    assert sched.counters["num_aborted_requests"] == 1
