@@ -51,7 +51,7 @@ def _scheduler(model_dir, model=None, **kw):
     return Scheduler(args, runner)
 
 
-def _requests(seed, max_prompt=300):
+def _requests(seed, max_prompt=300, fixed_new=None):
     from radixserve.engine.req import Req
     from radixserve.sampling.params import SamplingParams
 
@@ -59,7 +59,7 @@ def _requests(seed, max_prompt=300):
     reqs = []
     for i in range(20):
         prompt = [rng.randrange(3, 2000) for _ in range(rng.randint(5, max_prompt))]
-        n = rng.randint(1, 40)
+        n = fixed_new or rng.randint(1, 40)
         kw = dict(max_new_tokens=n, ignore_eos=True)
         if i % 3 == 1:
             kw.update(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i)
@@ -96,7 +96,7 @@ def test_overlap_equals_serial_on_the_gpu(model_dir, pool, max_prompt):
                         disable_overlap_schedule=True)
     results = []
     for sched in (first, serial):
-        reqs = _requests(5, max_prompt)
+        reqs = _requests(5, max_prompt, fixed_new=None if pool > 1000 else 40)
         _run(sched, reqs, arrivals)
         results.append([(r.output_ids, r.finish_reason["type"]) for r in reqs])
         assert sched.kv_pool.available_size() + sched.cache.evictable_size() == \
