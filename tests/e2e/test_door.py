@@ -69,6 +69,28 @@ def http(door):
         yield c
 
 
+def _read_response(sock) -> bytes:
+    """Bytes of one response: the head, then content-length bytes of body (or until close)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = sock.recv(65536)
+        if not part:
+            return data
+        data += part
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), None)
+    while length is None or len(body) < length:
+        try:
+            part = sock.recv(65536)
+        except OSError:
+            break
+        if not part:
+            break
+        body += part
+    return head + b"\r\n\r\n" + body
+
+
 def _raw(port: int, head: bytes, chunked_body: bool = False):
     """Send a request head (and, with chunked_body, 64 KiB chunks until the server answers);
     return (status line, response bytes, body bytes sent)."""
@@ -86,7 +108,7 @@ def _raw(port: int, head: bytes, chunked_body: bool = False):
                     sent += 0x10000
             except OSError:            # the server closed the connection after answering
                 pass
-        data = sock.recv(65536)
+        data = _read_response(sock)
     finally:
         sock.close()
     return data.split(b"\r\n", 1)[0], data, sent
