@@ -511,3 +511,36 @@ def test_cli_serve_takes_every_server_arg():
     launch_ns = cli.serve_parser().parse_args([])
     assert {f.name for f in dataclasses.fields(ServerArgs)} <= set(vars(launch_ns))
     assert cli.bench_script() is not None and cli.bench_script().endswith("bench/serving.py")
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(engine, client):
+    """A short prompt is tokenized inline on the loop's thread; one longer than OFF_LOOP_CHARS
+    on a worker thread (so it cannot stall the loop), for /generate, completions and chat."""
+    import threading
+
+    from radixserve.server.generation import OFF_LOOP_CHARS
+
+    threads = []
+    real_encode, real_chat = engine.tokenizer.encode, engine.tokenizer.encode_chat
+
+    def encode(text, add_special_tokens=True):
+        threads.append(threading.get_ident())
+        return real_encode(text, add_special_tokens)
+
+    def encode_chat(messages, **kw):
+        threads.append(threading.get_ident())
+        return real_chat(messages, **kw)
+
+    engine.tokenizer.encode, engine.tokenizer.encode_chat = encode, encode_chat
+    long_text = "x" * (OFF_LOOP_CHARS + 10)
+    bodies = [("/generate", lambda t: {"text": t, "sampling_params": {"max_new_tokens": 1}}),
+              ("/v1/completions", lambda t: {"model": "fake", "prompt": t, "max_tokens": 1}),
+              ("/v1/chat/completions", lambda t: {"model": "fake", "max_tokens": 1,
+                                                  "messages": [{"role": "user", "content": t}]})]
+    for route, body in bodies:
+        threads.clear()
+        assert client.post(route, json=body("hi")).status_code == 200
+        assert client.post(route, json=body(long_text)).status_code == 400   # too long: 400
+        assert len(threads) >= 2, route
+        loop_thread = threads[0]
+        assert threads[-1] != loop_thread, f"{route}: a long prompt was tokenized on the loop"

@@ -21,6 +21,18 @@ from radixserve.server.protocol import SeqResult
 from radixserve.server.sse import wait_for_disconnect
 
 
+OFF_LOOP_CHARS = 8192   # prompts longer than this are tokenized / rendered on a worker thread
+
+
+async def off_loop(fn, *args, size: int, **kwargs):
+    """fn(*args, **kwargs), run on a worker thread when `size` (characters of text it works on)
+    is large, so tokenizing or templating a long prompt never stalls the event loop (the steps,
+    every other stream, /health); short ones run inline (a thread hop costs more than they do)."""
+    if size < OFF_LOOP_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
 def expand_requests(rid: str, prompt_ids: Sequence[List[int]], n: int,
                     sampling: Sequence[SamplingParams], stream: bool,
                     return_logprob: Sequence[bool], logprob_start_len: Sequence[int],

@@ -17,7 +17,7 @@ from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as P
 from radixserve.server.errors import ApiError, bad_request, error_response
 from radixserve.server.jsonio import JSONResponse
-from radixserve.server.generation import (ClientDisconnected, collect, expand_requests,
+from radixserve.server.generation import (ClientDisconnected, collect, expand_requests, off_loop,
                                           merge_generations, validate_all)
 from radixserve.server.metrics import MetricsRegistry, RequestMetrics, request_metrics
 from radixserve.server.security import read_json_object, redact_server_info
@@ -34,7 +34,8 @@ async def generate(request: Request, engine) -> Response:
     body = await read_json_object(request)
     req = P.parse_generate_request(body)
     prompt_param = "text" if body.get("text") is not None else "input_ids"
-    prompt_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+    prompt_ids = [await off_loop(engine.tokenizer.encode, p, size=len(p)) if isinstance(p, str)
+                  else p for p in req.prompts]
     for ids, sp in zip(prompt_ids, req.sampling):
         P.check_prompt_ids(ids, engine.model_config.vocab_size, engine.context_len,
                            sp.max_new_tokens, prompt_param, "max_new_tokens")

@@ -19,7 +19,7 @@ from radixserve.engine.io import GenerateReqInput
 from radixserve.server import protocol as P
 from radixserve.server.errors import ApiError, bad_request
 from radixserve.server.jsonio import JSONResponse
-from radixserve.server.generation import (ClientDisconnected, collect, expand_requests,
+from radixserve.server.generation import (ClientDisconnected, collect, expand_requests, off_loop,
                                           merge_generations, validate_all)
 from radixserve.server.metrics import RequestMetrics, request_metrics
 from radixserve.server.security import read_json_object
@@ -66,8 +66,11 @@ async def chat_completions(request: Request, engine) -> Response:
     P.check_model(body, engine.served_model_name, _model_aliases(engine))
     req = P.parse_chat_request(body)
     try:
-        prompt_ids = engine.tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                                  tools=req.tools)
+        size = sum(len(str(m.get("content") or "")) for m in req.messages
+                   if isinstance(m, dict))
+        prompt_ids = await off_loop(engine.tokenizer.encode_chat, req.messages, size=size,
+                                    add_generation_prompt=req.add_generation_prompt,
+                                    tools=req.tools)
     except ValueError as e:
         raise bad_request(f"messages cannot be rendered by the chat template: {e}", param="messages")
     P.check_prompt_ids(prompt_ids, engine.model_config.vocab_size, engine.context_len,
@@ -127,7 +130,8 @@ async def completions(request: Request, engine) -> Response:
     P.check_model(body, engine.served_model_name, _model_aliases(engine))
     req = P.parse_completion_request(body)
     tok = engine.tokenizer
-    prompt_ids = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
+    prompt_ids = [await off_loop(tok.encode, p, size=len(p)) if isinstance(p, str) else p
+                  for p in req.prompts]
     for ids in prompt_ids:
         P.check_prompt_ids(ids, engine.model_config.vocab_size, engine.context_len,
                            req.sampling.max_new_tokens, "prompt", _max_param(body))
