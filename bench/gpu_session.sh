@@ -59,6 +59,11 @@ for stage in "$@"; do
         --random-input-len 1024 --random-output-len 1024 --num-prompts 200 --request-rate 16 \
         --server-log-dir "$OUT/serving-logs" --output-file "$OUT/serving-h200.json" 2>&1 \
         | tee "$OUT/serving.txt" | tail -40 ;;
+    offline8b)
+      python3 bench/offline.py --device cuda --preset llama-3.1-8b --num-prompts 256 \
+        --input-len 1024 --output-len 256 --hf-mode generate_batch \
+        --out "$OUT/offline-h200-8b-vs-hf-generate-batch.json" 2>&1 | tee "$OUT/offline8b.txt" \
+        | grep -v "it/s" | tail -12 ;;
     sweep)
       python3 bench/serving.py --preset llama-3.1-8b --compare overlap --dataset random \
         --random-input-len 1024 --random-output-len 256 --num-prompts 512 \

@@ -1,12 +1,17 @@
-"""Offline throughput: radixserve.Engine vs HF transformers `generate`, in one run.
+"""Offline throughput: radixserve.Engine vs HF transformers, in one run.
 
 Both get the same prompts (random token ids, fixed seed, equal lengths), the same max_new_tokens,
-greedy decoding, and EOS ignored (HF: min_new_tokens = max_new_tokens) so every sequence has the
-same length. HF runs one batched generate() with left padding. Prints both output tokens/s and
-their ratio (engine / HF); --out writes the numbers and the command as JSON.
+greedy decoding, and EOS ignored so every sequence has the same length. HF runs either one
+batched generate() with left padding (--hf-mode generate; EOS ignored through min_new_tokens) or
+its continuous batching (--hf-mode generate_batch: `model.generate_batch` over paged attention
+with sdpa; EOS disabled). Prints both output tokens/s and their ratio (engine / HF); --out
+writes the numbers and the command as JSON. --preset NAME runs bench/presets.py's real shapes
+with random weights on both sides (each side its own: their greedy outputs are not compared).
 
     python bench/offline.py --num-prompts 16 --input-len 64 --output-len 64 --device cpu \
         --out bench/results/offline-cpu.json
+    python bench/offline.py --device cuda --preset llama-3.1-8b --num-prompts 256 \
+        --input-len 1024 --output-len 256 --hf-mode generate_batch --out offline-h200-8b.json
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ def run_engine(args, prompts):
     if args.disable_cuda_graph:
         overrides["disable_cuda_graph"] = True
     engine = radixserve.Engine(args.model_path, **overrides)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
     try:
         sp = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
         engine.generate(input_ids=[p[:8] for p in prompts[:2]],
@@ -50,17 +57,53 @@ def run_engine(args, prompts):
         model_path = engine.async_engine.model_path
     finally:
         engine.shutdown()
+        del engine
+        import gc
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()       # the HF side sizes its cache from free memory
     assert all(len(o["output_ids"]) == args.output_len for o in outs)
     return elapsed, [o["output_ids"] for o in outs], model_path
 
 
-def run_hf(args, prompts, model_path):
-    from transformers import AutoModelForCausalLM
+def _hf_model(args, model_path, device, dtype, **kw):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    if args.load_format == "dummy":        # the preset's shapes, HF's own random init
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, **kw).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kw).to(device).eval()
+
+
+def run_hf_generate_batch(args, prompts, model_path):
+    """HF transformers' continuous batching (paged attention, sdpa), EOS disabled."""
+    from transformers import GenerationConfig
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = _hf_model(args, model_path, device, dtype, attn_implementation="sdpa")
+    gc = GenerationConfig(max_new_tokens=args.output_len, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    with torch.inference_mode():
+        model.generate_batch(inputs=[p[:8] for p in prompts[:2]],
+                             generation_config=GenerationConfig(max_new_tokens=4,
+                                                                do_sample=False,
+                                                                eos_token_id=None,
+                                                                pad_token_id=0))
+        start = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=gc)
+        elapsed = time.perf_counter() - start
+    ids = [list(out[k].generated_tokens) for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    assert all(len(t) == args.output_len for t in ids), "HF stopped a sequence early"
+    return elapsed, ids
+
+
+def run_hf(args, prompts, model_path):
     device = torch.device(args.device)
     # the engine's dtype on each device: float32 on the CPU, bfloat16 on CUDA
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    model = _hf_model(args, model_path, device, dtype)
     pad = 0
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -89,8 +132,18 @@ def main(argv=None):
     ap.add_argument("--disable-cuda-graph", action="store_true",
                     help="engine decode steps launched eagerly (CUDA graphs are on by default on "
                          "a GPU in bf16)")
+    ap.add_argument("--preset", default=None, help="bench/presets.py shapes, dummy weights")
+    ap.add_argument("--hf-mode", default="generate", choices=["generate", "generate_batch"])
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
+    if args.preset:
+        import tempfile
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from presets import build_preset
+        args.model_path = build_preset(args.preset, os.path.join(tempfile.gettempdir(),
+                                                                  f"preset-{args.preset}"))
+        args.load_format = "dummy"
     if args.device == "cpu" and args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
 
@@ -103,11 +156,13 @@ def main(argv=None):
     num_out = args.num_prompts * args.output_len
 
     eng_s, eng_ids, _ = run_engine(args, prompts)
-    hf_s, hf_ids = run_hf(args, prompts, model_path)
+    hf_run = run_hf_generate_batch if args.hf_mode == "generate_batch" else run_hf
+    hf_s, hf_ids = hf_run(args, prompts, model_path)
     eng_tps, hf_tps = num_out / eng_s, num_out / hf_s
-    same = sum(a == b for a, b in zip(eng_ids, hf_ids))
+    same = (None if args.load_format == "dummy"         # two different random models
+            else sum(a == b for a, b in zip(eng_ids, hf_ids)))
     print(f"radixserve: {eng_tps:.1f} output tok/s ({eng_s:.2f} s)")
-    print(f"HF generate: {hf_tps:.1f} output tok/s ({hf_s:.2f} s)")
+    print(f"HF {args.hf_mode}: {hf_tps:.1f} output tok/s ({hf_s:.2f} s)")
     print(f"ratio (radixserve / HF): {eng_tps / hf_tps:.2f}")
     print(f"identical greedy outputs: {same}/{args.num_prompts}")
     if args.out:
@@ -122,6 +177,7 @@ def main(argv=None):
             "radixserve_tok_per_s": round(eng_tps, 2), "hf_tok_per_s": round(hf_tps, 2),
             "ratio": round(eng_tps / hf_tps, 3), "radixserve_s": round(eng_s, 3),
             "hf_s": round(hf_s, 3), "identical_greedy_outputs": same,
+            "hf_mode": args.hf_mode, "preset": args.preset,
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
