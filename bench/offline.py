@@ -85,7 +85,7 @@ def run_hf_generate_batch(args, prompts, model_path):
     model = _hf_model(args, model_path, device, dtype, attn_implementation="sdpa")
     gc = GenerationConfig(max_new_tokens=args.output_len, do_sample=False, eos_token_id=None,
                           pad_token_id=0)
-    with torch.inference_mode():
+    with torch.no_grad():     # not inference_mode: HF's batching thread updates its tensors
         model.generate_batch(inputs=[p[:8] for p in prompts[:2]],
                              generation_config=GenerationConfig(max_new_tokens=4,
                                                                 do_sample=False,
@@ -156,6 +156,7 @@ def main(argv=None):
     num_out = args.num_prompts * args.output_len
 
     eng_s, eng_ids, _ = run_engine(args, prompts)
+    print(f"radixserve done: {num_out / eng_s:.1f} output tok/s ({eng_s:.2f} s)", flush=True)
     hf_run = run_hf_generate_batch if args.hf_mode == "generate_batch" else run_hf
     hf_s, hf_ids = hf_run(args, prompts, model_path)
     eng_tps, hf_tps = num_out / eng_s, num_out / hf_s
