@@ -199,12 +199,13 @@ def test_lone_request_that_fits_is_never_aborted(make_scheduler):
     """A request whose prompt + max_new_tokens fits the pool completes under pressure from
     others (retraction, never a false 'pool is full' abort)."""
     rng = random.Random(11)
-    prompts = [random_prompt(rng, 20) for _ in range(6)]
-    for sched in make_pair(make_scheduler, max_total_tokens=120):
-        reqs = reqs_for(prompts, 90, "f")
+    prompts = [random_prompt(rng, 10) for _ in range(3)]
+    for sched in make_pair(make_scheduler, max_total_tokens=44):
+        reqs = reqs_for(prompts, 30, "f")          # 40 slots each: no two fit together
         run_to_completion(sched, reqs)
         assert all(r.finish_reason == {"type": "length", "matched": None} for r in reqs)
-        assert all(len(r.output_ids) == 90 for r in reqs)
+        assert all(len(r.output_ids) == 30 for r in reqs)
+        assert sched.counters["num_aborted_requests"] == 0
 
 
 def test_non_finite_logits_fail_only_their_request(make_scheduler, greedy_alone, text_prompts):
