@@ -46,8 +46,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         return 2
     setup_logging("debug" if args.log_level == "trace" else args.log_level)
     from radixserve.server.app import serve
-    serve(args)
-    return 0
+    return serve(args)
 
 
 def run_convert(ns: argparse.Namespace) -> int:

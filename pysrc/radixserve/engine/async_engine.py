@@ -269,5 +269,10 @@ class AsyncEngine:
     def metrics(self) -> Dict[str, Any]:
         return self.scheduler.metrics()
 
+    @property
+    def loop_error(self) -> Optional[BaseException]:
+        """Why the scheduling loop died, or None while it runs (or never started)."""
+        return self._loop_error
+
     def is_healthy(self) -> bool:
         return self._task is not None and not self._task.done() and self._loop_error is None

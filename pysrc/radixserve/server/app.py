@@ -103,9 +103,11 @@ def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
     return app
 
 
-def serve(server_args: ServerArgs) -> None:
+def serve(server_args: ServerArgs) -> int:
     """Load the engine (blocking), then run uvicorn on a uvloop loop that also runs the
-    engine's scheduling task. Returns when the server is stopped (SIGINT / SIGTERM)."""
+    engine's scheduling task. Returns the process exit status when the server stops: 0 after
+    SIGINT / SIGTERM, 1 when the engine's loop died (the server stops itself then, so a
+    supervisor watching the process restarts it, instead of a live process answering 503)."""
     from radixserve.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(server_args)
@@ -116,7 +118,16 @@ def serve(server_args: ServerArgs) -> None:
         log_level=server_args.log_level, access_log=server_args.log_level == "debug",
         timeout_keep_alive=5, timeout_graceful_shutdown=5,
     )
-    _Server(config, engine.served_model_name).run()
+    server = _Server(config, engine.served_model_name)
+
+    def on_fatal(error: BaseException) -> None:
+        logger.critical("the engine's loop died (%s: %s); stopping the server",
+                        type(error).__name__, error)
+        server.should_exit = True
+
+    engine.on_fatal = on_fatal
+    server.run()
+    return 1 if engine.loop_error is not None else 0
 
 
 def _log_door(server_args: ServerArgs, policy: DoorPolicy) -> None:
