@@ -11,12 +11,11 @@ but the batch's and the padding row, and the K/V the graph writes must equal the
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
-from _gpu import requires_kernels
+from _gpu import requires_kernels, rescale_dummy_weights
 from radixserve import ops
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
@@ -48,14 +47,7 @@ def runner(request, tmp_path_factory):
                       max_total_tokens=6000, max_running_requests=32, cuda_graph_max_bs=24)
     r = ModelRunner(args, ModelConfig.from_path(path), path, context_len=512)
     assert r.graph_runner is not None and r.graph_runner.buckets == [1, 2, 4, 8, 16, 24]
-    # O(1) logits: the dummy init (std 0.02) makes them nearly flat
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    with torch.no_grad():
-        for name, p in r.model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device="cuda"))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, device="cuda") / math.sqrt(p.shape[-1]))
+    rescale_dummy_weights(r.model)
     return r
 
 

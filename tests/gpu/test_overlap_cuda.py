@@ -7,13 +7,12 @@ non-finite logits fails alone."""
 from __future__ import annotations
 
 import json
-import math
 import random
 
 import pytest
 import torch
 
-from _gpu import requires_kernels
+from _gpu import requires_kernels, rescale_dummy_weights
 from radixserve.config import ModelConfig, ServerArgs
 
 pytestmark = requires_kernels
@@ -40,15 +39,8 @@ def _scheduler(model_dir, model=None, **kw):
                       context_length=1024, **kw)
     runner = ModelRunner(args, ModelConfig.from_path(model_dir), model_dir, context_len=1024,
                          model=model)
-    if model is None:       # O(1) logits: the dummy init makes them nearly flat
-        gen = torch.Generator(device="cuda").manual_seed(3)
-        with torch.no_grad():
-            for name, p in runner.model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device="cuda"))
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen, device="cuda")
-                            / math.sqrt(p.shape[-1]))
+    if model is None:
+        rescale_dummy_weights(runner.model)
     return Scheduler(args, runner)
 
 

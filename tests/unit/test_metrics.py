@@ -18,26 +18,11 @@ from radixserve.config import ServerArgs
 from radixserve.engine.io import GenerateOutput
 from radixserve.server.app import create_app
 
+from test_server_fake_engine import FakeTokenizer  # noqa: E402 (the byte-level fake)
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPLY = "The quick brown fox jumps over the lazy dog. "
 QUEUE_TIME_S = 0.0042
-
-
-class FakeTokenizer:
-    """Byte-level: token id == UTF-8 byte."""
-    eos_token_ids = [0]
-
-    def encode(self, text, add_special_tokens=True):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids):
-        return bytes(ids).decode("utf-8", errors="replace")
-
-    def token_text(self, tid):
-        return bytes([tid]).decode("latin-1")
-
-    def encode_chat(self, messages, add_generation_prompt=True, tools=None):
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
 
 class CountingEngine:

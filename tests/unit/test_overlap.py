@@ -5,8 +5,6 @@ aborts mid-flight, stop tokens and stop strings (a request that stops at step N 
 step N+1's token), seeded sampling and penalties. check_integrity holds after every turn."""
 import random
 
-import pytest
-
 from radixserve.engine.req import Req
 from radixserve.sampling.params import SamplingParams
 
