@@ -544,3 +544,38 @@ def test_long_prompts_are_tokenized_off_the_event_loop(engine, client):
         assert len(threads) >= 2, route
         loop_thread = threads[0]
         assert threads[-1] != loop_thread, f"{route}: a long prompt was tokenized on the loop"
+
+
+def test_full_waiting_queue_gets_503_with_retry_after(engine, client):
+    """Beyond --max-queued-requests the engine refuses before anything starts: 503 with
+    Retry-After, the OpenAI error shape, and no sequence handed to the engine."""
+    from radixserve.engine.io import EngineOverloaded
+
+    def check_capacity(num_new):
+        if num_new > 1:
+            raise EngineOverloaded("the server is busy: 7 sequences are waiting", 2)
+
+    engine.check_capacity = check_capacity
+    before = len(engine.seen)
+    r = client.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2,
+                                             "n": 2})
+    assert r.status_code == 503 and r.headers["retry-after"] == "2"
+    assert r.json()["error"]["code"] == 503 and "busy" in r.json()["error"]["message"]
+    assert len(engine.seen) == before
+    ok = client.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_async_engine_capacity_counts_the_waiting_queue():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from radixserve.engine.async_engine import AsyncEngine
+    from radixserve.engine.io import EngineOverloaded
+
+    fake = SimpleNamespace(scheduler=SimpleNamespace(waiting=[object()] * 3),
+                           server_args=SimpleNamespace(max_queued_requests=4))
+    AsyncEngine.check_capacity(fake, 1)                    # 3 + 1 <= 4
+    with pytest.raises(EngineOverloaded, match="3 sequences are waiting"):
+        AsyncEngine.check_capacity(fake, 2)

@@ -23,7 +23,7 @@ import os
 from typing import Any, AsyncIterator, Callable, Dict, Optional
 
 from radixserve.config import ModelConfig, ServerArgs
-from radixserve.engine.io import GenerateOutput, GenerateReqInput
+from radixserve.engine.io import EngineOverloaded, GenerateOutput, GenerateReqInput
 from radixserve.engine.req import Req
 from radixserve.engine.scheduler import Scheduler
 
@@ -198,6 +198,16 @@ class AsyncEngine:
                 raise ValueError("logprob_start_len must be -1 (no prompt logprobs) or >= 0")
             if not 0 <= req.top_logprobs_num <= vocab:
                 raise ValueError(f"top_logprobs_num must be in [0, {vocab}]")
+
+    def check_capacity(self, num_new: int) -> None:
+        """Raise EngineOverloaded when num_new more sequences would take the waiting queue past
+        --max-queued-requests (checked before any of a request's sequences starts)."""
+        limit = self.server_args.max_queued_requests
+        waiting = len(self.scheduler.waiting)
+        if waiting + num_new > limit:
+            raise EngineOverloaded(f"the server is busy: {waiting} sequences are waiting and "
+                                   f"--max-queued-requests is {limit}; retry shortly",
+                                   retry_after_s=1)
 
     async def generate(self, req: GenerateReqInput) -> AsyncIterator[GenerateOutput]:
         """Yield one GenerateOutput per step that produced tokens (deltas; the last has

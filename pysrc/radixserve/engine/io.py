@@ -40,3 +40,12 @@ class GenerateOutput:
     input_token_logprobs: Optional[List[LogprobEntry]] = None   # once, with the first output
     input_top_logprobs: Optional[List[List[LogprobEntry]]] = None
     queue_time_s: Optional[float] = None      # once, with the first output: arrival in the engine -> first admission
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full: the request was refused before it started (a 503 with
+    Retry-After upstream); nothing changed in the engine."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -28,8 +28,9 @@ class ApiError(Exception):
     the route wrapper in app.py turns it into `error_response(...)`."""
 
     def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
-                 type: Optional[str] = None):
+                 type: Optional[str] = None, headers: Optional[dict] = None):
         super().__init__(message)
+        self.headers = headers           # extra response headers (Retry-After on a 503)
         self.message = message
         self.status = status
         self.param = param
@@ -46,4 +47,5 @@ def bad_request(message: str, param: Optional[str] = None) -> ApiError:
 
 
 def error_response(err: ApiError, headers: Optional[dict] = None) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    merged = {**(err.headers or {}), **(headers or {})} or None
+    return JSONResponse(err.body(), status_code=err.status, headers=merged)

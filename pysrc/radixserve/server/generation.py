@@ -13,9 +13,9 @@ from typing import AsyncIterator, List, Optional, Sequence, Tuple
 
 from starlette.types import Receive
 
-from radixserve.engine.io import GenerateOutput, GenerateReqInput
+from radixserve.engine.io import EngineOverloaded, GenerateOutput, GenerateReqInput
 from radixserve.sampling.params import SamplingParams
-from radixserve.server.errors import bad_request
+from radixserve.server.errors import ApiError, bad_request
 from radixserve.server.metrics import RequestMetrics
 from radixserve.server.protocol import SeqResult
 from radixserve.server.sse import wait_for_disconnect
@@ -62,12 +62,19 @@ def expand_requests(rid: str, prompt_ids: Sequence[List[int]], n: int,
 
 
 def validate_all(engine, reqs: Sequence[GenerateReqInput]) -> None:
-    """engine.validate on every sequence; its ValueError becomes a 400."""
+    """engine.validate on every sequence (its ValueError becomes a 400), then room in the
+    engine's waiting queue for all of them (else a 503 with Retry-After; nothing started)."""
     for req in reqs:
         try:
             engine.validate(req)
         except ValueError as e:
             raise bad_request(str(e)) from None
+    check = getattr(engine, "check_capacity", None)
+    if check is not None:
+        try:
+            check(len(reqs))
+        except EngineOverloaded as e:
+            raise ApiError(str(e), 503, headers={"Retry-After": str(e.retry_after_s)}) from None
 
 
 async def merge_generations(engine, reqs: Sequence[GenerateReqInput],
