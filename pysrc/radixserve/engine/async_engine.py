@@ -66,6 +66,7 @@ class AsyncEngine:
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._waiter: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.on_fatal: Optional[Callable[[BaseException], None]] = None
+        self._draining = False
         self._wakeup: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
         self._stopping = False
@@ -91,6 +92,28 @@ class AsyncEngine:
         self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run_loop(),
                                                             name="radixserve-scheduler")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Graceful stop, part one: refuse new requests (check_capacity raises), let the live
+        ones run for up to timeout_s seconds, then abort the rest ("the server is shutting
+        down"), so every stream ends with its finish reason rather than being cut. Returns when
+        no request is live. Loop thread."""
+        self._draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.scheduler.reqs and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        live = list(self.scheduler.reqs)
+        if live:
+            logger.info("shutdown: aborting %d requests still running after %.0f s", len(live),
+                        timeout_s)
+        for rid in live:
+            self.abort_with(rid, "the server is shutting down")
+        while self.scheduler.reqs and self.is_healthy():
+            await asyncio.sleep(0.02)
+
+    def abort_with(self, rid: str, message: str) -> None:
+        if self.scheduler.abort(rid, message) and self._wakeup is not None:
+            self._wakeup.set()
 
     async def shutdown(self) -> None:
         """Abort every live request, stop the loop, release the worker thread."""
@@ -201,7 +224,11 @@ class AsyncEngine:
 
     def check_capacity(self, num_new: int) -> None:
         """Raise EngineOverloaded when num_new more sequences would take the waiting queue past
-        --max-queued-requests (checked before any of a request's sequences starts)."""
+        --max-queued-requests, or the server is draining for shutdown (checked before any of a
+        request's sequences starts)."""
+        if self._draining:
+            raise EngineOverloaded("the server is shutting down; send the request to another "
+                                   "replica or retry after it restarts", retry_after_s=5)
         limit = self.server_args.max_queued_requests
         waiting = len(self.scheduler.waiting)
         if waiting + num_new > limit:

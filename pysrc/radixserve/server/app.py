@@ -116,9 +116,9 @@ def serve(server_args: ServerArgs) -> int:
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, loop="uvloop",
         log_level=server_args.log_level, access_log=server_args.log_level == "debug",
-        timeout_keep_alive=5, timeout_graceful_shutdown=5,
+        timeout_keep_alive=5, timeout_graceful_shutdown=5,   # after the engine drained
     )
-    server = _Server(config, engine.served_model_name)
+    server = _Server(config, engine, server_args.shutdown_timeout)
 
     def on_fatal(error: BaseException) -> None:
         logger.critical("the engine's loop died (%s: %s); stopping the server",
@@ -141,11 +141,26 @@ def _log_door(server_args: ServerArgs, policy: DoorPolicy) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn.Server that logs the address it actually listens on (the port may be 0)."""
+    """uvicorn.Server that logs the address it actually listens on (the port may be 0) and
+    shuts down gracefully: on SIGINT / SIGTERM the engine drains first (new requests get 503,
+    live ones get --shutdown-timeout seconds, then end with finish reason "abort"), so no
+    stream is cut mid-body; then uvicorn closes the connections."""
 
-    def __init__(self, config, model_name: str):
+    def __init__(self, config, engine, shutdown_timeout: float):
         super().__init__(config)
-        self.model_name = model_name
+        self.engine = engine
+        self.model_name = engine.served_model_name
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.engine.is_healthy():
+            logger.info("shutting down: draining live requests (--shutdown-timeout %.0f s)",
+                        self.shutdown_timeout)
+            await self.engine.drain(self.shutdown_timeout)
+        await super().shutdown(sockets)
+        # uvicorn re-raises the signal it caught once it is done (the process then dies of
+        # SIGTERM); a drained server has handled it and exits with serve()'s status instead
+        getattr(self, "_captured_signals", []).clear()
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
