@@ -48,6 +48,7 @@ class ServerArgs:
     cuda_graph_max_bs: Optional[int] = None       # largest decode batch run as a CUDA graph (default: the running limit)
     disable_overlap_schedule: bool = False        # serial loop: each step waits for the previous step's tokens
     max_queued_requests: int = 4096               # waiting sequences beyond this get 503 + Retry-After
+    max_running_requests_per_client: Optional[int] = None  # a client's running share while others wait (None: no cap)
     shutdown_timeout: float = 30.0                # SIGTERM: seconds live requests may run before they are aborted
     enable_mixed_chunk: bool = False              # a prefill chunk and the running decodes share one forward
     debug_integrity: bool = False
@@ -101,6 +102,9 @@ class ServerArgs:
             raise ValueError("--tp-size > 1 is not supported yet")
         if not self.shutdown_timeout >= 0:
             raise ValueError("--shutdown-timeout must be >= 0 seconds")
+        if self.max_running_requests_per_client is not None and \
+                self.max_running_requests_per_client < 1:
+            raise ValueError("--max-running-requests-per-client must be >= 1")
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
         # security (server/)

@@ -186,3 +186,28 @@ def test_prompt_logprobs_chunked_match_hf(make_scheduler, hf_gguf_model, text_pr
         assert abs(lp - ref[3 + j - 1, tok].item()) < 2e-3
     assert len(r.input_top_logprobs) == len(ids) - 3
     assert r.input_top_logprobs[0][0][1] == int(ref[2].argmax())
+
+
+@pytest.mark.parametrize("cap", [None, 2])
+def test_one_clients_fan_out_cannot_starve_another(make_scheduler, text_prompts, cap):
+    """--max-running-requests-per-client: client a's 8 requests fill all 4 running slots while
+    nobody else waits (work conserving); once client b waits, a gets no slot beyond its share
+    of 2, so b is admitted at the first free slot, before a's queued requests. Without the cap
+    (fcfs) b waits behind all of them."""
+    sched = make_scheduler(max_running_requests=4, max_running_requests_per_client=cap)
+    fan_out = [greedy_req(f"a{i}", text_prompts[i % 8], 6 + i) for i in range(8)]
+    for r in fan_out:
+        r.client_id = "a"
+        sched.add_request(r)
+    sched.step()
+    assert sum(r.status.name != "WAITING" for r in fan_out) == 4
+    queued_a = [r for r in fan_out if r.status.name == "WAITING"]
+    other = greedy_req("b", text_prompts[0], 3)
+    other.client_id = "b"
+    run_to_completion(sched, [other])
+    assert all(r.finish_reason["type"] == "length" for r in fan_out + [other])
+    if cap is None:
+        assert other.admit_order > max(r.admit_order for r in queued_a)
+    else:
+        assert other.admit_order < min(r.admit_order for r in queued_a)
+    assert_all_slots_home(sched)

@@ -579,3 +579,11 @@ def test_async_engine_capacity_counts_the_waiting_queue():
     AsyncEngine.check_capacity(fake, 1)                    # 3 + 1 <= 4
     with pytest.raises(EngineOverloaded, match="3 sequences are waiting"):
         AsyncEngine.check_capacity(fake, 2)
+
+
+def test_requests_carry_their_client_identity(engine, client):
+    """The scheduler's fairness key (--max-running-requests-per-client) is the client's
+    identity: the API key's, or without one the peer address."""
+    assert client.post("/generate", json={"text": "hi", "sampling_params":
+                                          {"max_new_tokens": 1}}).status_code == 200
+    assert engine.seen[-1].client_id and engine.seen[-1].client_id.startswith("peer:")

@@ -253,7 +253,7 @@ class AsyncEngine:
                 logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                 top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                 return_text_in_logprobs=req.return_text_in_logprobs, stream=req.stream,
-                sink=queue.put_nowait)
+                sink=queue.put_nowait, client_id=req.client_id)
         self.scheduler.add_request(r)
         self._wakeup.set()
         finished = False

@@ -22,6 +22,7 @@ class GenerateReqInput:
     logprob_start_len: int = -1               # -1: no prompt logprobs; k: prompt positions >= k
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    client_id: Optional[str] = None           # who sent it (fairness: --max-running-requests-per-client)
 
 
 @dataclass

@@ -38,8 +38,9 @@ class Req:
                  logprob_start_len: int = -1, top_logprobs_num: int = 0,
                  return_text_in_logprobs: bool = False, stream: bool = False,
                  sink: Optional[Callable[[GenerateOutput], None]] = None,
-                 detokenizer: Any = None):
+                 detokenizer: Any = None, client_id: Optional[str] = None):
         self.rid = rid
+        self.client_id = client_id                    # fairness key (None: one anonymous client)
         self.origin_input_ids: List[int] = list(input_ids)
         self.output_ids: List[int] = []
         self.sampling_params = sampling_params

@@ -359,6 +359,7 @@ class ClientView:
 
     async def generate(self, req) -> AsyncIterator[Any]:
         self._owners.reserve(req.rid, self._identity)
+        req.client_id = self._identity        # the scheduler's fairness key
         try:
             agen = self._engine.generate(req)
             try:

@@ -11,7 +11,7 @@ its state and run on the event-loop thread.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -77,11 +77,14 @@ class PrefillMixin:
     def _admit_waiting(self, batch: ScheduleBatch, budget: int, stats: dict) -> None:
         reserve = sum(self._reserve(r) for r in self.running)
         num_admitted = 0
+        fair = self._fair_share()
         for req in self.policy(list(self.waiting), self.cache):
             if budget <= 0 or self.num_running + num_admitted >= self.max_running_requests:
                 break
             if self.req_to_token_pool.available_size() == 0:
                 break
+            if fair is not None and not fair(req):
+                continue
             key = req.fill_ids
             match = self.cache.match_prefix(key[:req.max_prefix_len()])
             prefix_len = int(match.indices.numel())
@@ -111,6 +114,26 @@ class PrefillMixin:
             reserve += own_reserve
             if n < remaining:
                 break
+
+    def _fair_share(self):
+        """--max-running-requests-per-client: a predicate admitting a request unless its client
+        already holds its share of running slots while another client's request waits (work
+        conserving: a lone client may use every slot). None when there is no cap."""
+        cap = self.server_args.max_running_requests_per_client
+        if cap is None:
+            return None
+        holding: Dict[Optional[str], int] = {}
+        for r in self.running + ([self.chunked_req] if self.chunked_req else []):
+            holding[r.client_id] = holding.get(r.client_id, 0) + 1
+        waiting_clients = {r.client_id for r in self.waiting}
+
+        def admit(req: Req) -> bool:
+            others_wait = len(waiting_clients - {req.client_id}) > 0
+            if others_wait and holding.get(req.client_id, 0) >= cap:
+                return False
+            holding[req.client_id] = holding.get(req.client_id, 0) + 1
+            return True
+        return admit
 
     def _admit(self, req: Req, match, prefix_len: int) -> None:
         """Give req a row holding its matched prefix (locked by inc_lock_ref already)."""
