@@ -227,3 +227,24 @@ def test_non_finite_logits_fail_only_their_request(make_scheduler, greedy_alone,
             assert r.finish_reason["type"] == "length"
             assert r.output_ids == greedy_alone(text_prompts[i], 10)
     assert sched.counters["num_aborted_requests"] == 1
+
+
+def test_abort_while_the_prefill_is_in_flight(make_scheduler, text_prompts):
+    """Aborted while its prefill runs: the prompt is published when the prefill resolves, and
+    the abort must then free nothing the cache owns (found by bench/soak.py: a slot counted both
+    free and cached). Integrity after every turn, and every slot home at the end."""
+    for overlap in (True, False):
+        sched = make_scheduler(disable_overlap_schedule=not overlap)
+        reqs = reqs_for(text_prompts[:3], 8, "ab")
+        sched.add_request(reqs[0])
+        while reqs[0] not in sched.running:        # one request decoding
+            sched.step()
+        for r in reqs[1:]:
+            sched.add_request(r)
+        sched.step()                               # their prefill launches (or runs)
+        assert sched.abort(reqs[1].rid)
+        run_to_completion(sched, [])
+        assert reqs[1].finish_reason["type"] == "abort"
+        assert reqs[0].finish_reason["type"] == reqs[2].finish_reason["type"] == "length"
+        assert sched.kv_pool.available_size() + sched.cache.evictable_size() == \
+            sched.kv_pool.num_slots

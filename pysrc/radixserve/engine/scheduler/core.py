@@ -262,7 +262,8 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin):
             return
         kv = req.kv_len
         if req.status == ReqStatus.RUNNING:
-            kv = min(kv, req.seq_len - 1)
+            # never below the prefix: those slots are the cache's, not the request's to free
+            kv = max(min(kv, req.seq_len - 1), req.prefix_len)
         slots = self.req_to_token_pool.slots(req.req_pool_idx, req.kv_len)
         self.cache.insert(req.fill_ids[:kv], slots[:kv])
         self.kv_pool.free(slots[kv:])
