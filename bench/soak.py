@@ -58,10 +58,10 @@ def random_request(rng: random.Random):
         body = {"text": text, "stream": stream,
                 "sampling_params": {"max_new_tokens": max_tokens, **sampling}}
     elif route == "/v1/completions":
-        body = {"model": "default", "prompt": text, "max_tokens": max_tokens, "stream": stream,
+        body = {"prompt": text, "max_tokens": max_tokens, "stream": stream,
                 "n": rng.choice([1, 1, 2]), **sampling}
     else:
-        body = {"model": "default", "messages": [{"role": "user", "content": text}],
+        body = {"messages": [{"role": "user", "content": text}],
                 "max_tokens": max_tokens, "stream": stream, **sampling}
     return route, body, stream
 
@@ -103,6 +103,7 @@ async def one_request(client, rng, stats, disconnect_fraction):
                 stats["server_errors"] += 1
             elif r.status_code >= 400:
                 stats["client_errors"] += 1
+                stats.setdefault("client_error_examples", []).append(r.text[:200])
         stats["completed"] += 1
     except httpx.HTTPError as e:
         stats["transport_errors"] += 1
