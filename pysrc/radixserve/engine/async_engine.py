@@ -107,13 +107,9 @@ class AsyncEngine:
             logger.info("shutdown: aborting %d requests still running after %.0f s", len(live),
                         timeout_s)
         for rid in live:
-            self.abort_with(rid, "the server is shutting down")
+            self.abort(rid, "the server is shutting down")
         while self.scheduler.reqs and self.is_healthy():
             await asyncio.sleep(0.02)
-
-    def abort_with(self, rid: str, message: str) -> None:
-        if self.scheduler.abort(rid, message) and self._wakeup is not None:
-            self._wakeup.set()
 
     async def shutdown(self) -> None:
         """Abort every live request, stop the loop, release the worker thread."""
@@ -271,9 +267,9 @@ class AsyncEngine:
             if not finished:
                 self.abort(req.rid)
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, message: str = "aborted") -> None:
         """Abort a request (no-op for an unknown or finished rid). Loop thread."""
-        if self.scheduler.abort(rid) and self._wakeup is not None:
+        if self.scheduler.abort(rid, message) and self._wakeup is not None:
             self._wakeup.set()
 
     async def flush_cache(self) -> bool:

@@ -18,6 +18,7 @@ the one blocking point. On the CPU, launch computes the step and wait() returns 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import List, Optional
@@ -209,7 +210,6 @@ class ModelRunner:
     # ------------------------------------------------------------------ steps
     def _stream(self):
         if self.compute_stream is None:
-            import contextlib
             return contextlib.nullcontext()
         return torch.cuda.stream(self.compute_stream)
 

@@ -11,6 +11,7 @@ its state and run on the event-loop thread.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Dict, Optional
 
 import torch
@@ -153,7 +154,6 @@ class PrefillMixin:
         if req.cached_tokens is None:
             req.cached_tokens = prefix_len
             if req.arrival_time is not None:
-                import time
                 req.queue_time = time.perf_counter() - req.arrival_time
             self.counters["prompt_tokens"] += len(req.origin_input_ids)
             self.counters["cached_tokens"] += prefix_len
