@@ -575,10 +575,13 @@ def test_async_engine_capacity_counts_the_waiting_queue():
     from radixserve.engine.io import EngineOverloaded
 
     fake = SimpleNamespace(scheduler=SimpleNamespace(waiting=[object()] * 3),
-                           server_args=SimpleNamespace(max_queued_requests=4))
+                           server_args=SimpleNamespace(max_queued_requests=4), _draining=False)
     AsyncEngine.check_capacity(fake, 1)                    # 3 + 1 <= 4
     with pytest.raises(EngineOverloaded, match="3 sequences are waiting"):
         AsyncEngine.check_capacity(fake, 2)
+    fake._draining = True                                  # SIGTERM: nothing new is admitted
+    with pytest.raises(EngineOverloaded, match="shutting down"):
+        AsyncEngine.check_capacity(fake, 1)
 
 
 def test_requests_carry_their_client_identity(engine, client):
