@@ -59,10 +59,6 @@ class ScheduleBatch:
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
 
-    @property
-    def sampling_reqs(self) -> List[Req]:
-        return [r for r, s in zip(self.reqs, self.sample) if s]
-
     # ------------------------------------------------------------------ StepInput
     def prepare(self, rows: ReqToTokenPool, eos_ids: Sequence[int], vocab_size: int,
                 decode_slots: Optional[torch.Tensor] = None) -> StepInput:

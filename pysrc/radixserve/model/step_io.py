@@ -44,10 +44,6 @@ class SamplingInputs:
     banned_cols: List[int] = field(default_factory=list)
 
     @property
-    def num_rows(self) -> int:
-        return len(self.temperature)
-
-    @property
     def all_greedy(self) -> bool:
         return all(t == 0.0 for t in self.temperature)
 
@@ -90,10 +86,6 @@ class StepInput:
     prompt_targets: List[int] = field(default_factory=list)   # [num_prompt_rows]
     prompt_counts: List[int] = field(default_factory=list)    # [B], prompt rows per request
     prompt_top_k: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.out_cache_loc.numel())
 
 
 class SampleResult(NamedTuple):
