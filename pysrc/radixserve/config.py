@@ -52,6 +52,10 @@ class ServerArgs:
     shutdown_timeout: float = 30.0                # SIGTERM: seconds live requests may run before they are aborted
     enable_mixed_chunk: bool = False              # a prefill chunk and the running decodes share one forward
     debug_integrity: bool = False
+    # constrained decoding (constrained/)
+    disable_jump_forward: bool = False            # grammar-forced text is sampled token by token (A/B)
+    grammar_compile_timeout: float = 30.0         # seconds a grammar may take to compile before its request fails
+    grammar_cache_size: int = 256                 # compiled grammars kept (LRU), keyed by (kind, spec)
     cpu_threads: Optional[int] = None            # torch threads for the CPU forward (default: torch's)
     # security (server/)
     api_key: Optional[str] = None                 # Bearer key for every route but /health (default: $RADIXSERVE_API_KEY)
@@ -105,6 +109,10 @@ class ServerArgs:
         if self.max_running_requests_per_client is not None and \
                 self.max_running_requests_per_client < 1:
             raise ValueError("--max-running-requests-per-client must be >= 1")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("--grammar-compile-timeout must be > 0 seconds")
+        if self.grammar_cache_size < 1:
+            raise ValueError("--grammar-cache-size must be >= 1")
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
         # security (server/)

@@ -43,7 +43,7 @@ def test_validate_rejects_bad_requests(smol_engine):
         (make_input([1, -3]), "out of range"),
         (make_input([5] * ctx), f"prompt has {ctx} tokens; the context length is {ctx}"),
         (make_input([5] * 10, max_new_tokens=ctx), "lower max_new_tokens to at most"),
-        (make_input([5] * 10, regex="a+"), "not supported"),
+        (make_input([5] * 10, logit_bias={vocab: 1.0}), f"token id {vocab}, outside the vocabulary"),
         (make_input([5] * 10, temperature=-1.0), "temperature"),
     ]
     for req, message in cases:

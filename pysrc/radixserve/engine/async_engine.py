@@ -23,6 +23,7 @@ import os
 from typing import Any, AsyncIterator, Callable, Dict, Optional
 
 from radixserve.config import ModelConfig, ServerArgs
+from radixserve.constrained import GrammarBackend
 from radixserve.engine.io import EngineOverloaded, GenerateOutput, GenerateReqInput
 from radixserve.engine.req import Req
 from radixserve.engine.scheduler import Scheduler
@@ -31,10 +32,14 @@ logger = logging.getLogger(__name__)
 
 
 def merge_outputs(a: GenerateOutput, b: GenerateOutput) -> GenerateOutput:
-    """b's fields, with a's deltas in front of b's (b is the later output of the same request)."""
+    """b's fields, with a's deltas in front of b's (b is the later output of the same request);
+    b's rollback eats into a's ids first."""
+    kept = max(len(a.output_ids_delta) - b.output_ids_rollback, 0)
+    rollback = a.output_ids_rollback + max(b.output_ids_rollback - len(a.output_ids_delta), 0)
     return dataclasses.replace(
         b, text_delta=a.text_delta + b.text_delta,
-        output_ids_delta=a.output_ids_delta + b.output_ids_delta,
+        output_ids_delta=a.output_ids_delta[:kept] + b.output_ids_delta,
+        output_ids_rollback=rollback,
         output_token_logprobs_delta=a.output_token_logprobs_delta + b.output_token_logprobs_delta,
         output_top_logprobs_delta=a.output_top_logprobs_delta + b.output_top_logprobs_delta,
         input_token_logprobs=a.input_token_logprobs if a.input_token_logprobs is not None
@@ -63,6 +68,10 @@ class AsyncEngine:
                                   context_len=self.context_len)
         self.scheduler = Scheduler(server_args, self.runner, tokenizer=self.tokenizer,
                                    detokenizer_factory=self._make_detokenizer)
+        self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                       self.scheduler.eos_ids,
+                                       cache_size=server_args.grammar_cache_size,
+                                       timeout_s=server_args.grammar_compile_timeout)
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._waiter: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.on_fatal: Optional[Callable[[BaseException], None]] = None
@@ -129,12 +138,16 @@ class AsyncEngine:
         self._executor = self._waiter = None
 
     async def _launch(self, step_input):
-        """Hand the step to the forward worker; the handle is that worker's future."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, self.runner.launch,
-                                                          step_input)
+        """Hand the step to the forward worker; the handle is that worker's (concurrent) future."""
+        return self._executor.submit(self.runner.launch, step_input)
+
+    async def _sample(self, handle, bitmask):
+        """The grammar slot: sample a launched step under bitmask, on the forward worker after
+        its launch (the worker runs jobs in order, so the launch is done by then)."""
+        return self._executor.submit(lambda: self.runner.sample_masked(handle.result(), bitmask))
 
     async def _wait(self, handle):
-        pending = await handle                 # launched (CUDA) or computed (CPU)
+        pending = await asyncio.wrap_future(handle)    # launched (CUDA) or computed (CPU)
         if pending.ready():
             return pending.wait()
         return await asyncio.get_running_loop().run_in_executor(self._waiter, pending.wait)
@@ -144,7 +157,7 @@ class AsyncEngine:
         pipeline = sched.pipeline
         try:
             while not self._stopping:
-                if await pipeline.turn(self._launch, self._wait):
+                if await pipeline.turn(self._launch, self._wait, self._sample):
                     await asyncio.sleep(0)     # let HTTP handlers and consumers run between turns
                     continue
                 if self.server_args.debug_integrity:
@@ -209,9 +222,10 @@ class AsyncEngine:
                              f"{n + sp.max_new_tokens} KV slots, but the KV pool holds {pool} "
                              f"({n + sp.max_new_tokens - pool} too many); lower max_new_tokens to "
                              f"at most {pool - n} or raise --max-total-tokens")
-        if sp.json_schema is not None or sp.regex is not None or sp.ebnf is not None:
-            raise ValueError("constrained decoding (json_schema, regex, ebnf) is not supported by "
-                             "this engine; remove that field")
+        bad_bias = next((t for t in (sp.logit_bias or {}) if not 0 <= t < vocab), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias names token id {bad_bias}, outside the vocabulary "
+                             f"[0, {vocab})")
         if req.return_logprob:
             if req.logprob_start_len < -1:
                 raise ValueError("logprob_start_len must be -1 (no prompt logprobs) or >= 0")
@@ -244,12 +258,16 @@ class AsyncEngine:
         sp = req.sampling_params
         max_new = (sp.max_new_tokens if sp.max_new_tokens is not None   # None: all that fits
                    else min(self.context_len, self.runner.max_total_tokens) - len(req.input_ids))
+        grammar = None
+        if sp.grammar_key is not None:      # compiled in the pool; only this request waits
+            grammar = self.grammars.matcher(await self.grammars.compile_async(sp.grammar_key))
         queue: asyncio.Queue = asyncio.Queue()
         r = Req(req.rid, req.input_ids, sp, max_new, return_logprob=req.return_logprob,
                 logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                 top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                 return_text_in_logprobs=req.return_text_in_logprobs, stream=req.stream,
                 sink=queue.put_nowait, client_id=req.client_id)
+        r.grammar = grammar
         self.scheduler.add_request(r)
         self._wakeup.set()
         finished = False

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from radixserve.config import ServerArgs
 from radixserve.engine.async_engine import AsyncEngine
-from radixserve.engine.io import GenerateReqInput
+from radixserve.engine.io import GenerateReqInput, apply_ids_delta
 from radixserve.sampling.params import SamplingParams
 
 Prompt = Union[str, List[str], None]
@@ -79,7 +79,7 @@ class Engine:
         text, ids, last = [], [], None
         async for out in self.async_engine.generate(req):
             text.append(out.text_delta)
-            ids += out.output_ids_delta
+            apply_ids_delta(ids, out)
             last = out
         return {"text": "".join(text), "output_ids": ids,
                 "meta_info": {"id": req.rid, "prompt_tokens": last.prompt_tokens,

@@ -27,7 +27,9 @@ class GenerateReqInput:
 
 @dataclass
 class GenerateOutput:
-    """A step's result for one request. Text and ids are deltas since the previous output."""
+    """A step's result for one request. Text and ids are deltas since the previous output:
+    drop the last output_ids_rollback ids received so far, then append output_ids_delta (a
+    jump-forward re-tokenized the seam; the text is unchanged, text_delta only appends)."""
     rid: str
     text_delta: str
     output_ids_delta: List[int]
@@ -41,6 +43,14 @@ class GenerateOutput:
     input_token_logprobs: Optional[List[LogprobEntry]] = None   # once, with the first output
     input_top_logprobs: Optional[List[List[LogprobEntry]]] = None
     queue_time_s: Optional[float] = None      # once, with the first output: arrival in the engine -> first admission
+    output_ids_rollback: int = 0
+
+
+def apply_ids_delta(ids: List[int], out: GenerateOutput) -> None:
+    """Bring a consumer's accumulated output ids up to date with out (rollback, then delta)."""
+    if out.output_ids_rollback:
+        del ids[max(len(ids) - out.output_ids_rollback, 0):]
+    ids.extend(out.output_ids_delta)
 
 
 class EngineOverloaded(Exception):

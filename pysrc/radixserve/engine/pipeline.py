@@ -1,7 +1,8 @@
 """StepPipeline: the step loop of DESIGN.md ("The step pipeline"), in one place.
 
     turn:  [resolve N-1 first, if N can't be scheduled over it] -> schedule N -> launch N
-           -> resolve N-1 (wait for its results, process them) -> N is now in flight
+           -> resolve N-1 (wait for its results, process them)
+           -> [the grammar slot: fill N's token bitmask, then sample N] -> N is now in flight
 
 With overlap (the default) the host processes step N-1's results (stop checks, detokenizing,
 streaming, admission) and builds step N+1 while the device runs step N. A step is scheduled
@@ -11,9 +12,15 @@ chunks publish their KV, prefills join the running batch, prompt logprobs) and b
 that must retract, the step in flight is resolved first. --disable-overlap-schedule resolves
 every step right after launching it (the serial loop, for A/B runs).
 
-launch(step_input) -> handle and wait(handle) -> StepOutput are coroutines the owner supplies:
-AsyncEngine hands them to its worker threads; Scheduler.step() runs them synchronously (tests).
-A launch or wait that raises fails that step's batch (Scheduler.fail_batch), not the loop.
+The grammar slot: a step with grammar rows is launched up to its logits; its token bitmask needs
+the grammar state after step N-1's tokens, so the host fills it (Scheduler.grammar_bitmask)
+after resolving N-1, while the device runs N's forward, and then hands it to sample(handle,
+bitmask), which samples N. Free rows of the same batch sample under an all-ones mask.
+
+launch(step_input) -> handle, sample(handle, bitmask) -> handle and wait(handle) -> StepOutput
+are coroutines the owner supplies: AsyncEngine hands them to its worker threads;
+Scheduler.step() runs them synchronously (tests). A launch, sample or wait that raises fails
+that step's batch (Scheduler.fail_batch), not the loop.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from radixserve.model.forward_batch import ForwardMode
 logger = logging.getLogger(__name__)
 
 Launch = Callable[[Any], Awaitable[Any]]
+Sample = Callable[[Any, Any], Awaitable[Any]]
 Wait = Callable[[Any], Awaitable[Any]]
 
 
@@ -35,7 +43,7 @@ class StepPipeline:
         self.inflight: Optional[Tuple[Any, Any]] = None     # (ScheduleBatch, handle)
         self.num_overlapped = 0    # steps launched while the previous one was still in flight
 
-    async def turn(self, launch: Launch, wait: Wait) -> bool:
+    async def turn(self, launch: Launch, wait: Wait, sample: Optional[Sample] = None) -> bool:
         """One turn; False when there was nothing to schedule and nothing in flight."""
         sched = self.scheduler
         had_inflight = self.inflight is not None
@@ -53,10 +61,22 @@ class StepPipeline:
                 sched.fail_batch(batch, e)
         if self.inflight is not None:
             await self._resolve(wait)
+        if launched is not None and batch.step_input.sampling.grammar_rows:
+            launched = await self._sample_masked(launched, sample)
         self.inflight = launched
         if launched is not None and not self.overlap:
             await self._resolve(wait)
         return batch is not None or had_inflight
+
+    async def _sample_masked(self, launched, sample: Sample):
+        """The grammar slot: N-1 is processed, so each grammar row's state is current."""
+        batch, handle = launched
+        try:
+            return batch, await sample(handle, self.scheduler.grammar_bitmask(batch))
+        except Exception as e:           # noqa: BLE001 - a failed sample fails its batch
+            logger.exception("sampling a grammar step failed")
+            self.scheduler.fail_batch(batch, e)
+            return None
 
     def _can_schedule_over(self, batch) -> bool:
         return (self.overlap and batch.mode is ForwardMode.DECODE

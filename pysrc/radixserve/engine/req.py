@@ -59,6 +59,12 @@ class Req:
         self.num_retractions = 0
         self.num_output_scheduled = 0                  # see the module docstring
         self.penalty_ready = False                     # its device penalty row is initialised
+        # constrained decoding: the grammar matcher (constrained/grammar.py), advanced by every
+        # output token; epoch counts jump-forwards, so a step scheduled before a jump (its
+        # token computed from the old state) is recognised and dropped
+        self.grammar: Any = None
+        self.epoch = 0
+        self.num_jumped_tokens = 0                     # output tokens appended by jump-forward
         self.arrival_time: Optional[float] = None      # perf_counter at add_request
         self.queue_time: Optional[float] = None        # arrival -> first admission, seconds
         self.queue_time_sent = False
@@ -81,6 +87,7 @@ class Req:
         self.detokenizer = detokenizer
         self.sink = sink
         self.pending_ids: List[int] = []
+        self.pending_rollback = 0                     # sent ids to take back (jump-forward)
         self.pending_text = ""
         self.stop_str_matched = False                 # the detokenizer already trimmed the text
 
@@ -110,6 +117,11 @@ class Req:
         sp = self.sampling_params
         return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0
                 or sp.presence_penalty != 0.0)
+
+    @property
+    def can_jump_forward(self) -> bool:
+        """Jump-forward applies: a grammar, and no logprobs (jumped tokens have none)."""
+        return self.grammar is not None and not self.return_logprob
 
     def done_scheduling(self, context_len: int) -> bool:
         """Every token it may still produce is already scheduled: max_new_tokens is covered,

@@ -33,6 +33,7 @@ class ScheduleBatch:
     from_device: List[bool] = field(default_factory=list)
     sample: List[bool] = field(default_factory=list)
     offsets: List[int] = field(default_factory=list)
+    epochs: List[int] = field(default_factory=list)      # req.epoch when scheduled (jump-forward)
     prompt_lp: List[Optional[Tuple[int, int]]] = field(default_factory=list)
     new_slots: List[torch.Tensor] = field(default_factory=list)   # per req, [extend_len] int64 CPU
     decode_slots: Optional[torch.Tensor] = None                   # decode: all new slots, [B]
@@ -46,10 +47,21 @@ class ScheduleBatch:
         self.from_device.append(from_device)
         self.sample.append(sample)
         self.offsets.append(req.num_output_scheduled if sample else -1)
+        self.epochs.append(req.epoch)
         if sample:
             req.num_output_scheduled += 1
         self.prompt_lp.append(prompt_lp)
         self.new_slots.append(slots)
+
+    def current(self, i: int) -> bool:
+        """reqs[i] is still in the state this step was scheduled for (not finished, no jump)."""
+        return not self.reqs[i].finished and self.reqs[i].epoch == self.epochs[i]
+
+    def sampling_grammars(self) -> list:
+        """Per sampling row: the grammar whose mask it samples under, None for a free row or a
+        request whose token will be dropped (finished or jumped since it was scheduled)."""
+        return [self.reqs[i].grammar if self.current(i) else None
+                for i in range(self.batch_size) if self.sample[i]]
 
     @property
     def batch_size(self) -> int:
@@ -140,7 +152,13 @@ class ScheduleBatch:
                     si.penalty_init.append((req.req_pool_idx, list(req.origin_input_ids),
                                             list(req.output_ids)))
                     req.penalty_ready = True
-            if offset < sp.min_new_tokens:
+            if req.grammar is not None:
+                si.grammar_rows.append(row)
+            for tid, bias in (sp.logit_bias or {}).items():
+                si.bias_rows.append(row)
+                si.bias_cols.append(tid)
+                si.bias_values.append(bias)
+            if offset < sp.min_new_tokens and req.grammar is None:   # a grammar decides the end
                 for t in sorted({t for t in list(eos_ids) + list(sp.stop_token_ids or [])
                                  if 0 <= t < vocab_size}):
                     si.banned_rows.append(row)

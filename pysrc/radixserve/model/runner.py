@@ -77,6 +77,12 @@ class PendingStep:
         self._uploads = uploads            # keep the staging buffers alive until done
         self._device_time = device_time
         self._prompt = prompt              # (per-request logprobs, tops), computed at launch
+        self.masked = None                 # (logits, ...) while it waits for its grammar mask
+
+    @property
+    def needs_mask(self) -> bool:
+        """Launched up to its logits; sample_masked() must finish it."""
+        return self.masked is not None
 
     def ready(self) -> bool:
         """wait() would not block (the CPU computed the step at launch)."""
@@ -217,7 +223,9 @@ class ModelRunner:
     def launch(self, step: StepInput) -> PendingStep:
         """Enqueue one step; returns without waiting for the device (CUDA). Thread: the one
         that runs steps (the engine's forward worker). Raises for inputs the model rejects;
-        the device state then holds at most this step's partial KV and table writes."""
+        the device state then holds at most this step's partial KV and table writes.
+        A step with grammar rows stops after its logits (pending.needs_mask): the owner fills
+        the token bitmask meanwhile and calls sample_masked(pending, bitmask) to finish it."""
         t0 = time.perf_counter()
         events = None
         with self._stream():
@@ -236,11 +244,33 @@ class ModelRunner:
             else:
                 logits, prompt = self._extend_logits(step, ints)    # [S, vocab] float32
                 pool_rows = ints["sample_rows"]
-            host = self._sample(step, logits, pool_rows, ints, floats)
-            if events is not None:
-                events[1].record()
-        device_time = 0.0 if events is not None else time.perf_counter() - t0
-        return PendingStep(step, host, events, (ints, floats), device_time, prompt)
+            pending = PendingStep(step, {}, events, (ints, floats), 0.0, prompt)
+            if step.sampling.grammar_rows and logits is not None:
+                pending.masked = (logits, pool_rows, ints, floats)
+            else:
+                pending._host = self._sample(step, logits, pool_rows, ints, floats)
+                if events is not None:
+                    events[1].record()
+        if events is None:             # CPU: the step's compute time (CUDA: from the events)
+            pending._device_time = time.perf_counter() - t0
+        return pending
+
+    @torch.inference_mode()
+    def sample_masked(self, pending: PendingStep, bitmask: torch.Tensor) -> PendingStep:
+        """Finish a step launched with grammar rows: bitmask [S, ceil(vocab / 32)] int32 on the
+        host (pinned on CUDA), one row per sampling row. Same thread as launch."""
+        logits, pool_rows, ints, floats = pending.masked
+        pending.masked = None
+        t1 = time.perf_counter()
+        with self._stream():
+            mask = bitmask.to(self.device, non_blocking=True)
+            pending._host = self._sample(pending.step, logits, pool_rows, ints, floats, mask)
+            pending._uploads = (ints, floats, bitmask)
+            if pending._events is not None:
+                pending._events[1].record()
+        if pending._events is None:    # CPU: the forward's time plus the sampling's
+            pending._device_time += time.perf_counter() - t1
+        return pending
 
     def _upload(self, step: StepInput):
         """Pack the step's ints and floats into one host buffer each and send them up."""
@@ -265,9 +295,11 @@ class ModelRunner:
             ints.add("logits_indices", step.logits_indices)
             ints.add("sample_rows", step.sample_rows)
             ints.add("prompt_targets", step.prompt_targets)
-        for name in ("top_k", "seeds", "offsets", "penalty_rows", "banned_rows", "banned_cols"):
+        for name in ("top_k", "seeds", "offsets", "penalty_rows", "banned_rows", "banned_cols",
+                     "bias_rows", "bias_cols"):
             ints.add(name, getattr(sp, name))
-        for name in ("temperature", "top_p", "min_p", "repetition", "frequency", "presence"):
+        for name in ("temperature", "top_p", "min_p", "repetition", "frequency", "presence",
+                     "bias_values"):
             floats.add(name, getattr(sp, name))
         return (ints.upload(self.device, self.copy_stream),
                 floats.upload(self.device, self.copy_stream))
@@ -328,7 +360,7 @@ class ModelRunner:
         return per_lp, per_top
 
     def _sample(self, step: StepInput, logits: Optional[torch.Tensor], pool_rows: torch.Tensor,
-                ints: Upload, floats: Upload) -> dict:
+                ints: Upload, floats: Upload, bitmask: Optional[torch.Tensor] = None) -> dict:
         """Sample, keep the ids on the device as the rows' next inputs, start the copies down."""
         if logits is None or not step.sample_rows:
             return {}
@@ -338,8 +370,9 @@ class ModelRunner:
             floats["temperature"], ints["top_k"].to(torch.int32), floats["top_p"],
             floats["min_p"], ints["seeds"], ints["offsets"], ints["penalty_rows"],
             floats["repetition"], floats["frequency"], floats["presence"],
-            ints["banned_rows"], ints["banned_cols"])
-        out = sampler.sample(logits, sp, st, pool_rows, self.penalties)
+            ints["banned_rows"], ints["banned_cols"], ints["bias_rows"], ints["bias_cols"],
+            floats["bias_values"])
+        out = sampler.sample(logits, sp, st, pool_rows, self.penalties, bitmask)
         self.next_ids.index_copy_(0, pool_rows, out.ids)
         device = {"ids": out.ids, "logprobs": out.logprobs.float()}
         if out.top_values is not None:
@@ -353,6 +386,9 @@ class ModelRunner:
             host[name] = h
         return host
 
-    def run_step(self, step: StepInput) -> StepOutput:
-        """launch + wait: one step, synchronously."""
-        return self.launch(step).wait()
+    def run_step(self, step: StepInput, bitmask: Optional[torch.Tensor] = None) -> StepOutput:
+        """launch (+ sample_masked with bitmask for grammar steps) + wait, synchronously."""
+        pending = self.launch(step)
+        if pending.needs_mask:
+            pending = self.sample_masked(pending, bitmask)
+        return pending.wait()

@@ -42,6 +42,13 @@ class SamplingInputs:
     # (row, token) pairs that may not be sampled this step (min_new_tokens)
     banned_rows: List[int] = field(default_factory=list)
     banned_cols: List[int] = field(default_factory=list)
+    # logit_bias: logits[row, col] += value before any filter
+    bias_rows: List[int] = field(default_factory=list)
+    bias_cols: List[int] = field(default_factory=list)
+    bias_values: List[float] = field(default_factory=list)
+    # rows with a grammar: the step samples only once their token bitmask is filled (the
+    # grammar slot of the pipeline: the forward runs while the host fills it)
+    grammar_rows: List[int] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Union
 
@@ -14,6 +15,8 @@ MIN_NORMAL_FLOAT32 = 1.1754944e-38
 MAX_N = 128
 MAX_STOP_LEN = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024          # entries in logit_bias (OpenAI allows 300)
+MAX_GRAMMAR_CHARS = 1 << 20    # a json_schema / regex / ebnf / structural_tag spec
 
 
 @dataclass
@@ -38,6 +41,9 @@ class SamplingParams:
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None    # xgrammar structural tag, as a JSON string
+    stop_regex: Optional[Union[str, List[str]]] = None
+    logit_bias: Optional[Dict[int, float]] = None   # token id -> bias added to its logit
     extra: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -128,6 +134,70 @@ class SamplingParams:
                 raise ValueError("stop_token_ids must be a list of non-negative integers")
             if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
                 raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed")
-        constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]
-        if len(constraints) > 1:
-            raise ValueError("give at most one of json_schema, regex, ebnf")
+        self._verify_constraints()
+
+    @property
+    def stop_regexes(self) -> List[str]:
+        if self.stop_regex is None:
+            return []
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
+
+    @property
+    def grammar_key(self) -> Optional[tuple]:
+        """(kind, spec) of the request's grammar, or None when it has none."""
+        for kind in ("json_schema", "regex", "ebnf", "structural_tag"):
+            spec = getattr(self, kind)
+            if spec is not None:
+                return kind, spec
+        return None
+
+    def _verify_constraints(self) -> None:
+        kinds = [k for k in ("json_schema", "regex", "ebnf", "structural_tag")
+                 if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise ValueError(f"give at most one of json_schema, regex, ebnf, structural_tag; got "
+                             f"{', '.join(kinds)}")
+        for k in kinds:
+            spec = getattr(self, k)
+            if not isinstance(spec, str):
+                raise ValueError(f"{k} must be a string, got {type(spec).__name__}")
+            if len(spec) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"{k} may have at most {MAX_GRAMMAR_CHARS} characters")
+        if self.stop_regex is not None:
+            regs = self.stop_regexes
+            if not all(isinstance(r, str) and r for r in regs):
+                raise ValueError("stop_regex must be a non-empty string or a list of non-empty strings")
+            if len(regs) > 16:
+                raise ValueError("at most 16 stop_regex patterns are allowed")
+            for r in regs:
+                if len(r) > MAX_STOP_LEN:
+                    raise ValueError(f"each stop_regex may have at most {MAX_STOP_LEN} characters")
+                try:
+                    re.compile(r)
+                except re.error as e:
+                    raise ValueError(f"stop_regex {r!r} is not a valid regular expression: {e}")
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
+
+
+def _check_logit_bias(bias: Any) -> Dict[int, float]:
+    """logit_bias as {token id: bias}, ids given as ints or decimal strings (JSON object keys),
+    biases finite in [-100, 100] as OpenAI bounds them. The vocabulary bound is checked by the
+    engine, which knows the vocabulary."""
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must be an object mapping token ids to biases")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    out: Dict[int, float] = {}
+    for k, v in bias.items():
+        try:
+            tid = int(k) if not isinstance(k, bool) else None
+        except (TypeError, ValueError):
+            tid = None
+        if tid is None or tid < 0 or tid > INT32_MAX or (isinstance(k, str) and not k.strip().isdigit()):
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not -100 <= v <= 100:
+            raise ValueError(f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}")
+        out[tid] = float(v)
+    return out

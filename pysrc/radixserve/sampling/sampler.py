@@ -37,6 +37,9 @@ class SamplingTensors(NamedTuple):
     presence: torch.Tensor         # [P] float32
     banned_rows: torch.Tensor      # [N] int64 } logits[rows, cols] = -inf
     banned_cols: torch.Tensor      # [N] int64 }
+    bias_rows: torch.Tensor        # [L] int64 } logits[rows, cols] += values (logit_bias)
+    bias_cols: torch.Tensor        # [L] int64 }
+    bias_values: torch.Tensor      # [L] float32
 
 
 def sampling_tensors(inputs: SamplingInputs, device: torch.device) -> SamplingTensors:
@@ -50,7 +53,8 @@ def sampling_tensors(inputs: SamplingInputs, device: torch.device) -> SamplingTe
         t(inputs.temperature, f32), t(inputs.top_k, torch.int32), t(inputs.top_p, f32),
         t(inputs.min_p, f32), t(inputs.seeds, i64), t(inputs.offsets, i64),
         t(inputs.penalty_rows, i64), t(inputs.repetition, f32), t(inputs.frequency, f32),
-        t(inputs.presence, f32), t(inputs.banned_rows, i64), t(inputs.banned_cols, i64))
+        t(inputs.presence, f32), t(inputs.banned_rows, i64), t(inputs.banned_cols, i64),
+        t(inputs.bias_rows, i64), t(inputs.bias_cols, i64), t(inputs.bias_values, f32))
 
 
 class DeviceSample(NamedTuple):
@@ -68,11 +72,15 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs, st: SamplingTensors,
     """logits: [S, vocab] float32 raw model logits (not modified: they may be a CUDA graph's
     static output). pool_rows: [S] int64 ReqToToken rows of the sampling rows (penalty state).
     inputs: the host copy of st (its list lengths and flags decide which work runs, with no
-    device read). Records the sampled ids in the penalty state."""
-    penalized = bool(inputs.penalty_rows) or bool(inputs.banned_rows)
+    device read). bitmask: None or [S, ceil(vocab / 32)] int32 on the device (grammar rows;
+    free rows all ones). Order: logit_bias, penalties, bans, then bitmask_sample's mask and
+    filters. Records the sampled ids in the penalty state."""
+    penalized = bool(inputs.penalty_rows) or bool(inputs.banned_rows) or bool(inputs.bias_rows)
     work = logits
     if penalized:
         work = logits.clone()
+        if inputs.bias_rows:
+            work.index_put_((st.bias_rows, st.bias_cols), st.bias_values, accumulate=True)
         if inputs.penalty_rows:
             penalties.apply(work, st.penalty_rows, pool_rows.index_select(0, st.penalty_rows),
                             st.repetition, st.frequency, st.presence)

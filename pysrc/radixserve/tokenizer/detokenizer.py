@@ -110,6 +110,28 @@ class IncrementalDetokenizer:
         self._ids.extend(int(i) for i in new_ids)
         return self._release(self._decode_new(final=False), final=False)
 
+    @property
+    def caught_up(self) -> bool:
+        """Every pushed id is turned into text (none held back inside a cut character)."""
+        return not self.finished and self._read_offset == len(self._ids)
+
+    def replace_tail(self, num_removed: int, new_ids: Sequence[int]) -> DetokenizeResult:
+        """Jump-forward: the last num_removed ids become new_ids, whose text extends the old
+        text (the caller checked decode(new output) == decode(old output) + appended text).
+        Only the appended text is new; it goes through the stop-string check like any push.
+        Requires caught_up."""
+        if self.finished:
+            return DetokenizeResult("", self.stop_matched)
+        keep = len(self._ids) - num_removed
+        old_text = self._decode(self._ids[min(self._prefix_offset, keep):])
+        self._ids = self._ids[:keep] + [int(i) for i in new_ids]
+        self._prefix_offset = min(self._prefix_offset, keep)
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        appended = new_text[len(old_text):] if new_text.startswith(old_text) else ""
+        self._prefix_offset = max(keep, self._prefix_offset)
+        self._read_offset = len(self._ids)
+        return self._release(appended, final=False)
+
     def flush(self) -> str:
         """End of output: the held-back text (a cut character decodes as U+FFFD, a partial stop
         string is released as text). "" after a stop string matched. If the released text

@@ -5,6 +5,7 @@ The scheduler is split by concern, as one class over four files:
   prefill.py  admission and chunked prefill (PrefillMixin)
   decode.py   decode batches and retraction (DecodeMixin)
   results.py  a step's results: tokens, stops, streaming (ResultsMixin)
+  grammar.py  constrained decoding: the grammar slot's bitmask, matchers, jump-forward
 Its pipeline (engine/pipeline.py) runs the steps: schedule() -> launch -> process_batch_result(),
 with the next step scheduled while the previous one runs (overlap). Everything here runs on the
 event-loop thread and is the only code that mutates requests, the queues, the KV free list, the
@@ -36,6 +37,7 @@ from radixserve.engine.policy import get_policy
 from radixserve.engine.req import Req, ReqStatus
 from radixserve.engine.schedule_batch import ScheduleBatch
 from radixserve.engine.scheduler.decode import DecodeMixin
+from radixserve.engine.scheduler.grammar import GrammarMixin
 from radixserve.engine.scheduler.prefill import PrefillMixin
 from radixserve.engine.scheduler.results import ResultsMixin
 from radixserve.model.forward_batch import ForwardMode
@@ -59,7 +61,7 @@ def make_prefix_cache(server_args: ServerArgs, kv_pool: KVPool) -> PrefixCache:
     return ChunkCache(kv_pool, page_size=server_args.page_size)
 
 
-class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin):
+class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
     """runner: provides kv_pool, model_config, context_len, max_running_requests, launch(StepInput).
     tokenizer: optional; gives EOS ids, token_text for logprobs, and detokenizers (via
     detokenizer_factory(req) -> IncrementalDetokenizer or None)."""
@@ -82,6 +84,7 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin):
         self.chunk_size = server_args.resolved_chunked_prefill_size()
         self.max_prefill_tokens = server_args.max_prefill_tokens
         self.mixed_chunk = server_args.enable_mixed_chunk
+        self.jump_forward = not server_args.disable_jump_forward
         self.eos_ids = self._eos_ids(runner, tokenizer)
         cons = server_args.schedule_conservativeness
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * cons, 1.0)
@@ -108,6 +111,7 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin):
             "num_requests": 0, "num_finished_requests": 0, "num_aborted_requests": 0,
             "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
             "num_retractions": 0, "num_prefill_steps": 0, "num_decode_steps": 0,
+            "num_jumps": 0, "jump_forward_tokens": 0,
         }
 
     @staticmethod
@@ -161,10 +165,13 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin):
         async def launch(step_input):
             return self.runner.launch(step_input)
 
+        async def sample(pending, bitmask):
+            return self.runner.sample_masked(pending, bitmask)
+
         async def wait(pending):
             return pending.wait()
 
-        return run_sync(self.pipeline.turn(launch, wait))
+        return run_sync(self.pipeline.turn(launch, wait, sample))
 
     def schedule(self) -> Optional[ScheduleBatch]:
         """Pick this step's batch, allocate its slots and build its StepInput. Loop thread."""
@@ -253,17 +260,20 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin):
             req.pending_text += req.detokenizer.flush()
         self._emit(req, finished=True)
 
-    def _release_kv(self, req: Req) -> None:
+    def _release_kv(self, req: Req, keep: Optional[int] = None) -> None:
         """Give the request's computed tokens to the cache (ChunkCache frees them), unlock its
         prefix and free its row. A running request publishes fill_ids[:seq_len - 1], exactly as
         with no step in flight: the slot a step in flight is writing for its last token is
-        freed (the next owner's writes come after that step on the device)."""
+        freed (the next owner's writes come after that step on the device). keep: publish at
+        most that many (jump-forward rolls back the re-tokenized tail)."""
         if req.req_pool_idx is None:
             return
         kv = req.kv_len
         if req.status == ReqStatus.RUNNING:
-            # never below the prefix: those slots are the cache's, not the request's to free
-            kv = max(min(kv, req.seq_len - 1), req.prefix_len)
+            kv = min(kv, req.seq_len - 1)
+        if keep is not None:
+            kv = min(kv, keep)
+        kv = max(kv, req.prefix_len)   # never below the prefix: those slots are the cache's
         slots = self.req_to_token_pool.slots(req.req_pool_idx, req.kv_len)
         self.cache.insert(req.fill_ids[:kv], slots[:kv])
         self.kv_pool.free(slots[kv:])

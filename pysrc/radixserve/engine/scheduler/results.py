@@ -32,8 +32,8 @@ class ResultsMixin:
         for i, req in enumerate(batch.reqs):
             if batch.sample[i]:
                 row, sample_i = sample_i, sample_i + 1
-            if req.finished:
-                continue                                  # finished while this step ran
+            if not batch.current(i):
+                continue                                  # finished or jumped while this ran
             if batch.prompt_lp[i] is not None:
                 self._add_prompt_logprobs(req, batch.prompt_lp[i], out.prompt_logprobs[i],
                                           out.prompt_top_logprobs[i])
@@ -53,9 +53,13 @@ class ResultsMixin:
             if req.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "matched": None})
                 continue
-            self._append_token(req, out.sample.ids[row], out.sample.logprobs[row],
-                               out.sample.top_logprobs[row])
+            tok = out.sample.ids[row]
+            if req.grammar is not None and not self._grammar_accepts(req, tok):
+                continue
+            self._append_token(req, tok, out.sample.logprobs[row], out.sample.top_logprobs[row])
             generated += 1
+            if not req.finished and req.can_jump_forward and self.jump_forward:
+                self._jump_forward(req)
         self.counters["generation_tokens"] += generated
         self._decode_log_tokens += generated
 
@@ -107,6 +111,8 @@ class ResultsMixin:
         sp = req.sampling_params
         if not sp.ignore_eos and tok in self.eos_ids:
             return {"type": "stop", "matched": tok}
+        if req.grammar is not None and req.grammar.terminated:   # the grammar's end
+            return {"type": "stop", "matched": tok}
         if sp.stop_token_ids and tok in sp.stop_token_ids:
             return {"type": "stop", "matched": tok}
         if len(req.output_ids) >= req.max_new_tokens or req.seq_len >= self.context_len:
@@ -136,7 +142,7 @@ class ResultsMixin:
 
     def _emit(self, req: Req, finished: bool) -> None:
         if req.sink is None:
-            req.pending_ids, req.pending_text = [], ""
+            req.pending_ids, req.pending_text, req.pending_rollback = [], "", 0
             req.pending_logprobs, req.pending_top_logprobs = [], []
             return
         out = GenerateOutput(
@@ -150,6 +156,7 @@ class ResultsMixin:
             cached_tokens=req.cached_tokens or 0,
             output_token_logprobs_delta=req.pending_logprobs,
             output_top_logprobs_delta=req.pending_top_logprobs,
+            output_ids_rollback=req.pending_rollback,
         )
         if req.queue_time is not None and not req.queue_time_sent:
             out.queue_time_s = req.queue_time
@@ -159,6 +166,6 @@ class ResultsMixin:
             out.input_token_logprobs = req.input_token_logprobs
             out.input_top_logprobs = req.input_top_logprobs
             req.input_logprobs_sent = True
-        req.pending_ids, req.pending_text = [], ""
+        req.pending_ids, req.pending_text, req.pending_rollback = [], "", 0
         req.pending_logprobs, req.pending_top_logprobs = [], []
         req.sink(out)
