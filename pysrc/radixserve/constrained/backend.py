@@ -30,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 GrammarKey = Tuple[str, str]
 KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
-MAX_ROLLBACK_TOKENS = 256        # jump-forward re-tokenizes at most this many tokens back
 
 
 class GrammarError(ValueError):
@@ -155,7 +154,7 @@ class GrammarBackend:
 
         from radixserve.constrained.grammar import RequestGrammar
 
-        return RequestGrammar(xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS))
+        return RequestGrammar(xgr.GrammarMatcher(compiled))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
