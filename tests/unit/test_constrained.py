@@ -373,3 +373,19 @@ def test_logit_bias_forces_and_bans_tokens(make_sched, default_tokenizer, text_p
                                                            logit_bias={first: -100.0}), 1)
     run_to_completion(sched, [banned])
     assert banned.output_ids[0] != first
+
+
+def test_stop_regex_cuts_at_the_match_even_across_releases(default_tokenizer):
+    tok = default_tokenizer
+    d = IncrementalDetokenizer(tok, stop_regexes=[r"\d{3}"])
+    text = ""
+    for piece in ["call 1", "2", "3 now"]:
+        res = d.push(tok.encode(piece, add_special_tokens=False))
+        text += res.text_delta
+        if res.stop_matched:
+            break
+    assert res.stop_matched == r"\d{3}"
+    assert text == "call 12"         # "1" and "2" were released before the match could be seen
+    d2 = IncrementalDetokenizer(tok, stop_regexes=[r"b+c"], no_stop_trim=True)
+    out = d2.push(tok.encode("aaa bbbc ddd", add_special_tokens=False))
+    assert out.stop_matched == "b+c" and out.text_delta == "aaa bbbc"

@@ -86,7 +86,8 @@ class AsyncEngine:
 
         sp = req.sampling_params
         return IncrementalDetokenizer(self.tokenizer, sp.stop_strs, sp.no_stop_trim,
-                                      sp.skip_special_tokens, sp.spaces_between_special_tokens)
+                                      sp.skip_special_tokens, sp.spaces_between_special_tokens,
+                                      stop_regexes=sp.stop_regexes)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

@@ -9,14 +9,19 @@ Stop strings: released text is scanned for every stop string; the longest suffix
 unreleased text that is a prefix of some stop string is held back, so a stop string spanning
 token boundaries is still found before any part of it is emitted. On a match, the text up to
 the start of the stop string is emitted (up to its end with no_stop_trim) and nothing after.
+Stop regexes (stop_regex) are searched in the unreleased text plus the last REGEX_LOOKBACK
+characters already released (so a match may span a release); a match that started in released
+text cuts at the start of the unreleased part. Nothing is held back for a regex.
 Concatenating every text_delta and the final flush() gives the full decode of the pushed ids
 (cut at the stop string when one matched).
 """
 from __future__ import annotations
 
+import re
 from typing import List, NamedTuple, Optional, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
+REGEX_LOOKBACK = 256
 
 
 class DetokenizeResult(NamedTuple):
@@ -32,9 +37,12 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, stop_strs: Optional[Sequence[str]] = (), no_stop_trim: bool = False,
-                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 stop_regexes: Optional[Sequence[str]] = ()):
         self._tokenizer = tokenizer
         self._stops: List[str] = [s for s in (stop_strs or ()) if s]
+        self._regexes = [re.compile(r) for r in (stop_regexes or ()) if r]
+        self._released_tail = ""    # the last REGEX_LOOKBACK released characters
         self._no_stop_trim = no_stop_trim
         self._skip_special = skip_special_tokens
         self._spaces_between_special = spaces_between_special_tokens
@@ -88,9 +96,29 @@ class IncrementalDetokenizer:
                     break
         return longest
 
+    def _earliest_regex(self, text: str):
+        """(start, end, pattern) of the regex match that ends first in released tail + text,
+        positions relative to text (start clamped to 0), else None."""
+        if not self._regexes:
+            return None
+        lookback = self._released_tail
+        hay = lookback + text
+        best = None
+        for rx in self._regexes:
+            m = rx.search(hay)
+            if m is None or m.end() <= len(lookback):
+                continue
+            start, end = max(m.start() - len(lookback), 0), m.end() - len(lookback)
+            if best is None or (end, start) < (best[1], best[0]):
+                best = (start, end, rx.pattern)
+        return best
+
     def _release(self, new_text: str, final: bool) -> DetokenizeResult:
         self._pending += new_text
         match = self._earliest_stop(self._pending)
+        rmatch = self._earliest_regex(self._pending)
+        if rmatch is not None and (match is None or rmatch[1] < match[1]):
+            match = rmatch
         if match is not None:
             start, end, stop = match
             delta = self._pending[:end if self._no_stop_trim else start]
@@ -101,6 +129,8 @@ class IncrementalDetokenizer:
         hold = 0 if final else self._held_suffix_len(self._pending)
         cut = len(self._pending) - hold
         delta, self._pending = self._pending[:cut], self._pending[cut:]
+        if self._regexes:
+            self._released_tail = (self._released_tail + delta)[-REGEX_LOOKBACK:]
         return DetokenizeResult(delta, None)
 
     def push(self, new_ids: Sequence[int]) -> DetokenizeResult:
