@@ -32,6 +32,12 @@ for stage in "$@"; do
       fi ;;
     tests)
       python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15 ;;
+    grammar)
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_constrained_cuda.py \
+        tests/gpu/test_overlap_cuda.py tests/gpu/test_sampling.py 2>&1 | tee "$OUT/gpu_grammar_tests.txt" | tail -15 ;;
+    structured)
+      python3 bench/structured.py --device cuda --preset llama-3.1-8b --batch-size 64 \
+        --out "$OUT/structured-h200-8b.json" 2>&1 | grep -v "batch\." | tail -40 | tee "$OUT/structured.txt" ;;
     kernels)
       python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -60
       cp bench/results/kernels-h200.json "$OUT/" 2>/dev/null ;;
