@@ -47,11 +47,11 @@ def random_text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def random_request(rng: random.Random):
+def random_request(rng: random.Random, max_words: int = 60):
     """(route, body, stream) of one random request."""
     stream = rng.random() < 0.5
     max_tokens = rng.randint(1, 24)
-    text = random_text(rng, rng.randint(2, 60))
+    text = random_text(rng, rng.randint(2, max_words))
     route = rng.choice(["/generate", "/v1/completions", "/v1/chat/completions"])
     sampling = {"temperature": rng.choice([0.0, 0.7, 1.0]), "top_p": rng.choice([1.0, 0.9])}
     if route == "/generate":
@@ -76,8 +76,8 @@ async def greedy_set(client: httpx.AsyncClient):
     return outs
 
 
-async def one_request(client, rng, stats, disconnect_fraction):
-    route, body, stream = random_request(rng)
+async def one_request(client, rng, stats, disconnect_fraction, max_words=60):
+    route, body, stream = random_request(rng, max_words)
     hang_up = rng.random() < disconnect_fraction
     try:
         if stream:
@@ -163,7 +163,7 @@ async def soak(args, url: str, pid: int):
         async def guarded(i):
             async with sem:
                 await one_request(client, random.Random(args.seed * 1_000_003 + i), stats,
-                                  args.disconnect_fraction)
+                                  args.disconnect_fraction, args.max_prompt_words)
         t0 = time.perf_counter()
         await asyncio.gather(*(guarded(i) for i in range(args.num_requests)))
         duration = time.perf_counter() - t0
@@ -197,6 +197,8 @@ def main(argv=None):
                         "least 400)")
     p.add_argument("--health-interval", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-prompt-words", type=int, default=60,
+                   help="random prompts have 2..this many words")
     p.add_argument("--server-args", default="", help="extra launch_server flags")
     p.add_argument("--server-log", default=None)
     p.add_argument("--output-file", default=None)
