@@ -234,6 +234,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template_source is not None
 
+    @property
+    def template_handles_tools(self) -> bool:
+        """The chat template renders `tools` itself (else the server adds a generic block)."""
+        source = self._chat_template_source
+        if isinstance(source, dict):
+            return "tool_use" in source or any("tools" in t for t in source.values())
+        return source is not None and "tools" in source
+
     def _template(self, tools: Optional[list]) -> ChatTemplate:
         source = self._chat_template_source
         if source is None:
