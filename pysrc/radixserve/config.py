@@ -49,6 +49,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = False        # serial loop: each step waits for the previous step's tokens
     max_queued_requests: int = 4096               # waiting sequences beyond this get 503 + Retry-After
     max_running_requests_per_client: Optional[int] = None  # a client's running share while others wait (None: no cap)
+    chat_template_timeout: float = 10.0           # seconds a chat template may take to render (400 beyond)
     shutdown_timeout: float = 30.0                # SIGTERM: seconds live requests may run before they are aborted
     enable_mixed_chunk: bool = False              # a prefill chunk and the running decodes share one forward
     debug_integrity: bool = False
@@ -109,6 +110,8 @@ class ServerArgs:
         if self.max_running_requests_per_client is not None and \
                 self.max_running_requests_per_client < 1:
             raise ValueError("--max-running-requests-per-client must be >= 1")
+        if not self.chat_template_timeout > 0:
+            raise ValueError("--chat-template-timeout must be > 0 seconds")
         if not self.grammar_compile_timeout > 0:
             raise ValueError("--grammar-compile-timeout must be > 0 seconds")
         if self.grammar_cache_size < 1:

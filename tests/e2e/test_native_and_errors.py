@@ -78,9 +78,9 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/generate", {"sampling_params": {}}, 400, "text"),
-    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
-    ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, 400, None),
-    ("/generate", {"input_ids": [1, "a"]}, 400, "input_ids"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "sampling_params.temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, 400, "sampling_params"),
+    ("/generate", {"input_ids": [1, "a"]}, 400, "input_ids[1]"),
 ]
 
 

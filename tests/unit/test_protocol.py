@@ -93,18 +93,24 @@ def test_messages_content_parts_and_developer_role():
     ({"messages": "hi"}, "messages", "non-empty"),
     ({"messages": ["hi"]}, "messages[0]", "object"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "one of"),
-    ({"messages": [{"content": "x"}]}, "messages[0].role", "one of"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role", "required"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "required"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content", "text"),
+     "messages[0].content[0].type", "only text content is supported"),
     ({**CHAT, "temperature": "hot"}, "temperature", "must be a number"),
-    ({**CHAT, "temperature": -1}, "temperature", ">= 0"),
+    ({**CHAT, "temperature": -1}, "temperature", "between 0 and 10000, got -1"),
+    ({**CHAT, "temperature": 1e-7}, "temperature", "0 (greedy) or between 1e-05 and 10000"),
+    ({**CHAT, "temperature": True}, "temperature", "must be a number"),
+    ({**CHAT, "temperature": 10 ** 400}, "temperature", "between 0 and 10000"),
     ({**CHAT, "top_p": 0}, "top_p", "(0, 1]"),
     ({**CHAT, "top_p": 1.5}, "top_p", "(0, 1]"),
     ({**CHAT, "n": 0}, "n", "between 1"),
+    ({**CHAT, "n": 500}, "n", "n must be between 1 and 128, got 500"),
+    ({**CHAT, "n": True}, "n", "integer"),
     ({**CHAT, "n": "2"}, "n", "integer"),
-    ({**CHAT, "max_tokens": -5}, "max_tokens", ">= 0"),
+    ({**CHAT, "max_tokens": -5}, "max_tokens", "between 0 and 2147483647"),
+    ({**CHAT, "max_tokens": 2 ** 31}, "max_tokens", "between 0 and 2147483647"),
     ({**CHAT, "max_tokens": 1.5}, "max_tokens", "integer"),
     ({**CHAT, "stream": "yes"}, "stream", "boolean"),
     ({**CHAT, "logprobs": 1}, "logprobs", "boolean"),
@@ -112,15 +118,26 @@ def test_messages_content_parts_and_developer_role():
     ({**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "between 0 and 20"),
     ({**CHAT, "top_logprobs": 3}, "top_logprobs", "requires logprobs"),
     ({**CHAT, "stop": 5}, "stop", "stop"),
-    ({**CHAT, "stop": ["a", ""]}, "stop", "non-empty"),
-    ({**CHAT, "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
-    ({**CHAT, "frequency_penalty": -3}, "frequency_penalty", "[-2, 2]"),
+    ({**CHAT, "stop": ["a", ""]}, "stop[1]", "non-empty"),
+    ({**CHAT, "stop": ["a"] * 17}, "stop", "at most 16"),
+    ({**CHAT, "presence_penalty": 3}, "presence_penalty", "between -2 and 2"),
+    ({**CHAT, "frequency_penalty": -3}, "frequency_penalty", "between -2 and 2"),
+    ({**CHAT, "repetition_penalty": 0}, "repetition_penalty", "between 1e-20 and 2"),
+    ({**CHAT, "repetition_penalty": 1.1754944e-38}, "repetition_penalty", "between 1e-20 and 2"),
     ({**CHAT, "seed": "x"}, "seed", "integer"),
+    ({**CHAT, "seed": 2 ** 63}, "seed", "9223372036854775807"),
+    ({**CHAT, "seed": 2 ** 63 - 1, "n": 2}, "seed", "seed + n - 1"),
     ({**CHAT, "top_k": -2}, "top_k", "top_k"),
-    ({**CHAT, "min_tokens": -1}, "min_tokens", ">= 0"),
-    ({**CHAT, "stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
-    ({**CHAT, "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
-    ({**CHAT, "response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({**CHAT, "top_k": 2 ** 31}, "top_k", "2147483647"),
+    ({**CHAT, "min_tokens": -1}, "min_tokens", "between 0 and"),
+    ({**CHAT, "stop_token_ids": [-1]}, "stop_token_ids[0]", "at least 0"),
+    ({**CHAT, "logit_bias": {"x": 5}}, "logit_bias", "token id"),
+    ({**CHAT, "logit_bias": {"1": 101}}, "logit_bias['1']", "between -100 and 100"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
+    ({**CHAT, "regex": "a", "guided_json": {}}, "guided_json", "at most one"),
+    ({**CHAT, "guided_choice": []}, "guided_choice", "non-empty"),
+    ({**CHAT, "json_schema": 5}, "json_schema", "JSON object"),
 ])
 def test_chat_bad_inputs(body, param, words):
     e = _err(P.parse_chat_request, body)
@@ -143,8 +160,9 @@ def test_prompt_shapes():
     ({}, "prompt", "required"),
     ({"prompt": []}, "prompt", "empty"),
     ({"prompt": 5}, "prompt", "array of token ids"),
-    ({"prompt": [1, "a"]}, "prompt", "array of token ids"),
-    ({"prompt": [[1], []]}, "prompt", "array of token ids"),
+    ({"prompt": [1, "a"]}, "prompt[1]", "integer"),
+    ({"prompt": [[1], []]}, "prompt[1]", "non-empty"),
+    ({"prompt": [1, -1]}, "prompt[1]", "at least 0"),
     ({"prompt": [True, 2]}, "prompt", "array of token ids"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", "between 0 and 20"),
     ({"prompt": "x", "logprobs": True}, "logprobs", "integer"),
@@ -180,10 +198,17 @@ def test_generate_request_shapes():
     ({"text": "a", "input_ids": [1]}, "text", "exactly one"),
     ({"text": 5}, "text", "string"),
     ({"input_ids": []}, "input_ids", "non-empty"),
-    ({"input_ids": [1.5]}, "input_ids", "token ids"),
-    ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature", ">= 0"),
-    ({"text": "a", "sampling_params": {"temprature": 0}}, None, "unknown sampling parameter"),
-    ({"text": "a", "sampling_params": {"max_new_tokens": "5"}}, "max_new_tokens", "number"),
+    ({"input_ids": [1.5]}, "input_ids[0]", "integer"),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params.temperature", "between 0"),
+    ({"text": "a", "sampling_params": {"temprature": 0}}, "sampling_params",
+     "unknown sampling parameter 'temprature' (did you mean 'temperature'?)"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": "5"}}, "sampling_params.max_new_tokens",
+     "integer"),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"top_k": -5}]}, "sampling_params[1].top_k",
+     "between -1"),
+    ({"text": "a", "sampling_params": {"seed": 2 ** 63 - 1, "n": 2}}, "sampling_params.seed",
+     "seed + n - 1"),
+    ({"text": "a", "sampling_params": {"regex": "a", "ebnf": "b"}}, "sampling_params", "at most one"),
     ({"text": "a", "sampling_params": [{}, {}]}, "sampling_params", "2 entries"),
     ({"text": "a", "sampling_params": 3}, "sampling_params", "object"),
     ({"text": ["a", "b"], "rid": "x"}, "rid", "one string per prompt"),
@@ -207,6 +232,118 @@ def test_check_prompt_ids():
     assert e.param == "messages" and "context length is 8" in e.message
     e = _err(P.check_prompt_ids, [1, 2], 10, 8, 7, "prompt", "max_completion_tokens")
     assert e.param == "max_completion_tokens" and "at most 6" in e.message
+
+
+# --------------------------------------------------------------------------- caps, grammars, extras
+
+from radixserve.server import schemas as S  # noqa: E402
+
+
+@pytest.mark.parametrize("fn, body, param, words", [
+    (P.parse_chat_request, {"messages": [{"role": "user", "content": "x"}] * (S.MAX_MESSAGES + 1)},
+     "messages", f"at most {S.MAX_MESSAGES} entries"),
+    (P.parse_chat_request, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]
+                                          * (S.MAX_CONTENT_PARTS + 1)}]},
+     "messages[0].content", f"at most {S.MAX_CONTENT_PARTS} entries"),
+    (P.parse_chat_request, {**CHAT, "tools": [{}] * (S.MAX_TOOLS + 1)}, "tools", f"at most {S.MAX_TOOLS}"),
+    (P.parse_chat_request, {"messages": [{"role": "user", "content": "x" * (S.MAX_TEXT_CHARS + 1)}]},
+     "messages[0].content", f"at most {S.MAX_TEXT_CHARS} characters"),
+    (P.parse_chat_request, {**CHAT, "logit_bias": {str(i): 1 for i in range(S.MAX_LOGIT_BIAS + 1)}},
+     "logit_bias", f"at most {S.MAX_LOGIT_BIAS} entries"),
+    (P.parse_chat_request, {**CHAT, "guided_choice": ["a"] * (S.MAX_CHOICES + 1)}, "guided_choice",
+     f"at most {S.MAX_CHOICES} entries"),
+    (P.parse_completion_request, {"prompt": ["a"] * (S.MAX_PROMPTS + 1)}, "prompt",
+     f"at most {S.MAX_PROMPTS} entries"),
+    (P.parse_completion_request, {"prompt": [1] * (S.MAX_PROMPT_TOKENS + 1)}, "prompt",
+     f"at most {S.MAX_PROMPT_TOKENS} entries"),
+    (P.parse_completion_request, {"prompt": ["a"] * 40, "n": 128}, "n",
+     f"40 prompts x n=128 = 5120 sequences; at most {S.MAX_SEQUENCES}"),
+    (P.parse_generate_request, {"text": ["a"] * 33, "sampling_params": {"n": 128}}, "sampling_params.n",
+     f"at most {S.MAX_SEQUENCES}"),
+    (P.parse_generate_request, {"input_ids": [[1]] * (S.MAX_PROMPTS + 1)}, "input_ids",
+     f"at most {S.MAX_PROMPTS} entries"),
+    (P.parse_generate_request, {"text": "a", "rid": "r" * (S.MAX_NAME_CHARS + 1)}, "rid",
+     f"at most {S.MAX_NAME_CHARS} characters"),
+    (P.parse_generate_request, {"text": "a", "sampling_params": {"stop_regex": ["a"] * 17}},
+     "sampling_params.stop_regex", "at most 16"),
+])
+def test_every_list_and_string_is_capped(fn, body, param, words):
+    e = _err(fn, body)
+    assert e.status == 400 and e.param == param and words in e.message, (e.param, e.message)
+
+
+def test_bounds_are_inclusive_at_the_engine_types():
+    """The largest values the engine's types hold pass; one more is refused (above)."""
+    sp = P.parse_chat_request({**CHAT, "seed": 2 ** 63 - 128, "n": 128, "top_k": 2 ** 31 - 1,
+                               "max_tokens": 2 ** 31 - 1, "temperature": 10000,
+                               "repetition_penalty": 1e-20}).sampling
+    assert (sp.seed, sp.top_k, sp.max_new_tokens) == (2 ** 63 - 128, 2 ** 31 - 1, 2 ** 31 - 1)
+    assert P.parse_chat_request({**CHAT, "seed": -(2 ** 63)}).sampling.seed == -(2 ** 63)
+
+
+def test_unknown_top_level_fields_are_ignored_and_message_keys_kept():
+    r = P.parse_chat_request({"messages": [{"role": "user", "content": "hi", "name": "bob"},
+                                           {"role": "assistant", "content": None,
+                                            "tool_calls": [{"id": "1"}], "reasoning": "r"}],
+                              "user": "u-1", "metadata": {"a": 1}, "parallel_tool_calls": True})
+    assert r.messages[0] == {"role": "user", "content": "hi", "name": "bob"}
+    assert r.messages[1] == {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}],
+                             "reasoning": "r"}
+    assert P.parse_completion_request({"prompt": "x", "user": "u"}).prompts == ["x"]
+    assert P.parse_generate_request({"text": "x", "custom": 1}).prompts == ["x"]
+    e = _err(P.parse_chat_request, {"messages": [{"role": "assistant"}]})
+    assert e.param == "messages[0].content" and "required" in e.message
+
+
+@pytest.mark.parametrize("extra, kind, spec", [
+    ({"response_format": {"type": "json_object"}}, "json_schema", '{"type": "object"}'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                 "schema": {"type": "integer"}}}},
+     "json_schema", '{"type": "integer"}'),
+    ({"json_schema": {"type": "string"}}, "json_schema", '{"type": "string"}'),
+    ({"json_schema": '{"type": "string"}'}, "json_schema", '{"type": "string"}'),
+    ({"guided_json": {"type": "null"}}, "json_schema", '{"type": "null"}'),
+    ({"guided_regex": "[ab]+"}, "regex", "[ab]+"),
+    ({"regex": "a|b"}, "regex", "a|b"),
+    ({"guided_choice": ["yes", "no.", "a b"]}, "regex", r"(yes|no\.|a\ b)"),
+    ({"guided_grammar": 'root ::= "x"'}, "ebnf", 'root ::= "x"'),
+    ({"ebnf": 'root ::= "y"'}, "ebnf", 'root ::= "y"'),
+    ({"structural_tag": {"type": "structural_tag", "format": {}}}, "structural_tag",
+     '{"type": "structural_tag", "format": {}}'),
+])
+def test_openai_grammar_fields_reach_sampling_params(extra, kind, spec):
+    for parse, body in ((P.parse_chat_request, CHAT), (P.parse_completion_request, {"prompt": "x"})):
+        sp = parse({**body, **extra}).sampling
+        assert sp.grammar_key == (kind, spec)
+
+
+def test_response_format_text_is_no_constraint_and_two_constraints_are_refused():
+    assert P.parse_chat_request({**CHAT, "response_format": {"type": "text"}}).sampling.grammar_key is None
+    e = _err(P.parse_chat_request, {**CHAT, "response_format": {"type": "json_object"},
+                                    "guided_regex": "a"})
+    assert e.param == "guided_regex" and "response_format, guided_regex" in e.message
+
+
+def test_logit_bias_and_stop_regex_pass_through():
+    sp = P.parse_chat_request({**CHAT, "logit_bias": {"5": -100, "7": 2.5}, "stop_regex": "a+b"}).sampling
+    assert sp.logit_bias == {5: -100.0, 7: 2.5} and sp.stop_regexes == ["a+b"]
+    r = P.parse_generate_request({"text": "x", "sampling_params": {
+        "json_schema": {"type": "object"}, "stop_regex": ["x", "y+"], "logit_bias": {"3": 1}}})
+    sp = r.sampling[0]
+    assert sp.json_schema == '{"type": "object"}' and sp.stop_regexes == ["x", "y+"]
+    assert sp.logit_bias == {3: 1.0}
+    sp = P.parse_generate_request({"text": "x", "sampling_params": {
+        "structural_tag": {"format": {"type": "const_string", "value": "hi"}}}}).sampling[0]
+    assert sp.grammar_key == ("structural_tag", '{"format": {"type": "const_string", "value": "hi"}}')
+    e = _err(P.parse_generate_request, {"text": "x", "sampling_params": {"stop_regex": "("}})
+    assert e.param == "sampling_params.stop_regex" and "regular expression" in e.message
+
+
+def test_native_sampling_defaults_and_null_max_new_tokens():
+    r = P.parse_generate_request({"text": "x"})
+    assert r.sampling[0].max_new_tokens == 128 and r.sampling[0].temperature == 1.0
+    r = P.parse_generate_request({"text": "x", "sampling_params": {"max_new_tokens": None}})
+    assert r.sampling[0].max_new_tokens is None            # up to the context length
 
 
 # --------------------------------------------------------------------------- builders

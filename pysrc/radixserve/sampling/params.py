@@ -11,7 +11,7 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 MAX_TEMPERATURE = 1e4          # above this every distribution is flat in float32 anyway
 MIN_TEMPERATURE = 1e-5         # logits / T must stay finite in float32
-MIN_NORMAL_FLOAT32 = 1.1754944e-38
+MIN_REPETITION_PENALTY = 1e-20   # positive logits / penalty stay finite in float32 (a logit of 1e13)
 MAX_N = 128
 MAX_STOP_LEN = 1024
 MAX_STOP_TOKEN_IDS = 1024
@@ -94,9 +94,10 @@ class SamplingParams:
         f32("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         f32("presence_penalty", self.presence_penalty, -2.0, 2.0)
         f32("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
-        if self.repetition_penalty < MIN_NORMAL_FLOAT32:
-            raise ValueError(f"repetition_penalty {self.repetition_penalty} is too small for "
-                             f"float32; use at least {MIN_NORMAL_FLOAT32}")
+        if self.repetition_penalty < MIN_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty {self.repetition_penalty} is too small: "
+                             f"dividing logits by it overflows float32; use at least "
+                             f"{MIN_REPETITION_PENALTY:g}")
         num("min_new_tokens", self.min_new_tokens, int)
         num("n", self.n, int)
         if 0 < self.temperature < MIN_TEMPERATURE:

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from radixserve.config import ServerArgs
-from radixserve.server import native_api, openai_api
+from radixserve.server import native_api, openai_api, openapi
 from radixserve.server.errors import ApiError, error_response
 from radixserve.server.security import (ClientView, Door, DoorPolicy, RequestOwners, client_identity,
                                         is_loopback_bind)
@@ -58,7 +58,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         msg = f"method {request.method} is not allowed on {request.url.path}"
     else:
         msg = str(exc.detail)
-    return error_response(ApiError(msg, exc.status_code))
+    return error_response(ApiError(msg, exc.status_code), headers=exc.headers)   # 405: Allow
 
 
 def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
@@ -83,6 +83,7 @@ def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
         route("/flush_cache", native_api.flush_cache, ["POST"]),
         route("/abort_request", native_api.abort_request, ["POST"]),
         route("/metrics", native_api.metrics, ["GET"]),
+        route("/openapi.json", openapi.openapi_json, ["GET"]),
     ]
 
     @contextlib.asynccontextmanager

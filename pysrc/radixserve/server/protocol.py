@@ -1,9 +1,12 @@
 """Request parsing and validation, and response builders, for the OpenAI and native routes.
 
-Parsing never touches the engine: it turns a decoded JSON body into a typed request (or raises
-ApiError naming the field to change). Tokenization and context-length checks need the tokenizer
-and the context length and live in `check_context`, called by the routes. The builders turn the
-engine's GenerateOutputs (accumulated in a SeqResult) into OpenAI / native response bodies.
+Parsing never touches the engine: it validates a decoded JSON body against its pydantic model
+(server/schemas.py: types, bounds, caps), applies the rules that span several fields (below),
+and returns a typed request whose SamplingParams passed SamplingParams.verify, the last check;
+any problem is an ApiError naming the field to change (param: its dotted location).
+Tokenization and context-length checks need the tokenizer and the context length and live in
+`check_prompt_ids`, called by the routes. The builders turn the engine's GenerateOutputs
+(accumulated in a SeqResult) into OpenAI / native response bodies.
 """
 from __future__ import annotations
 
@@ -12,93 +15,65 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from radixserve.engine.io import GenerateOutput, LogprobEntry
+from radixserve.engine.io import GenerateOutput, LogprobEntry, apply_ids_delta
 from radixserve.sampling.params import SamplingParams
+from radixserve.server import schemas as S
 from radixserve.server.errors import ApiError, bad_request
 
 Prompt = Union[str, List[int]]          # text, or token ids
 TokenText = Callable[[int], str]        # token id -> its text (for logprob entries without text)
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-MAX_TOP_LOGPROBS = 20
-MAX_N = 128
+CHAT_ROLES = S.CHAT_ROLES
+MAX_TOP_LOGPROBS = S.MAX_TOP_LOGPROBS
+MAX_N = S.MAX_N
 
 # SGLang sampling names -> the OpenAI names a client sent them under (for error messages).
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
-# --------------------------------------------------------------------------- field checking
-
-def _type_name(v: Any) -> str:
-    if v is None:
-        return "null"
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-            dict: "object"}.get(type(v), type(v).__name__)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-_CHECKS = {
-    "number": _is_number,
-    "integer": _is_int,
-    "boolean": lambda v: isinstance(v, bool),
-    "string": lambda v: isinstance(v, str),
-    "object": lambda v: isinstance(v, dict),
-    "array": lambda v: isinstance(v, list),
-}
-
-
-def get_field(body: dict, name: str, kind: str, default: Any = None) -> Any:
-    """body[name] if present and not null, checked to be of `kind` (a key of _CHECKS);
-    otherwise `default`. A wrong type is a 400 naming the field."""
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _CHECKS[kind](v):
-        article = "an" if kind[0] in "aeiou" else "a"
-        raise bad_request(f"{name} must be {article} {kind}, got {_type_name(v)}", param=name)
-    return v
-
+# --------------------------------------------------------------------------- body and model
 
 def parse_json_body(raw: bytes) -> dict:
-    """Decode a request body; anything but a JSON object is a 400."""
+    """Decode a request body; anything but a JSON object is a 400. (The routes read bodies
+    with security.read_json_object, which adds the door's rules.)"""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON ({e}); send a JSON object")
     if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {_type_name(body)}")
+        raise bad_request(f"the request body must be a JSON object, got {S.describe(body)}")
     return body
 
 
 def check_model(body: dict, served_model_name: str, aliases: Sequence[str] = ()) -> None:
-    """`model` is optional; when given it must name the served model (404 otherwise)."""
-    model = get_field(body, "model", "string")
+    """`model` is optional; when given it must name the served model (404 otherwise). Called
+    before the body is parsed, so a request for another model gets 404 whatever else it has."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"model must be a string, got {S.describe(model)}", param="model")
     if model is not None and model != served_model_name and model not in aliases:
-        raise ApiError(f"The model '{model}' does not exist; this server serves "
+        raise ApiError(f"The model '{model[:200]}' does not exist; this server serves "
                        f"'{served_model_name}'", status=404, param="model")
 
 
-def sampling_params_from_dict(d: dict, openai_names: bool = False) -> SamplingParams:
-    """SamplingParams.from_dict with its ValueError turned into a 400 naming the field; with
-    `openai_names`, under the OpenAI name the client used (max_tokens for max_new_tokens...)."""
+def sampling_params_from_dict(d: dict, openai_names: bool = False,
+                              where: Optional[str] = None) -> SamplingParams:
+    """SamplingParams.from_dict with its ValueError turned into a 400 naming the field: under
+    the OpenAI name the client used with `openai_names` (max_tokens for max_new_tokens...), or
+    inside `where` (sampling_params[1].seed)."""
     try:
         return SamplingParams.from_dict(d)
     except (ValueError, TypeError) as e:
         msg = str(e)
         m = re.match(r"[a-z_]+", msg)
         name = m.group(0) if m else None
-        if openai_names and name in _OPENAI_NAMES:
-            msg = _OPENAI_NAMES[name] + msg[len(name):]
-            name = _OPENAI_NAMES[name]
         known = set(SamplingParams.__dataclass_fields__) | set(_OPENAI_NAMES.values())
-        raise bad_request(msg, param=name if name in known else None) from None
+        if name not in known:
+            raise bad_request(msg, param=where) from None
+        shown = _OPENAI_NAMES.get(name, name) if openai_names else name
+        if where:
+            shown = f"{where}.{shown}"
+        raise bad_request(shown + msg[len(name):], param=shown) from None
 
 
 # --------------------------------------------------------------------------- OpenAI requests
@@ -127,207 +102,155 @@ class CompletionRequest:
     sampling: SamplingParams
 
 
-def _openai_sampling(body: dict, default_max_tokens: Optional[int]) -> SamplingParams:
-    """The OpenAI sampling fields (plus SGLang's extras) as a validated SamplingParams."""
-    d: Dict[str, Any] = {}
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
-                 "repetition_penalty"):
-        v = get_field(body, name, "number")
-        if v is not None:
-            d[name] = v
-    for name in ("top_k", "seed"):
-        v = get_field(body, name, "integer")
-        if v is not None:
-            d[name] = v
-    for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
-        v = get_field(body, name, "boolean")
-        if v is not None:
-            d[name] = v
+def _json_text(spec: Union[str, dict]) -> str:
+    return spec if isinstance(spec, str) else json.dumps(spec)
+
+
+def _grammar(req: S._OpenAIRequest) -> Dict[str, str]:
+    """The request's grammar as the one SamplingParams field it sets. Sources: json_schema,
+    regex, ebnf, structural_tag (SGLang), response_format json_object / json_schema (OpenAI;
+    json_object is the schema {"type": "object"}), guided_json / guided_regex / guided_grammar /
+    guided_choice (vLLM; a choice list is the regex alternation of the escaped choices). More
+    than one source is a 400 naming them."""
+    given = []                                   # (field the client used, SamplingParams field, spec)
+    for name in ("json_schema", "structural_tag"):
+        if getattr(req, name) is not None:
+            given.append((name, name, _json_text(getattr(req, name))))
     for name in ("regex", "ebnf"):
-        v = get_field(body, name, "string")
+        if getattr(req, name) is not None:
+            given.append((name, name, getattr(req, name)))
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        given.append(("response_format", "json_schema", json.dumps({"type": "object"})))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise bad_request("response_format.json_schema is required when response_format.type "
+                              "is json_schema", param="response_format.json_schema")
+        given.append(("response_format", "json_schema", json.dumps(rf.json_schema.schema_)))
+    if req.guided_json is not None:
+        given.append(("guided_json", "json_schema", _json_text(req.guided_json)))
+    if req.guided_regex is not None:
+        given.append(("guided_regex", "regex", req.guided_regex))
+    if req.guided_grammar is not None:
+        given.append(("guided_grammar", "ebnf", req.guided_grammar))
+    if req.guided_choice is not None:
+        given.append(("guided_choice", "regex", "(" + "|".join(map(re.escape, req.guided_choice)) + ")"))
+    if len(given) > 1:
+        names = [g[0] for g in given]
+        raise bad_request(f"give at most one output constraint (json_schema, regex, ebnf, "
+                          f"structural_tag, response_format, guided_*); got {', '.join(names)}",
+                          param=names[1])
+    return {kind: spec for _, kind, spec in given}
+
+
+def _openai_sampling(req: S._OpenAIRequest, n: int, default_max_tokens: Optional[int]) -> SamplingParams:
+    """The OpenAI sampling fields (plus SGLang's and vLLM's extras) as a verified
+    SamplingParams (n included, so seed + n - 1 is checked; the routes run n copies of n=1)."""
+    d: Dict[str, Any] = {"n": n}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed", "ignore_eos", "skip_special_tokens",
+                 "spaces_between_special_tokens", "no_stop_trim", "stop_token_ids", "stop_regex",
+                 "logit_bias"):
+        v = getattr(req, name)
         if v is not None:
             d[name] = v
-
-    max_tokens = get_field(body, "max_tokens", "integer")
-    max_param = "max_tokens"
-    mct = get_field(body, "max_completion_tokens", "integer")
-    if mct is not None:
-        max_tokens, max_param = mct, "max_completion_tokens"
-    if max_tokens is not None and max_tokens < 0:
-        raise bad_request(f"{max_param} must be >= 0, got {max_tokens}", param=max_param)
+    max_tokens = getattr(req, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = req.max_tokens
     d["max_new_tokens"] = default_max_tokens if max_tokens is None else max_tokens
-
-    min_tokens = get_field(body, "min_tokens", "integer")
-    if min_tokens is not None:
-        if min_tokens < 0:
-            raise bad_request(f"min_tokens must be >= 0, got {min_tokens}", param="min_tokens")
-        d["min_new_tokens"] = min_tokens
-
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise bad_request("stop must be a non-empty string or a list of non-empty strings",
-                              param="stop")
-        if stop:
-            d["stop"] = stop
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
-            raise bad_request("stop_token_ids must be a list of non-negative integers",
-                              param="stop_token_ids")
-        d["stop_token_ids"] = stop_ids
-
-    schema = body.get("json_schema")
-    if schema is not None:
-        if not isinstance(schema, (str, dict)):
-            raise bad_request("json_schema must be a JSON schema (object or string)", param="json_schema")
-        d["json_schema"] = schema if isinstance(schema, str) else json.dumps(schema)
-    rf = get_field(body, "response_format", "object")
-    if rf is not None:
-        kind = rf.get("type")
-        if kind == "json_schema":
-            js = rf.get("json_schema")
-            sch = js.get("schema") if isinstance(js, dict) else None
-            if not isinstance(sch, dict):
-                raise bad_request("response_format.json_schema.schema must be an object",
-                                  param="response_format")
-            d["json_schema"] = json.dumps(sch)
-        elif kind == "json_object":
-            d["json_schema"] = json.dumps({"type": "object"})
-        elif kind != "text":
-            raise bad_request("response_format.type must be text, json_object or json_schema",
-                              param="response_format")
-
-    bias = body.get("logit_bias")
-    if bias:
-        raise bad_request("logit_bias is not supported; remove it", param="logit_bias")
+    if req.min_tokens is not None:
+        d["min_new_tokens"] = req.min_tokens
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    if stop:
+        d["stop"] = list(stop)
+    d.update(_grammar(req))
     return sampling_params_from_dict(d, openai_names=True)
 
 
-def _n_and_stream(body: dict):
-    n = get_field(body, "n", "integer", 1)
-    if not 1 <= n <= MAX_N:
-        raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", param="n")
-    best_of = get_field(body, "best_of", "integer")
-    if best_of is not None and best_of != n:
+def _n_and_stream(req: S._OpenAIRequest):
+    n = 1 if req.n is None else req.n
+    if req.best_of is not None and req.best_of != n:
         raise bad_request("best_of is not supported (only best_of == n); remove it", param="best_of")
-    stream = get_field(body, "stream", "boolean", False)
-    opts = get_field(body, "stream_options", "object")
+    stream = bool(req.stream)
     include_usage = False
-    if opts is not None:
+    if req.stream_options is not None:
         if not stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               param="stream_options")
-        include_usage = get_field(opts, "include_usage", "boolean", False)
+        include_usage = bool(req.stream_options.include_usage)
     return n, stream, include_usage
 
 
-def _message_text(content: Any, where: str) -> str:
-    """A message's content as one string: a string, null, or a list of text parts."""
+def _message_dict(i: int, msg: S.ChatMessage) -> dict:
+    """A validated message as the dict the chat template sees: every key the client sent,
+    content flattened to one string (text parts joined by newlines), `developer` as `system`."""
+    if "content" not in msg.model_fields_set and not msg.tool_calls:
+        raise bad_request(f"messages[{i}].content is required", param=f"messages[{i}].content")
+    m = msg.model_dump(exclude_unset=True)
+    content = msg.content
     if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"{where}.content[{j}] must be a text part "
-                                  f'{{"type": "text", "text": "..."}}; only text content is supported',
-                                  param=f"{where}.content")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise bad_request(f"{where}.content must be a string or a list of text parts, got "
-                      f"{_type_name(content)}", param=f"{where}.content")
+        m["content"] = ""
+    elif not isinstance(content, str):
+        m["content"] = "\n".join(part.text for part in content)
+    m["role"] = "system" if msg.role == "developer" else msg.role
+    return m
 
 
 def parse_messages(messages: Any) -> List[dict]:
-    """Validate chat messages; return copies with content flattened to strings and the
-    `developer` role mapped to `system` (chat templates know the latter)."""
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty array of {role, content} objects",
-                          param="messages")
-    out = []
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise bad_request(f"{where} must be an object with role and content, got "
-                              f"{_type_name(msg)}", param=where)
-        role = msg.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}",
-                              param=f"{where}.role")
-        if "content" not in msg and not msg.get("tool_calls"):
-            raise bad_request(f"{where}.content is required", param=f"{where}.content")
-        m = dict(msg)
-        m["role"] = "system" if role == "developer" else role
-        m["content"] = _message_text(msg.get("content"), where)
-        out.append(m)
-    return out
+    """Validate chat messages (schemas.ChatMessage); return dicts for the chat template (see
+    _message_dict)."""
+    validated = S.parse_value(S.MESSAGES, messages, "messages")
+    return [_message_dict(i, m) for i, m in enumerate(validated)]
 
 
 def parse_chat_request(body: dict) -> ChatRequest:
     """Validate a /v1/chat/completions body (the model name is checked by the route)."""
-    if "messages" not in body:
-        raise bad_request("messages is required", param="messages")
-    messages = parse_messages(body["messages"])
-    tools = get_field(body, "tools", "array")
-    n, stream, include_usage = _n_and_stream(body)
-    logprobs = get_field(body, "logprobs", "boolean", False)
-    top = get_field(body, "top_logprobs", "integer")
-    if top is not None:
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}",
-                              param="top_logprobs")
-        if not logprobs and top > 0:
-            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    req = S.parse(S.ChatCompletionRequest, body)
+    n, stream, include_usage = _n_and_stream(req)
+    logprobs = bool(req.logprobs)
+    top = req.top_logprobs or 0
+    if top > 0 and not logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     return ChatRequest(
-        messages=messages,
-        tools=tools,
-        add_generation_prompt=get_field(body, "add_generation_prompt", "boolean", True),
+        messages=[_message_dict(i, m) for i, m in enumerate(req.messages)],
+        tools=req.tools,
+        add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
         stream=stream, include_usage=include_usage, n=n,
-        logprobs=logprobs, top_logprobs=top or 0,
-        sampling=_openai_sampling(body, default_max_tokens=None),
+        logprobs=logprobs, top_logprobs=top,
+        sampling=_openai_sampling(req, n, default_max_tokens=None),
     )
 
 
 def parse_prompts(prompt: Any, param: str) -> List[Prompt]:
-    """A prompt in any of the accepted shapes -> a list of prompts (text or token ids):
-    str, list[str] (a batch), list[int] (one tokenized prompt), list[list[int]] (a batch)."""
-    bad = bad_request(f"{param} must be a string, an array of strings, an array of token ids, "
-                      f"or an array of arrays of token ids", param=param)
+    """A prompt in any of the accepted shapes (schemas.Prompt) -> a list of prompts (text or
+    token ids): str, list[str] (a batch), list[int] (one tokenized prompt), list[list[int]]."""
+    prompt = S.parse_value(S.PROMPT, prompt, param)
     if isinstance(prompt, str):
         return [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise bad_request(f"{param} must not be empty", param=param) if prompt == [] else bad
-    if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    if all(_is_int(t) for t in prompt):
+    if isinstance(prompt[0], int):
         return [list(prompt)]
-    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
-        return [list(p) for p in prompt]
-    raise bad
+    return [p if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _check_sequences(num_prompts: int, n: int, param: str) -> None:
+    if num_prompts * n > S.MAX_SEQUENCES:
+        raise bad_request(f"the request asks for {num_prompts} prompts x n={n} = {num_prompts * n} "
+                          f"sequences; at most {S.MAX_SEQUENCES} are allowed per request: send "
+                          f"fewer prompts or a smaller n", param=param)
 
 
 def parse_completion_request(body: dict) -> CompletionRequest:
     """Validate a /v1/completions body."""
-    if body.get("prompt") is None:
-        raise bad_request("prompt is required", param="prompt")
-    prompts = parse_prompts(body["prompt"], "prompt")
-    n, stream, include_usage = _n_and_stream(body)
-    logprobs = get_field(body, "logprobs", "integer")
-    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}",
-                          param="logprobs")
-    if body.get("suffix"):
+    req = S.parse(S.CompletionRequest, body)
+    prompts = parse_prompts(req.prompt, "prompt")
+    n, stream, include_usage = _n_and_stream(req)
+    _check_sequences(len(prompts), n, "n")
+    if req.suffix:
         raise bad_request("suffix is not supported; remove it", param="suffix")
     return CompletionRequest(
-        prompts=prompts,
-        echo=get_field(body, "echo", "boolean", False),
-        stream=stream, include_usage=include_usage, n=n, logprobs=logprobs,
-        sampling=_openai_sampling(body, default_max_tokens=16),
+        prompts=prompts, echo=bool(req.echo),
+        stream=stream, include_usage=include_usage, n=n, logprobs=req.logprobs,
+        sampling=_openai_sampling(req, n, default_max_tokens=16),
     )
 
 
@@ -346,79 +269,73 @@ class NativeGenerateRequest:
     rids: Optional[List[str]]            # one per prompt when given
 
 
-def _per_prompt(body: dict, name: str, kind: str, default: Any, count: int) -> list:
+def _per_prompt(value: Any, name: str, default: Any, count: int) -> list:
     """A native field given once (applies to every prompt) or as a list of one per prompt."""
-    v = body.get(name)
-    if isinstance(v, list) and kind != "array":
-        if len(v) != count:
-            raise bad_request(f"{name} has {len(v)} entries but there are {count} prompts; give "
+    if value is None:
+        return [default] * count
+    if isinstance(value, list):
+        if len(value) != count:
+            raise bad_request(f"{name} has {len(value)} entries but there are {count} prompts; give "
                               f"one value or one per prompt", param=name)
-        return [get_field({name: x}, name, kind, default) for x in v]
-    return [get_field(body, name, kind, default)] * count
+        return list(value)
+    return [value] * count
+
+
+def native_sampling_dict(sp: S.SamplingParamsBody) -> dict:
+    """A validated sampling_params object as SamplingParams.from_dict's input: only the keys
+    the client sent, json_schema / structural_tag objects as JSON text."""
+    d = sp.model_dump(exclude_unset=True)
+    for name in ("json_schema", "structural_tag"):
+        if d.get(name) is not None:
+            d[name] = _json_text(d[name])
+    return d
 
 
 def parse_generate_request(body: dict) -> NativeGenerateRequest:
     """Validate a native /generate body (SGLang's names)."""
-    has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
-    if has_text == has_ids:
+    req = S.parse(S.GenerateRequest, body)
+    if (req.text is None) == (req.input_ids is None):
         raise bad_request("give exactly one of text or input_ids", param="text")
-    if has_text:
-        text = body["text"]
-        if isinstance(text, str):
-            prompts, is_batch = [text], False
-        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            prompts, is_batch = list(text), True
-        else:
-            raise bad_request("text must be a string or a non-empty array of strings", param="text")
+    if req.text is not None:
+        is_batch = isinstance(req.text, list)
+        prompts: List[Prompt] = list(req.text) if is_batch else [req.text]
     else:
-        ids = body["input_ids"]
-        if isinstance(ids, list) and ids and all(_is_int(t) for t in ids):
-            prompts, is_batch = [list(ids)], False
-        elif isinstance(ids, list) and ids and all(
-                isinstance(p, list) and p and all(_is_int(t) for t in p) for p in ids):
-            prompts, is_batch = [list(p) for p in ids], True
-        else:
-            raise bad_request("input_ids must be a non-empty array of token ids or an array of "
-                              "such arrays", param="input_ids")
+        is_batch = isinstance(req.input_ids[0], list)
+        prompts = [list(p) for p in req.input_ids] if is_batch else [list(req.input_ids)]
     count = len(prompts)
 
-    sp = body.get("sampling_params")
-    if sp is None or isinstance(sp, dict):
-        sampling = [sampling_params_from_dict(sp or {})] * count
-    elif isinstance(sp, list) and all(isinstance(x, dict) for x in sp):
+    sp = req.sampling_params
+    if isinstance(sp, list):
         if len(sp) != count:
             raise bad_request(f"sampling_params has {len(sp)} entries but there are {count} "
                               "prompts; give one object or one per prompt", param="sampling_params")
-        sampling = [sampling_params_from_dict(x) for x in sp]
+        sampling = [sampling_params_from_dict(native_sampling_dict(x), where=f"sampling_params[{i}]")
+                    for i, x in enumerate(sp)]
     else:
-        raise bad_request("sampling_params must be an object or an array of objects",
-                          param="sampling_params")
+        one = {} if sp is None else native_sampling_dict(sp)
+        sampling = [sampling_params_from_dict(one, where="sampling_params")] * count
+    _check_sequences(count, max(s.n for s in sampling), "sampling_params.n")
 
-    rid = body.get("rid")
     rids = None
-    if rid is not None:
-        if isinstance(rid, str) and count == 1:
-            rids = [rid]
-        elif isinstance(rid, list) and len(rid) == count and all(isinstance(r, str) for r in rid):
-            rids = list(rid)
-        else:
+    if req.rid is not None:
+        if isinstance(req.rid, str) and count != 1:
             raise bad_request("rid must be a string (one prompt) or an array of one string per "
                               "prompt", param="rid")
-
-    top_nums = _per_prompt(body, "top_logprobs_num", "integer", 0, count)
-    for t in top_nums:
-        if not 0 <= t <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}, got {t}",
-                              param="top_logprobs_num")
+        rids = _per_prompt(req.rid, "rid", None, count)
     return NativeGenerateRequest(
         prompts=prompts, is_batch=is_batch, sampling=sampling,
-        stream=get_field(body, "stream", "boolean", False),
-        return_logprob=_per_prompt(body, "return_logprob", "boolean", False, count),
-        logprob_start_len=_per_prompt(body, "logprob_start_len", "integer", -1, count),
-        top_logprobs_num=top_nums,
-        return_text_in_logprobs=get_field(body, "return_text_in_logprobs", "boolean", False),
+        stream=bool(req.stream),
+        return_logprob=_per_prompt(req.return_logprob, "return_logprob", False, count),
+        logprob_start_len=_per_prompt(req.logprob_start_len, "logprob_start_len", -1, count),
+        top_logprobs_num=_per_prompt(req.top_logprobs_num, "top_logprobs_num", 0, count),
+        return_text_in_logprobs=bool(req.return_text_in_logprobs),
         rids=rids,
     )
+
+
+def parse_abort_request(body: dict) -> str:
+    """The rid of an /abort_request body."""
+    return S.parse(S.AbortRequest, body).rid
 
 
 # --------------------------------------------------------------------------- shared checks
@@ -465,7 +382,7 @@ class SeqResult:
 
     def feed(self, out: GenerateOutput) -> None:
         self.text += out.text_delta
-        self.output_ids.extend(out.output_ids_delta)
+        apply_ids_delta(self.output_ids, out)        # a jump-forward may take ids back
         self.output_token_logprobs.extend(out.output_token_logprobs_delta)
         self.output_top_logprobs.extend(out.output_top_logprobs_delta)
         if out.input_token_logprobs is not None:

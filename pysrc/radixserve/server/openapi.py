@@ -1,0 +1,272 @@
+"""The OpenAPI 3.1 document served at GET /openapi.json.
+
+Request bodies are the pydantic models of server/schemas.py (their JSON schemas, under
+#/components/schemas). Responses are typed loosely (objects with the fields every response
+has; more may appear) but truthfully: each documents every status and media type the route
+answers with, so a schema fuzzer (schemathesis) can check the server against it. Statuses the
+door can answer on any route (server/security.py: 400 for a malformed Content-Length, 401
+without the API key, 403 for a foreign Origin, 413 for a large body, 421 for a foreign Host)
+are on every route; with an API key the document declares Bearer security for every route but
+/health.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve import __version__
+from radixserve.server import schemas as S
+from radixserve.server.jsonio import JSONResponse
+
+REF = "#/components/schemas/{model}"
+JSON = "application/json"
+EVENT_STREAM = "text/event-stream"
+
+
+# --------------------------------------------------------------------------- response shapes
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: Optional[str]
+    code: int
+
+
+class ErrorResponse(_Response):
+    """Every error body: OpenAI's shape."""
+    error: ErrorDetail
+
+
+class ChatMessageOut(_Response):
+    role: str
+    content: Optional[str]
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatMessageOut
+    finish_reason: Optional[str]
+    logprobs: Optional[Dict[str, Any]] = None
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(_Response):
+    """A non-streamed /v1/chat/completions response."""
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: List[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    finish_reason: Optional[str]
+    logprobs: Optional[Dict[str, Any]] = None
+
+
+class TextCompletion(_Response):
+    """A non-streamed /v1/completions response."""
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: List[CompletionChoice]
+    usage: Usage
+
+
+class ChatCompletionChunk(_Response):
+    """One event of a streamed chat completion (choices is empty in the final usage chunk)."""
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: List[Dict[str, Any]]
+
+
+class TextCompletionChunk(ChatCompletionChunk):
+    """One event of a streamed text completion."""
+
+
+class GenerateMeta(_Response):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: Optional[Dict[str, Any]]
+
+
+class GenerateResult(_Response):
+    """A /generate result (one per sequence; a batch or n > 1 answers an array of them)."""
+    text: str
+    output_ids: List[int]
+    meta_info: GenerateMeta
+
+
+class ModelCard(_Response):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(_Response):
+    object: str
+    data: List[ModelCard]
+
+
+RESPONSE_MODELS = (ErrorResponse, ChatCompletion, TextCompletion, GenerateResult, ModelCard, ModelList,
+                   ChatCompletionChunk, TextCompletionChunk)
+
+
+# --------------------------------------------------------------------------- the document
+
+def _ref(model: type) -> dict:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _json(schema: dict, description: str) -> dict:
+    return {"description": description, "content": {JSON: {"schema": schema}}}
+
+
+def _error(description: str) -> dict:
+    return _json(_ref(ErrorResponse), description)
+
+
+def _door_errors(api_key: bool) -> Dict[str, dict]:
+    errors = {
+        "400": _error("invalid request"),
+        "403": _error("cross-origin request from an origin not in --allowed-origins"),
+        "413": _error("request body larger than --max-request-bytes"),
+        "421": _error("Host header not in --allowed-hosts"),
+    }
+    if api_key:
+        errors["401"] = _error("missing or wrong API key")
+    return errors
+
+
+def _sse_event(chunk: type) -> dict:
+    """One server-sent event (OpenAPI 3.1 reads an event stream's schema per event): its data
+    is a JSON chunk, an error body (after the stream started), or the closing [DONE]."""
+    return {"type": "object", "required": ["data"], "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "anyOf": [
+            {"const": "[DONE]"},
+            {"contentMediaType": JSON, "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}]}}}
+
+
+def _generation_route(summary: str, body: type, result: dict, chunk: type, has_model: bool) -> dict:
+    responses = {
+        "200": {"description": "the result (application/json), or with stream=true, server-sent "
+                               "events ending in data: [DONE]",
+                "content": {JSON: {"schema": result}, EVENT_STREAM: {"schema": _sse_event(chunk)}}},
+        "415": _error("Content-Type is not application/json"),
+        "503": _error("the server is busy (Retry-After), shutting down, or aborted the request"),
+    }
+    if has_model:
+        responses["404"] = _error("model names a model this server does not serve")
+    return {"post": {"summary": summary, "requestBody": {
+        "required": True, "content": {JSON: {"schema": _ref(body)}}}, "responses": responses}}
+
+
+def _get(summary: str, responses: Dict[str, dict]) -> dict:
+    return {"get": {"summary": summary, "responses": responses}}
+
+
+def _paths() -> Dict[str, dict]:
+    obj = {"type": "object"}
+    empty = {"description": "empty body"}
+    return {
+        "/v1/chat/completions": _generation_route("OpenAI chat completion", S.ChatCompletionRequest,
+                                                  _ref(ChatCompletion), ChatCompletionChunk,
+                                                  has_model=True),
+        "/v1/completions": _generation_route("OpenAI text completion", S.CompletionRequest,
+                                             _ref(TextCompletion), TextCompletionChunk,
+                                             has_model=True),
+        "/generate": _generation_route(
+            "SGLang native generation", S.GenerateRequest,
+            {"anyOf": [_ref(GenerateResult), {"type": "array", "items": _ref(GenerateResult)}]},
+            GenerateResult, has_model=False),
+        "/v1/models": _get("the served model", {"200": _json(_ref(ModelList), "model list")}),
+        "/v1/models/{model_id}": {"get": {
+            "summary": "one model's card",
+            "parameters": [{"name": "model_id", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {"200": _json(_ref(ModelCard), "the model"),
+                          "404": _error("not a model this server serves")}}},
+        "/health": _get("liveness: 200 while the engine's loop runs",
+                        {"200": empty, "503": empty}),
+        "/health_generate": _get("readiness: 200 once a one-token generation completes", {
+            "200": empty,
+            "503": {"description": "the engine did not generate (empty body, or an error body "
+                                   "after the time limit)",
+                    "content": {JSON: {"schema": _ref(ErrorResponse)}}}}),
+        "/get_model_info": _get("model facts", {"200": _json(obj, "model path, context length, ...")}),
+        "/get_server_info": _get("server facts", {"200": _json(obj, "server arguments and state")}),
+        "/flush_cache": {"post": {"summary": "empty the radix cache", "responses": {
+            "200": {"description": "flushed", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            "400": _error("requests are running; retry when idle")}}},
+        "/abort_request": {"post": {
+            "summary": "abort one of this client's live requests (200 whether or not one was live)",
+            "requestBody": {"required": True, "content": {JSON: {"schema": _ref(S.AbortRequest)}}},
+            "responses": {"200": empty, "415": _error("Content-Type is not application/json")}}},
+        "/metrics": _get("Prometheus metrics", {"200": {
+            "description": "the Prometheus text format",
+            "content": {"text/plain": {"schema": {"type": "string"}}}}}),
+        "/openapi.json": _get("this document", {"200": _json(obj, "OpenAPI 3.1")}),
+    }
+
+
+def component_schemas() -> Dict[str, Any]:
+    """The JSON schemas of every request and response model, keyed by model name."""
+    _, top = models_json_schema([(m, "validation") for m in S.REQUEST_MODELS + RESPONSE_MODELS],
+                                ref_template=REF)
+    return top["$defs"]
+
+
+def openapi_document(api_key: bool, version: str = "0") -> dict:
+    """The whole document; `api_key`: the server requires a Bearer key (all but /health)."""
+    paths = _paths()
+    door = _door_errors(api_key)
+    for path, item in paths.items():
+        for op in item.values():
+            op["responses"] = {**door, **op["responses"]}
+            if api_key and path == "/health":
+                op["security"] = []
+                op["responses"].pop("401", None)
+    doc: Dict[str, Union[str, dict, list]] = {
+        "openapi": "3.1.0",
+        "info": {"title": "radixserve", "version": version,
+                 "description": "OpenAI-compatible and SGLang-native LLM serving"},
+        "paths": paths,
+        "components": {"schemas": component_schemas()},
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
+
+
+async def openapi_json(request: Request, engine) -> Response:
+    """GET /openapi.json (built once per app)."""
+    state = request.app.state
+    doc = getattr(state, "openapi_document", None)
+    if doc is None:
+        doc = openapi_document(api_key=state.door_policy.api_key is not None, version=__version__)
+        state.openapi_document = doc
+    return JSONResponse(doc)

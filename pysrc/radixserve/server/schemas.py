@@ -1,0 +1,571 @@
+"""The request bodies of the HTTP API as pydantic v2 models: the type, bounds and size of every
+field, and the source of the OpenAPI document (server/openapi.py).
+
+Contract:
+  * Types are strict: "5" is not 5, true is not 1, 5.0 is not an integer (an integer is a
+    number, though). Every number is finite and bounded in the type the engine holds it in:
+    int64 seeds, int32 counts and top_k, float32 temperatures and penalties (the bounds of
+    SamplingParams.verify, which stays the last check). Every list and string is capped by a
+    MAX_* constant below.
+  * A value given "once or one per prompt" (stop, rid, return_logprob, ...) is told apart by its
+    JSON shape (an array or not), so an error inside an array names its index.
+  * `parse(model, body)` returns the validated model or raises ApiError 400 for the first
+    problem: param is its dotted location (messages[3].content) and the message names it and
+    what is allowed ("n must be between 1 and 128, got 500").
+  * Unknown top-level fields are ignored (OpenAI clients send many we have no use for: user,
+    metadata, ...); message objects keep unknown keys (the chat template sees them); an unknown
+    key in native sampling_params is a 400.
+Rules across fields (exactly one of text / input_ids, one entry per prompt, prompts x n, at
+most one grammar, top_logprobs needs logprobs) are protocol.py's, which builds the engine's
+types from these models.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Callable, Dict, List, Literal, Optional, Type, TypeVar, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WrapValidator, model_validator
+from pydantic_core import PydanticCustomError
+from typing_extensions import Annotated
+
+from radixserve.sampling import params as _sp
+from radixserve.server.errors import ApiError
+
+INT32_MAX, INT64_MIN, INT64_MAX = _sp.INT32_MAX, _sp.INT64_MIN, _sp.INT64_MAX
+
+MAX_N = _sp.MAX_N                        # samples per prompt
+MAX_PROMPTS = 1024                       # prompts in one request (a completions list, a /generate batch)
+MAX_SEQUENCES = 4096                     # prompts x n in one request
+MAX_TOP_LOGPROBS = 20
+MAX_MESSAGES = 4096                      # messages in one chat
+MAX_CONTENT_PARTS = 256                  # parts of one message's content
+MAX_TEXT_CHARS = 1 << 22                 # one prompt, message or content part (the body limit usually binds first)
+MAX_PROMPT_TOKENS = 1 << 20              # one token-id prompt
+MAX_TOOLS = 256                          # tools offered in one chat request
+MAX_TOOL_CALLS = 256                     # tool calls in one assistant message
+MAX_NAME_CHARS = 4096                    # model names, rids, message names, tool-call ids
+MAX_STOP = 16                            # stop strings; stop_regex patterns (as SamplingParams.verify)
+MAX_STOP_LEN = _sp.MAX_STOP_LEN          # characters of one stop string / stop_regex
+MAX_STOP_TOKEN_IDS = _sp.MAX_STOP_TOKEN_IDS
+MAX_LOGIT_BIAS = _sp.MAX_LOGIT_BIAS      # entries in logit_bias
+MAX_GRAMMAR_CHARS = _sp.MAX_GRAMMAR_CHARS  # a regex / ebnf / json_schema / structural_tag
+MAX_CHOICES = 1024                       # guided_choice alternatives
+# The sampler divides positive logits by repetition_penalty and all by the temperature (at least
+# MIN_TEMPERATURE): from 1e-20 up, a logit of 1e13 stays finite in float32 (the same bound as
+# SamplingParams.verify's).
+MIN_REPETITION_PENALTY = _sp.MIN_REPETITION_PENALTY
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+M = TypeVar("M", bound=BaseModel)
+
+
+# --------------------------------------------------------------------------- errors
+
+def _error(text: str) -> PydanticCustomError:
+    """A validation error whose message is `text` (a phrase: "must be ..."); braces are safe."""
+    return PydanticCustomError("radixserve", "{text}", {"text": text})
+
+
+def _short(v: Any, limit: int = 40) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(v), type(v).__name__)
+
+
+def describe(v: Any) -> str:
+    """What a client sent, for "..., got <this>"."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return f"the number {_short(v)}"
+    if isinstance(v, str):
+        return "an empty string" if not v else f"the string {_short(v)}"
+    if isinstance(v, list):
+        if not v:
+            return "an empty array"
+        kinds = sorted({_kind(x) for x in v[:100]})
+        return f"an array of {len(v)} item{'s' * (len(v) != 1)} ({', '.join(kinds)})"
+    return "an object" if isinstance(v, dict) else _kind(v)
+
+
+def location(loc: tuple) -> str:
+    """('messages', 3, 'content') -> 'messages[3].content'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not out:
+            out = str(part)
+        elif str(part).isidentifier():
+            out += f".{part}"
+        else:
+            out += f"[{_short(str(part))}]"
+    return out
+
+
+_TYPE_WORDS = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number", "bool_type": "a boolean",
+    "bool_parsing": "a boolean", "string_type": "a string", "list_type": "an array",
+    "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
+}
+
+
+_BOUND_WORDS = {"greater_than_equal": "at least", "less_than_equal": "at most",
+                "greater_than": "greater than", "less_than": "less than"}
+
+
+def _phrase(err: dict) -> str:
+    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind == "radixserve":
+        return ctx["text"]
+    if kind == "missing":
+        return "is required"
+    if kind in _TYPE_WORDS:
+        return f"must be {_TYPE_WORDS[kind]}, got {describe(value)}"
+    if kind == "literal_error":
+        return f"must be {'one of ' if ' or ' in ctx['expected'] else ''}{ctx['expected']}, got {describe(value)}"
+    if kind in ("too_long", "string_too_long"):
+        unit = "characters" if kind == "string_too_long" else "entries"
+        got = len(value) if hasattr(value, "__len__") else "more"
+        return f"may have at most {ctx['max_length']} {unit}, got {got}"
+    if kind in ("too_short", "string_too_short"):
+        what = "string" if kind == "string_too_short" else ("object" if isinstance(value, dict) else "array")
+        if ctx.get("min_length") == 1:
+            return f"must be a non-empty {what}"
+        return f"must have at least {ctx['min_length']} entries, got {len(value)}"
+    if kind in _BOUND_WORDS:
+        bound = next(iter(ctx.values()))
+        return f"must be {_BOUND_WORDS[kind]} {_fmt(bound)}, got {_fmt(value) if _is_number(value) else describe(value)}"
+    if kind == "string_pattern_mismatch":
+        return f"must match the pattern {ctx['pattern']}, got {describe(value)}"
+    if kind == "extra_forbidden":
+        return "is not a known field; remove it"
+    return err.get("msg", "is invalid")
+
+
+def api_error(e: ValidationError, prefix: tuple = ()) -> ApiError:
+    """The first problem of a ValidationError as a 400: "<where> <what is wrong>", param <where>
+    (its location, under `prefix`)."""
+    errors = e.errors(include_url=False)
+    err = errors[0]
+    where = location(prefix + tuple(err["loc"]))
+    message = f"{where or 'the request body'} {_phrase(err)}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})"
+    return ApiError(message, 400, where or None)
+
+
+def parse(model: Type[M], body: Any) -> M:
+    """`model` validated from a decoded JSON body; ApiError 400 (see api_error) otherwise."""
+    try:
+        return model.model_validate(body, strict=True)
+    except ValidationError as e:
+        raise api_error(e) from None
+
+
+def parse_value(adapter: TypeAdapter, value: Any, where: str) -> Any:
+    """One field's value validated by `adapter` (e.g. PROMPT), errors located under `where`."""
+    try:
+        return adapter.validate_python(value, strict=True)
+    except ValidationError as e:
+        raise api_error(e, (where,)) from None
+
+
+# --------------------------------------------------------------------------- bounded numbers
+
+def _fmt(x: Union[int, float]) -> str:
+    """A bound or a value as the client would write it (long integers cut short)."""
+    if isinstance(x, int):
+        text = str(x)
+        return text if len(text) <= 40 else text[:40] + "..."
+    return f"{x:g}" if float(f"{x:g}") == x else repr(x)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _bounded(kind: type, lo, hi, lo_open: bool = False, noun: Optional[str] = None,
+             extra_check: Optional[Callable[[Any], Optional[str]]] = None, schema: Optional[dict] = None):
+    """An int (kind=int) or float in [lo, hi] ((lo, hi] with lo_open), finite, strict. The
+    message names the range; `noun` ("a token id") says what the number is;
+    `extra_check(v)` returns a phrase for values the range alone lets through."""
+    if lo_open:
+        span = f"in ({_fmt(lo)}, {_fmt(hi)}]"
+    else:
+        span = f"between {_fmt(lo)} and {_fmt(hi)}"
+    what = noun or ("an integer" if kind is int else "a number")
+
+    def validate(v: Any, handler):
+        ok_type = (isinstance(v, int) and not isinstance(v, bool)) if kind is int else _is_number(v)
+        if not ok_type:
+            raise _error(f"must be {what} {span}, got {describe(v)}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise _error(f"must be a finite number {span}, got {v}")
+        if (v <= lo if lo_open else v < lo) or v > hi:
+            raise _error(f"must be {noun + ' ' if noun else ''}{span}, got {_fmt(v)}")
+        if extra_check is not None:
+            problem = extra_check(v)
+            if problem:
+                raise _error(problem)
+        return handler(v)
+
+    json_extra = schema or ({"exclusiveMinimum": lo, "maximum": hi} if lo_open
+                            else {"minimum": lo, "maximum": hi})
+    return Annotated[kind, WrapValidator(validate), Field(json_schema_extra=json_extra)]
+
+
+def _temperature_check(v) -> Optional[str]:
+    if 0 < v < _sp.MIN_TEMPERATURE:
+        return (f"must be 0 (greedy) or between {_fmt(_sp.MIN_TEMPERATURE)} and "
+                f"{_fmt(_sp.MAX_TEMPERATURE)}, got {_fmt(v)}")
+    return None
+
+
+Temperature = _bounded(float, 0.0, _sp.MAX_TEMPERATURE, extra_check=_temperature_check,
+                       schema={"anyOf": [{"const": 0}, {"minimum": _sp.MIN_TEMPERATURE,
+                                                        "maximum": _sp.MAX_TEMPERATURE}]})
+TopP = _bounded(float, 0.0, 1.0, lo_open=True)
+MinP = _bounded(float, 0.0, 1.0)
+Penalty = _bounded(float, -2.0, 2.0)                       # presence / frequency
+RepetitionPenalty = _bounded(float, MIN_REPETITION_PENALTY, 2.0)
+TopK = _bounded(int, -1, INT32_MAX, noun="an integer (-1 or 0: off)")
+Seed = _bounded(int, INT64_MIN, INT64_MAX, noun="a 64-bit integer")
+TokenCount = _bounded(int, 0, INT32_MAX)                   # max_tokens, min_tokens, ...
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]      # in pydantic-core: prompts are long
+N = _bounded(int, 1, MAX_N)
+TopLogprobs = _bounded(int, 0, MAX_TOP_LOGPROBS)
+LogprobStart = _bounded(int, -1, INT32_MAX, noun="an integer (-1: no prompt logprobs)")
+Bias = _bounded(float, -100.0, 100.0)
+
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+Grammar = Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+TokenIds = Annotated[List[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+JsonObject = Dict[str, Any]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+
+
+def _check_bias_keys(v: Any, handler):
+    if isinstance(v, dict):
+        bad = next((k for k in v if not (isinstance(k, str) and k.isascii() and k.isdigit()
+                                         and len(k) <= 10)), None)
+        if bad is not None:
+            raise _error(f"must map token ids (decimal strings such as \"50256\") to biases; "
+                         f"{_short(bad)} is not a token id")
+    return handler(v)
+
+
+LogitBias = Annotated[Dict[TokenIdKey, Bias],
+                      Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False}),
+                      WrapValidator(_check_bias_keys)]
+"""OpenAI's logit_bias: {"token id": bias in [-100, 100]}."""
+
+
+# --------------------------------------------------------------------------- shapes
+
+def _own_type_error(e: ValidationError) -> bool:
+    """True when the value itself has the wrong JSON type (not something inside it)."""
+    return all(not err["loc"] and err["type"] in _TYPE_WORDS for err in e.errors())
+
+
+def _shaped(choose: Callable[[Any], Optional[TypeAdapter]], description: str) -> WrapValidator:
+    """Validate with the adapter `choose(value)` picks by the value's JSON shape (None: no
+    shape fits). A value of the wrong type reads "must be <description>, got ..."; a problem
+    inside it keeps its own location and message."""
+    def validate(value: Any, handler):
+        adapter = choose(value)
+        if adapter is None:
+            raise _error(f"must be {description}, got {describe(value)}")
+        try:
+            return adapter.validate_python(value, strict=True)
+        except ValidationError as e:
+            if _own_type_error(e):
+                raise _error(f"must be {description}, got {describe(value)}") from None
+            raise
+    return WrapValidator(validate)
+
+
+def either(one: Any, many: Any, description: str) -> Any:
+    """`one` value, or an array (`many`): the union in the schema, told apart by JSON shape."""
+    one_adapter, many_adapter = TypeAdapter(one), TypeAdapter(many)
+    return Annotated[Union[one, many],
+                     _shaped(lambda v: many_adapter if isinstance(v, list) else one_adapter, description)]
+
+
+def described(t: Any, description: str) -> Any:
+    """`t`, whose wrong-type message reads "must be <description>, got ..."."""
+    adapter = TypeAdapter(t)
+    return Annotated[t, _shaped(lambda v: adapter, description)]
+
+
+def _literal(*values: str, note: str = "") -> Any:
+    """A string that must be one of `values` (a Literal), with a message listing them."""
+    allowed = ", ".join(repr(v) for v in values)
+
+    def validate(v: Any, handler):
+        if not isinstance(v, str) or v not in values:
+            raise _error(f"must be {'one of ' if len(values) > 1 else ''}{allowed}{note}, got {describe(v)}")
+        return handler(v)
+    return Annotated[Literal[values], WrapValidator(validate)]
+
+
+_PROMPT_TEXTS = TypeAdapter(Annotated[List[Text], Field(min_length=1, max_length=MAX_PROMPTS)])
+_PROMPT_IDS = TypeAdapter(TokenIds)
+_PROMPT_ID_LISTS = TypeAdapter(Annotated[List[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+_TEXT = TypeAdapter(Text)
+
+
+def _choose_prompt(v: Any) -> Optional[TypeAdapter]:
+    if isinstance(v, str):
+        return _TEXT
+    if not isinstance(v, list) or not v:
+        return None
+    first = v[0]
+    if isinstance(first, str):
+        return _PROMPT_TEXTS
+    if isinstance(first, int) and not isinstance(first, bool):
+        return _PROMPT_IDS
+    return _PROMPT_ID_LISTS if isinstance(first, list) else None
+
+
+Prompt = Annotated[
+    Union[Text, Annotated[List[Text], Field(min_length=1, max_length=MAX_PROMPTS)], TokenIds,
+          Annotated[List[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]],
+    _shaped(_choose_prompt, f"a string, an array of at most {MAX_PROMPTS} strings, an array of "
+                            f"token ids, or an array of at most {MAX_PROMPTS} arrays of token ids")]
+"""A completions prompt: text, a batch of texts, one tokenized prompt, a batch of those."""
+PROMPT = TypeAdapter(Prompt)
+
+Stop = either(StopString, Annotated[List[StopString], Field(max_length=MAX_STOP)],
+              f"a non-empty string or an array of at most {MAX_STOP} non-empty strings")
+StopRegex = either(Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)],
+                   Annotated[List[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]],
+                             Field(max_length=MAX_STOP)],
+                   f"a regular expression or an array of at most {MAX_STOP} of them")
+StopTokenIds = Annotated[List[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
+_GRAMMAR_TEXT, _JSON_OBJECT = TypeAdapter(Grammar), TypeAdapter(JsonObject)
+SchemaSpec = Annotated[Union[Grammar, JsonObject],
+                       _shaped(lambda v: _GRAMMAR_TEXT if isinstance(v, str) else
+                               _JSON_OBJECT if isinstance(v, dict) else None,
+                               "a JSON object, or a string holding one")]
+"""A json_schema / structural_tag: an object (sent on as JSON text) or the JSON text itself."""
+
+
+class _Body(BaseModel):
+    """A request body object: strict types, unknown keys ignored."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# --------------------------------------------------------------------------- OpenAI routes
+
+TextPartType = _literal("text", note=" (only text content is supported)")
+Role = _literal(*CHAT_ROLES)
+FormatType = _literal("text", "json_object", "json_schema")
+ToolCalls = Annotated[List[JsonObject], Field(max_length=MAX_TOOL_CALLS)]
+
+
+class TextContentPart(_Body):
+    """{"type": "text", "text": ...}: the only content part the server reads."""
+    type: TextPartType
+    text: Text
+
+
+Content = either(Text, Annotated[List[TextContentPart], Field(max_length=MAX_CONTENT_PARTS)],
+                 f"a string or an array of at most {MAX_CONTENT_PARTS} text parts "
+                 '{"type": "text", "text": "..."}')
+
+
+class ChatMessage(BaseModel):
+    """One chat message. Keys beyond these are kept for the chat template (tool metadata...).
+    content may be left out only by an assistant message with tool_calls (protocol.py)."""
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"anyOf": [
+        {"required": ["content"]},
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]})
+    role: Role
+    content: Optional[Content] = None
+    name: Optional[Name] = None
+    tool_calls: Optional[ToolCalls] = None
+    tool_call_id: Optional[Name] = None
+
+
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema: {name, description, schema, strict}."""
+    name: Optional[Name] = None
+    description: Optional[Text] = None
+    schema_: JsonObject = Field(alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Body):
+    """{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
+    type: FormatType
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StreamOptions(_Body):
+    include_usage: Optional[bool] = None
+
+
+Messages = described(Annotated[List[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)],
+                     f"a non-empty array of at most {MAX_MESSAGES} message objects with role and "
+                     "content")
+MESSAGES = TypeAdapter(Messages)
+
+
+class _OpenAIRequest(_Body):
+    """The fields the chat and completions bodies share: OpenAI's, SGLang's and vLLM's
+    sampling extras, and the grammar fields."""
+    model: Optional[Name] = None
+    n: Optional[N] = None
+    best_of: Optional[N] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[Temperature] = None
+    top_p: Optional[TopP] = None
+    top_k: Optional[TopK] = None
+    min_p: Optional[MinP] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    repetition_penalty: Optional[RepetitionPenalty] = None
+    seed: Optional[Seed] = None
+    max_tokens: Optional[TokenCount] = None
+    min_tokens: Optional[TokenCount] = None
+    stop: Optional[Stop] = None
+    stop_token_ids: Optional[StopTokenIds] = None
+    ignore_eos: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    no_stop_trim: Optional[bool] = None
+    logit_bias: Optional[LogitBias] = None
+    response_format: Optional[ResponseFormat] = None
+    json_schema: Optional[SchemaSpec] = None
+    regex: Optional[Grammar] = None
+    ebnf: Optional[Grammar] = None
+    structural_tag: Optional[SchemaSpec] = None
+    stop_regex: Optional[StopRegex] = None
+    guided_json: Optional[SchemaSpec] = None
+    guided_regex: Optional[Grammar] = None
+    guided_grammar: Optional[Grammar] = None
+    guided_choice: Optional[Annotated[List[Annotated[str, Field(max_length=MAX_STOP_LEN)]],
+                                      Field(min_length=1, max_length=MAX_CHOICES)]] = None
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    """POST /v1/chat/completions."""
+    messages: Messages
+    tools: Optional[Annotated[List[JsonObject], Field(max_length=MAX_TOOLS)]] = None
+    add_generation_prompt: Optional[bool] = None
+    max_completion_tokens: Optional[TokenCount] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[TopLogprobs] = None
+
+
+class CompletionRequest(_OpenAIRequest):
+    """POST /v1/completions."""
+    prompt: Prompt
+    echo: Optional[bool] = None
+    logprobs: Optional[TopLogprobs] = None
+    suffix: Optional[Annotated[Text, Field(json_schema_extra={"maxLength": 0})]] = None  # unsupported
+
+
+# --------------------------------------------------------------------------- native routes
+
+class SamplingParamsBody(BaseModel):
+    """/generate's sampling_params, SGLang's names; defaults are SamplingParams'. json_schema and
+    structural_tag may be objects (sent on as JSON text); an unknown key is a 400."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    max_new_tokens: Optional[TokenCount] = 128          # null: up to the context length
+    min_new_tokens: TokenCount = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    stop: Optional[Stop] = None
+    stop_token_ids: Optional[StopTokenIds] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: N = 1
+    seed: Optional[Seed] = None
+    json_schema: Optional[SchemaSpec] = None
+    regex: Optional[Grammar] = None
+    ebnf: Optional[Grammar] = None
+    structural_tag: Optional[SchemaSpec] = None
+    stop_regex: Optional[StopRegex] = None
+    logit_bias: Optional[LogitBias] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(k for k in data if k not in cls.model_fields)
+            if unknown:
+                hints = []
+                for k in unknown:
+                    close = difflib.get_close_matches(str(k), cls.model_fields, n=1)
+                    hints.append(f"{_short(k)}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+                raise _error(f"has unknown sampling parameter{'s' * (len(unknown) > 1)} "
+                             f"{', '.join(hints)}; remove {'them' if len(unknown) > 1 else 'it'}")
+        return data
+
+
+def _per_prompt(t: Any, description: str) -> Any:
+    return either(t, Annotated[List[t], Field(min_length=1, max_length=MAX_PROMPTS)],
+                  f"{description}, or an array of one per prompt")
+
+
+_BATCH_IDS = TypeAdapter(Annotated[List[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+GenerateText = either(Text, Annotated[List[Text], Field(min_length=1, max_length=MAX_PROMPTS)],
+                      f"a string or a non-empty array of at most {MAX_PROMPTS} strings")
+GenerateIds = Annotated[
+    Union[TokenIds, Annotated[List[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]],
+    _shaped(lambda v: (None if not isinstance(v, list) else
+                       _BATCH_IDS if v and isinstance(v[0], list) else _PROMPT_IDS),
+            f"a non-empty array of token ids or an array of at most {MAX_PROMPTS} of them")]
+PerPromptSampling = _per_prompt(SamplingParamsBody, "a sampling parameters object")
+PerPromptRid = _per_prompt(Annotated[Name, Field(min_length=1)], "a request id string")
+PerPromptBool = _per_prompt(bool, "a boolean")
+PerPromptLogprobStart = _per_prompt(LogprobStart, "an integer")
+PerPromptTopLogprobs = _per_prompt(TopLogprobs, "an integer")
+
+
+class GenerateRequest(_Body):
+    """POST /generate (SGLang's native API): give exactly one of text and input_ids (neither
+    may be null), each one prompt or an array of prompts (a batch); per-prompt fields once or
+    one per prompt."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["text"]},
+                                                           {"required": ["input_ids"]}]})
+    text: GenerateText = None
+    input_ids: GenerateIds = None
+    sampling_params: Optional[PerPromptSampling] = None
+    rid: Optional[PerPromptRid] = None
+    stream: Optional[bool] = None
+    return_logprob: Optional[PerPromptBool] = None
+    logprob_start_len: Optional[PerPromptLogprobStart] = None
+    top_logprobs_num: Optional[PerPromptTopLogprobs] = None
+    return_text_in_logprobs: Optional[bool] = None
+
+
+class AbortRequest(_Body):
+    """POST /abort_request: the id of one of this client's live requests."""
+    rid: Annotated[Name, Field(min_length=1)]
+
+
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, GenerateRequest, AbortRequest)

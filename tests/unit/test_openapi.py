@@ -1,0 +1,163 @@
+"""The OpenAPI document at /openapi.json: it lists every route the app serves with the methods
+it takes, declares Bearer security exactly when --api-key is set, its schemas are valid JSON
+Schema, the request models' schemas agree with what the parsers accept, and what the
+response builders produce validates against the documented response schemas. Then a short
+schemathesis run against the app over the fake engine (no server, no model)."""
+import json
+
+import jsonschema
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from referencing import Registry
+from referencing.jsonschema import DRAFT202012
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                               status_code_conformance)
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from radixserve.config import ServerArgs
+from radixserve.engine.io import GenerateOutput
+from radixserve.server import protocol as P
+from radixserve.server.app import create_app
+from radixserve.server.errors import ApiError
+from radixserve.server.openapi import openapi_document
+
+from test_server_fake_engine import FakeEngine
+
+DOC = openapi_document(api_key=False)
+
+
+def _validator(name: str):
+    """A validator for components.schemas[name], resolving the document's $refs."""
+    registry = Registry().with_resource("urn:doc", DRAFT202012.create_resource(DOC))
+    schema = {"$ref": f"urn:doc#/components/schemas/{name}"}
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def test_every_route_is_documented_with_its_methods():
+    app = create_app(FakeEngine())
+    served = {}
+    for route in app.routes:
+        if isinstance(route, Route):
+            path = route.path.replace("{model_id:path}", "{model_id}")
+            served[path] = {m.lower() for m in route.methods if m != "HEAD"}
+    documented = {path: set(item) for path, item in DOC["paths"].items()}
+    assert documented == served
+
+
+def test_security_follows_the_api_key():
+    assert "security" not in DOC and "securitySchemes" not in DOC["components"]
+    assert all("401" not in op["responses"] for item in DOC["paths"].values() for op in item.values())
+    locked = openapi_document(api_key=True)
+    assert locked["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert locked["security"] == [{"bearer": []}]
+    assert locked["paths"]["/health"]["get"]["security"] == []
+    assert "401" in locked["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert "401" not in locked["paths"]["/health"]["get"]["responses"]
+
+
+def test_served_document_matches_and_schemas_are_valid_json_schema():
+    engine = FakeEngine()
+    engine.server_args = ServerArgs(model_path="/models/fake", api_key="k")
+    with TestClient(create_app(engine)) as client:
+        assert client.get("/openapi.json").status_code == 401          # behind the key
+        r = client.get("/openapi.json", headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200 and r.json()["security"] == [{"bearer": []}]
+    assert r.json()["openapi"] == "3.1.0"
+    for name, schema in DOC["components"]["schemas"].items():
+        jsonschema.Draft202012Validator.check_schema(schema)
+    for status in ("400", "413", "415", "503"):
+        assert DOC["paths"]["/generate"]["post"]["responses"][status]["content"]["application/json"][
+            "schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+@pytest.mark.parametrize("model, body, valid", [
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "hi"}], "n": 128}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "hi"}], "n": 129}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "hi"}], "temperature": 1e-6}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "tool"}]}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "assistant", "tool_calls": [{}]}]}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}],
+                               "seed": 2 ** 63}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}],
+                               "logit_bias": {"12": 3}}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}],
+                               "logit_bias": {"a": 3}}, False),
+    ("CompletionRequest", {"prompt": [[1, 2], [3]]}, True),
+    ("CompletionRequest", {"prompt": [1, "a"]}, False),
+    ("CompletionRequest", {"prompt": "x", "suffix": "y"}, False),
+    ("GenerateRequest", {"text": "x", "sampling_params": {"temprature": 1}}, False),
+    ("GenerateRequest", {"text": "x", "sampling_params": [{"top_k": 5}]}, True),
+    ("GenerateRequest", {"sampling_params": {}}, False),
+    ("GenerateRequest", {"text": "x", "input_ids": [1]}, False),
+    ("AbortRequest", {"rid": ""}, False),
+])
+def test_request_schemas_agree_with_the_parsers(model, body, valid):
+    """A body the document calls valid passes the model; one it calls invalid is a 400."""
+    assert _validator(model).is_valid(body) is valid
+    parse = {"ChatCompletionRequest": P.parse_chat_request, "CompletionRequest": P.parse_completion_request,
+             "GenerateRequest": P.parse_generate_request, "AbortRequest": P.parse_abort_request}[model]
+    if valid:
+        parse(body)
+    else:
+        with pytest.raises(ApiError) as info:
+            parse(body)
+        assert info.value.status == 400
+
+
+def _result():
+    r = P.SeqResult(0, [1, 2])
+    r.feed(GenerateOutput(rid="r", text_delta="hi", output_ids_delta=[4, 5], finished=True,
+                          finish_reason={"type": "stop", "matched": "!"}, prompt_tokens=2,
+                          completion_tokens=2, output_token_logprobs_delta=[(-1.0, 4, "h"), (-2.0, 5, "i")],
+                          output_top_logprobs_delta=[[(-1.0, 4, "h")], [(-2.0, 5, "i")]]))
+    return r
+
+
+def test_response_builders_match_the_documented_schemas():
+    r, text = _result(), lambda i: "t"
+    cases = [
+        ("ChatCompletion", P.chat_response("id", 1, "m", [r], 1, True, 1, text)),
+        ("ChatCompletionChunk", P.chat_chunk("id", 1, "m", 0, {"content": "x"}, "stop", usage_null=True)),
+        ("ChatCompletionChunk", P.usage_chunk("id", "chat.completion.chunk", 1, "m", P.usage_dict([r], 1))),
+        ("TextCompletion", P.completion_response("id", 1, "m", [P.completion_choice(r, "", 1, text)], [r], 1)),
+        ("TextCompletionChunk", P.completion_chunk("id", 1, "m", 0, "t", None)),
+        ("GenerateResult", P.native_result(r, "rid", True)),
+        ("GenerateResult", {**P.native_result(P.SeqResult(0, [1]), "rid", False), "index": 3}),
+        ("ErrorResponse", ApiError("bad", 400, "n").body()),
+        ("ErrorResponse", ApiError("gone", 503).body()),
+    ]
+    for name, body in cases:
+        errors = list(_validator(name).iter_errors(json.loads(json.dumps(body))))
+        assert not errors, (name, [e.message for e in errors])
+    assert not _validator("ChatCompletion").is_valid({"id": "x"})            # the check can fail
+
+
+@pytest.fixture(scope="module")
+def asgi_schema():
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(FakeEngine()))
+    return schema
+
+
+CASES = [(path, method.upper()) for path, item in DOC["paths"].items() for method in item]
+
+
+@pytest.mark.parametrize("path, method", CASES)
+def test_schemathesis_over_the_fake_engine(asgi_schema, path, method):
+    """A few schema-driven requests per operation straight into the app: no 5xx, and every
+    response (statuses, media types, bodies, SSE events) as documented."""
+    operation = asgi_schema[path][method]
+    modes = [schemathesis.GenerationMode.POSITIVE]
+    if "requestBody" in DOC["paths"][path][method.lower()]:
+        modes.append(schemathesis.GenerationMode.NEGATIVE)
+    for mode in modes:
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(max_examples=15, deadline=None, derandomize=True, database=None,
+                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        def fuzz(case):
+            case.call_and_validate(checks=[not_a_server_error, status_code_conformance,
+                                           content_type_conformance, response_schema_conformance])
+        fuzz()
