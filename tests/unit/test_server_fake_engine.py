@@ -19,6 +19,7 @@ CONTEXT_LEN = 64
 class FakeTokenizer:
     """Byte-level: token id == UTF-8 byte."""
     eos_token_ids = [0]
+    template_handles_tools = False
 
     def encode(self, text, add_special_tokens=True):
         return list(text.encode("utf-8"))
@@ -29,7 +30,7 @@ class FakeTokenizer:
     def token_text(self, tid):
         return bytes([tid]).decode("latin-1")
 
-    def encode_chat(self, messages, add_generation_prompt=True, tools=None):
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None, render_limits=None):
         if any("BADTEMPLATE" in m["content"] for m in messages):
             raise ValueError("the template cannot render this conversation")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
@@ -419,7 +420,8 @@ def test_generate_stream_is_cumulative(client):
 
 def test_generate_errors(client, engine):
     err_of(client.post("/generate", json={"sampling_params": {}}), 400, "text")
-    err_of(client.post("/generate", json={"text": "a", "sampling_params": {"top_p": 0}}), 400, "top_p")
+    err_of(client.post("/generate", json={"text": "a", "sampling_params": {"top_p": 0}}), 400,
+           "sampling_params.top_p")
     err_of(client.post("/generate", json={"text": "x" * 70}), 400, "text")
     err_of(client.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 64}}),
            400, "max_new_tokens")
@@ -515,7 +517,9 @@ def test_cli_serve_takes_every_server_arg():
 
 def test_long_prompts_are_tokenized_off_the_event_loop(engine, client):
     """A short prompt is tokenized inline on the loop's thread; one longer than OFF_LOOP_CHARS
-    on a worker thread (so it cannot stall the loop), for /generate, completions and chat."""
+    on a worker thread (so it cannot stall the loop), for /generate and completions. A chat is
+    always rendered and tokenized on a worker thread: a template's cost need not follow the
+    size of its input."""
     import threading
 
     from radixserve.server.generation import OFF_LOOP_CHARS
@@ -537,12 +541,16 @@ def test_long_prompts_are_tokenized_off_the_event_loop(engine, client):
               ("/v1/completions", lambda t: {"model": "fake", "prompt": t, "max_tokens": 1}),
               ("/v1/chat/completions", lambda t: {"model": "fake", "max_tokens": 1,
                                                   "messages": [{"role": "user", "content": t}]})]
+    loop_thread = None
     for route, body in bodies:
         threads.clear()
         assert client.post(route, json=body("hi")).status_code == 200
         assert client.post(route, json=body(long_text)).status_code == 400   # too long: 400
         assert len(threads) >= 2, route
-        loop_thread = threads[0]
+        if route == "/generate":
+            loop_thread = threads[0]                  # the short prompt, inline on the loop
+        if route == "/v1/chat/completions":
+            assert loop_thread not in threads, "a chat was rendered on the loop"
         assert threads[-1] != loop_thread, f"{route}: a long prompt was tokenized on the loop"
 
 

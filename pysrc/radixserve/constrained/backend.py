@@ -26,17 +26,19 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from radixserve.engine.io import RequestError
+
 logger = logging.getLogger(__name__)
 
 GrammarKey = Tuple[str, str]
 KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
-class GrammarError(ValueError):
+class GrammarError(RequestError):
     """A grammar that cannot be used: the compiler's message, or the time limit. A 400."""
 
     def __init__(self, kind: str, message: str):
-        super().__init__(f"invalid {kind}: {message}")
+        super().__init__(f"invalid {kind}: {message}", param=kind)
         self.kind = kind
 
 

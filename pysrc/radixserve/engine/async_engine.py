@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Callable, Dict, Optional
 
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.constrained import GrammarBackend
-from radixserve.engine.io import EngineOverloaded, GenerateOutput, GenerateReqInput
+from radixserve.engine.io import EngineOverloaded, GenerateOutput, GenerateReqInput, RequestError
 from radixserve.engine.req import Req
 from radixserve.engine.scheduler import Scheduler
 
@@ -225,8 +225,8 @@ class AsyncEngine:
                              f"at most {pool - n} or raise --max-total-tokens")
         bad_bias = next((t for t in (sp.logit_bias or {}) if not 0 <= t < vocab), None)
         if bad_bias is not None:
-            raise ValueError(f"logit_bias names token id {bad_bias}, outside the vocabulary "
-                             f"[0, {vocab})")
+            raise RequestError(f"logit_bias names token id {bad_bias}, outside the vocabulary "
+                               f"[0, {vocab})", param="logit_bias")
         if req.return_logprob:
             if req.logprob_start_len < -1:
                 raise ValueError("logprob_start_len must be -1 (no prompt logprobs) or >= 0")

@@ -46,6 +46,14 @@ class GenerateOutput:
     output_ids_rollback: int = 0
 
 
+class RequestError(ValueError):
+    """A request the engine refuses, naming the field to change (param): a 400 upstream."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
 def apply_ids_delta(ids: List[int], out: GenerateOutput) -> None:
     """Bring a consumer's accumulated output ids up to date with out (rollback, then delta)."""
     if out.output_ids_rollback:

@@ -61,6 +61,30 @@ def expand_requests(rid: str, prompt_ids: Sequence[List[int]], n: int,
     return reqs
 
 
+# the request fields a grammar of each kind can come from, in the order they are looked for
+GRAMMAR_FIELDS = {"json_schema": ("response_format", "guided_json", "json_schema"),
+                  "regex": ("guided_regex", "guided_choice", "regex"),
+                  "ebnf": ("guided_grammar", "ebnf"),
+                  "structural_tag": ("tool_choice", "tools", "structural_tag")}
+
+
+async def check_grammars(engine, reqs: Sequence[GenerateReqInput], body: Optional[dict] = None,
+                         prefix: str = "") -> None:
+    """Compile every distinct grammar of reqs now, before any byte of the response, so a bad
+    one is a 400 (with the compiler's message) naming the field the client used. Compiling
+    runs in the engine's grammar pool and is cached, so generate() finds it ready."""
+    grammars = getattr(engine, "grammars", None)
+    keys = {r.sampling_params.grammar_key for r in reqs} - {None}
+    if grammars is None or not keys:
+        return
+    for key in sorted(keys):
+        try:
+            await grammars.compile_async(key)
+        except ValueError as e:
+            fields = [f for f in GRAMMAR_FIELDS.get(key[0], ()) if body and body.get(f) is not None]
+            raise bad_request(str(e), param=prefix + (fields[0] if fields else key[0])) from None
+
+
 def validate_all(engine, reqs: Sequence[GenerateReqInput]) -> None:
     """engine.validate on every sequence (its ValueError becomes a 400), then room in the
     engine's waiting queue for all of them (else a 503 with Retry-After; nothing started)."""
@@ -68,7 +92,7 @@ def validate_all(engine, reqs: Sequence[GenerateReqInput]) -> None:
         try:
             engine.validate(req)
         except ValueError as e:
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), param=getattr(e, "param", None)) from None
     check = getattr(engine, "check_capacity", None)
     if check is not None:
         try:

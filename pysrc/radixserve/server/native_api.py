@@ -18,7 +18,7 @@ from radixserve.server import protocol as P
 from radixserve.server.errors import ApiError, bad_request, error_response
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.generation import (ClientDisconnected, collect, expand_requests, off_loop,
-                                          merge_generations, validate_all)
+                                          check_grammars, merge_generations, validate_all)
 from radixserve.server.metrics import MetricsRegistry, RequestMetrics, request_metrics
 from radixserve.server.security import read_json_object, redact_server_info
 from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
@@ -50,6 +50,8 @@ async def generate(request: Request, engine) -> Response:
                            req.logprob_start_len, req.top_logprobs_num,
                            req.return_text_in_logprobs, rids=req.rids)
     validate_all(engine, reqs)
+    await check_grammars(engine, reqs, body.get("sampling_params") if isinstance(
+        body.get("sampling_params"), dict) else None, prefix="sampling_params.")
     seq_prompts = [prompt_ids[i // n] for i in range(len(reqs))]
     return_logprob = [req.return_logprob[i // n] for i in range(len(reqs))]
     many = req.is_batch or n > 1
@@ -140,10 +142,7 @@ async def flush_cache(request: Request, engine) -> Response:
 async def abort_request(request: Request, engine) -> Response:
     """Abort a live request of this client's (security.ClientView.abort); 200 whether or not
     there was one to abort."""
-    body = await read_json_object(request)
-    rid = P.get_field(body, "rid", "string")
-    if not rid:
-        raise bad_request("rid is required", param="rid")
+    rid = P.parse_abort_request(await read_json_object(request))
     engine.abort(rid)
     return Response(status_code=200)
 

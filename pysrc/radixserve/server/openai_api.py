@@ -7,6 +7,8 @@ an error after the stream started is sent as an error event followed by [DONE].
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -19,11 +21,14 @@ from radixserve.engine.io import GenerateReqInput
 from radixserve.server import protocol as P
 from radixserve.server.errors import ApiError, bad_request
 from radixserve.server.jsonio import JSONResponse
-from radixserve.server.generation import (ClientDisconnected, collect, expand_requests, off_loop,
-                                          merge_generations, validate_all)
+from radixserve.server.generation import (ClientDisconnected, check_grammars, collect,
+                                          expand_requests, merge_generations, off_loop,
+                                          validate_all)
 from radixserve.server.metrics import RequestMetrics, request_metrics
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
+from radixserve.server import tool_calls as T
+from radixserve.tokenizer.chat_template import MAX_RENDER_SECONDS, RenderLimits
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +66,76 @@ def _raise_if_aborted(results: Sequence[P.SeqResult]) -> None:
 
 # --------------------------------------------------------------------------- chat
 
+def render_limits(engine) -> RenderLimits:
+    """The chat-template bounds: --chat-template-timeout seconds when ServerArgs has that
+    field, else MAX_RENDER_SECONDS; MAX_RENDERED_CHARS of output."""
+    seconds = getattr(engine.server_args, "chat_template_timeout", None)
+    return RenderLimits(max_seconds=MAX_RENDER_SECONDS if seconds is None else float(seconds))
+
+
+async def _render_chat(engine, req: P.ChatRequest, tools: "_Tools") -> List[int]:
+    """The chat's prompt ids: template rendering and tokenization, always on a worker thread (a
+    template's cost need not follow the input's size), bounded by render_limits: past the time
+    limit the client gets a 400 while the render stops at its next check point."""
+    limits = render_limits(engine)
+    work = asyncio.to_thread(engine.tokenizer.encode_chat, tools.messages,
+                             add_generation_prompt=req.add_generation_prompt,
+                             tools=tools.template_tools, render_limits=limits)
+    try:
+        return await asyncio.wait_for(work, limits.max_seconds)
+    except asyncio.TimeoutError:
+        raise bad_request(f"messages cannot be rendered: the chat template took longer than "
+                          f"{limits.max_seconds:g} s to render; send fewer or shorter messages",
+                          param="messages") from None
+    except ValueError as e:
+        raise bad_request(f"messages cannot be rendered: {e}", param="messages") from None
+
+
+@dataclasses.dataclass
+class _Tools:
+    """A chat's tools as this request uses them (server/tool_calls.py)."""
+    functions: List[dict]          # [] when tool_choice is none or there are no tools
+    messages: List[dict]           # what the template renders
+    template_tools: Optional[list]  # tools handed to a template that renders them itself
+
+    @property
+    def active(self) -> bool:
+        return bool(self.functions)
+
+
+def _chat_tools(engine, body: dict, req: P.ChatRequest) -> _Tools:
+    """Validate tools / tool_choice; the tool grammar goes into req.sampling."""
+    functions, choice = T.check_tools(req.tools, body.get("tool_choice"))
+    grammar = T.tool_grammar(functions, choice)
+    if grammar is not None:
+        if req.sampling.grammar_key is not None:
+            raise bad_request("tools (with tool_choice other than none) cannot be combined with "
+                              "response_format or another grammar; drop one of them",
+                              param="tool_choice")
+        req.sampling = dataclasses.replace(req.sampling, structural_tag=grammar)
+    used = functions if choice != "none" else []
+    knows = engine.tokenizer.template_handles_tools
+    return _Tools(used, T.messages_for_template(req.messages, used, knows),
+                  req.tools if (knows and used) else None)
+
+
+def _with_tool_calls(response: dict) -> dict:
+    """Turn <tool_call> blocks of each choice's content into message.tool_calls."""
+    for choice in response["choices"]:
+        msg = choice["message"]
+        content, calls = T.parse_tool_calls(msg["content"] or "")
+        if calls:
+            msg["content"], msg["tool_calls"] = content, calls
+            choice["finish_reason"] = "tool_calls"
+    return response
+
+
 async def chat_completions(request: Request, engine) -> Response:
     body = await read_json_object(request)
     P.check_model(body, engine.served_model_name, _model_aliases(engine))
     req = P.parse_chat_request(body)
-    try:
-        size = sum(len(str(m.get("content") or "")) for m in req.messages
-                   if isinstance(m, dict))
-        prompt_ids = await off_loop(engine.tokenizer.encode_chat, req.messages, size=size,
-                                    add_generation_prompt=req.add_generation_prompt,
-                                    tools=req.tools)
-    except ValueError as e:
-        raise bad_request(f"messages cannot be rendered by the chat template: {e}", param="messages")
+    tools = _chat_tools(engine, body, req)
+    prompt_ids = await _render_chat(engine, req, tools)
     P.check_prompt_ids(prompt_ids, engine.model_config.vocab_size, engine.context_len,
                        req.sampling.max_new_tokens, "messages", _max_param(body))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -80,27 +143,31 @@ async def chat_completions(request: Request, engine) -> Response:
                            return_logprob=[req.logprobs], logprob_start_len=[-1],
                            top_logprobs_num=[req.top_logprobs], return_text_in_logprobs=True)
     validate_all(engine, reqs)
+    await check_grammars(engine, reqs, body)
     created = int(time.time())
     model = engine.served_model_name
     if req.stream:
         return EventStreamResponse(_stream_errors_as_events(
             _chat_events(engine, rid, created, model, req, reqs, prompt_ids,
-                         request_metrics(request))))
+                         request_metrics(request), tools.active)))
     results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
     try:
         await collect(engine, reqs, results, request.receive, request_metrics(request))
     except ClientDisconnected:
         return Response(status_code=499)
     _raise_if_aborted(results)
-    return JSONResponse(P.chat_response(rid, created, model, results, req.n, req.logprobs,
-                                        req.top_logprobs, engine.tokenizer.token_text))
+    response = P.chat_response(rid, created, model, results, req.n, req.logprobs,
+                               req.top_logprobs, engine.tokenizer.token_text)
+    return JSONResponse(_with_tool_calls(response) if tools.active else response)
 
 
 async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRequest,
                        reqs: Sequence[GenerateReqInput], prompt_ids: List[int],
-                       metrics: Optional[RequestMetrics] = None) -> AsyncIterator[bytes]:
+                       metrics: Optional[RequestMetrics] = None,
+                       with_tools: bool = False) -> AsyncIterator[bytes]:
     results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
     usage_null = req.include_usage
+    streams = [T.ToolCallStream() for _ in reqs] if with_tools else None
     for i in range(len(reqs)):
         yield encode_event(P.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""},
                                         usage_null=usage_null))
@@ -111,16 +178,34 @@ async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRe
         if req.logprobs and out.output_token_logprobs_delta:
             logprobs = P.chat_logprobs(out.output_token_logprobs_delta, out.output_top_logprobs_delta,
                                        req.top_logprobs, engine.tokenizer.token_text)
-        if not (out.text_delta or logprobs or out.finished):
-            continue
-        delta = {"content": out.text_delta} if out.text_delta else {}
+        text = out.text_delta
         finish = P.finish_reason_str(out.finish_reason) if out.finished else None
+        if streams is not None:
+            text = streams[i].feed(text)
+            if out.finished:
+                rest, calls = streams[i].finish()
+                text += rest
+                for chunk in _tool_call_chunks(rid, created, model, i, calls, usage_null):
+                    yield chunk
+                finish = "tool_calls" if calls else finish
+        if not (text or logprobs or out.finished):
+            continue
+        delta = {"content": text} if text else {}
         extra = {"matched_stop": P.matched_stop(out.finish_reason)} if out.finished else None
         yield encode_event(P.chat_chunk(rid, created, model, i, delta, finish, logprobs,
                                         usage_null=usage_null, extra=extra))
     if req.include_usage:
         yield encode_event(P.usage_chunk(rid, "chat.completion.chunk", created, model,
                                          P.usage_dict(results, req.n)))
+
+
+def _tool_call_chunks(rid: str, created: int, model: str, index: int, calls: List[dict],
+                      usage_null: bool):
+    """One chunk per parsed call: delta.tool_calls[{index, id, type, function}] (whole
+    arguments in one delta, which the openai client accumulates like partial ones)."""
+    for k, call in enumerate(calls):
+        delta = {"tool_calls": [{"index": k, **call}]}
+        yield encode_event(P.chat_chunk(rid, created, model, index, delta, usage_null=usage_null))
 
 
 # --------------------------------------------------------------------------- completions
@@ -144,6 +229,7 @@ async def completions(request: Request, engine) -> Response:
                            logprob_start_len=[0 if (want_logprobs and req.echo) else -1] * count,
                            top_logprobs_num=[req.logprobs or 0] * count, return_text_in_logprobs=True)
     validate_all(engine, reqs)
+    await check_grammars(engine, reqs, body)
     created = int(time.time())
     model = engine.served_model_name
     # sequence i belongs to prompt i // n
