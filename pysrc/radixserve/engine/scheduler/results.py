@@ -1,8 +1,8 @@
 """Results and streaming: a step's sampled tokens become output, stop checks, deltas, finishes.
 
 process_batch_result runs on the event-loop thread when the pipeline resolves a step. With
-overlap, the step after it is already running: a request that finished (or was aborted) since
-this step was scheduled is skipped here, so the extra token it computed is dropped and its
+overlap, the step after it is already running: a request that finished (or was aborted, or
+jumped forward: grammar.py) since this step was scheduled is skipped here, so the extra token it computed is dropped and its
 output equals the serial loop's. A row whose logits were not finite fails alone (an abort with
 a clear message); its batch-mates go on. Part of Scheduler (core.py).
 """
