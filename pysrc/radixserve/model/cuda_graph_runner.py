@@ -26,6 +26,7 @@ next replay (the sampler never writes them).
 """
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Dict, List
 
@@ -87,6 +88,20 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        """Capture every bucket. The cyclic garbage collector is off meanwhile: a collection
+        inside a capture could free a dead runner's pinned host buffers, whose CUDA events the
+        host allocator then records or queries on other streams, which invalidates the capture
+        (seen on the H200 when a test session had built many runners before)."""
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_buckets()
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    def _capture_buckets(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
