@@ -158,9 +158,6 @@ class GrammarBackend:
 
         return RequestGrammar(xgr.GrammarMatcher(compiled))
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 def _json_schema(spec: str) -> str:
     """The schema text, checked to be a JSON object or boolean (xgrammar's message for other
