@@ -8,7 +8,7 @@ t % 32 of word t // 32 set = token t allowed. Rows without a grammar are all one
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -66,13 +66,8 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmask(grammars: List[Optional[RequestGrammar]], vocab_size: int,
-                 pin_memory: bool = False) -> torch.Tensor:
-    """[len(grammars), ceil(vocab / 32)] int32 CPU bitmask: row i from grammars[i], all ones
-    where grammars[i] is None (a free row, or one whose token will be dropped)."""
-    mask = torch.full((len(grammars), bitmask_words(vocab_size)), -1, dtype=torch.int32,
+def full_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
+    """[rows, ceil(vocab / 32)] int32 CPU bitmask with every token allowed; RequestGrammar.fill
+    then narrows the rows that have a grammar."""
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32,
                       pin_memory=pin_memory)
-    for row, g in enumerate(grammars):
-        if g is not None:
-            g.fill(mask, row)
-    return mask

@@ -48,9 +48,7 @@ class SamplingParams:
 
     @property
     def stop_strs(self) -> List[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return _str_list(self.stop)
 
     @classmethod
     def from_dict(cls, d: Optional[Dict[str, Any]]) -> "SamplingParams":
@@ -139,9 +137,7 @@ class SamplingParams:
 
     @property
     def stop_regexes(self) -> List[str]:
-        if self.stop_regex is None:
-            return []
-        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
+        return _str_list(self.stop_regex)
 
     @property
     def grammar_key(self) -> Optional[tuple]:
@@ -179,6 +175,13 @@ class SamplingParams:
                     raise ValueError(f"stop_regex {r!r} is not a valid regular expression: {e}")
         if self.logit_bias is not None:
             self.logit_bias = _check_logit_bias(self.logit_bias)
+
+
+def _str_list(value: Optional[Union[str, List[str]]]) -> List[str]:
+    """A field given as one string or a list of them, as a list (None: empty)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
 
 
 def _check_logit_bias(bias: Any) -> Dict[int, float]:

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from radixserve.constrained.grammar import fill_bitmask
+from radixserve.constrained.grammar import full_bitmask
 from radixserve.constrained.jump_forward import plan_jump
 from radixserve.engine.req import Req, ReqStatus
 from radixserve.engine.schedule_batch import ScheduleBatch
@@ -34,7 +34,7 @@ class GrammarMixin:
         grammars = batch.sampling_grammars()
         owners = [r for i, r in enumerate(batch.reqs) if batch.sample[i]]
         pin = self.kv_pool.device.type == "cuda"
-        mask = fill_bitmask([None] * len(grammars), self.vocab_size, pin_memory=pin)
+        mask = full_bitmask(len(grammars), self.vocab_size, pin_memory=pin)
         for row, (g, req) in enumerate(zip(grammars, owners)):
             if g is None:
                 continue
