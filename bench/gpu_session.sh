@@ -76,6 +76,12 @@ for stage in "$@"; do
         --sweep-concurrency 1,2,4,8,16,32,64,128,256 --sweep-prompts-per-concurrency 2 \
         --server-log-dir "$OUT/sweep-logs" --output-file "$OUT/sweep-h200.json" 2>&1 \
         | tee "$OUT/sweep.txt" | tail -30 ;;
+    soak)
+      # the CPU soak of issue 10 on the device's 16 cores (the model on the CPU, as CI would)
+      python3 bench/soak.py --num-requests "${SOAK_REQUESTS:-10000}" \
+        --concurrency "${SOAK_CONCURRENCY:-256}" --server-args "--model-path $GGUF --device cpu" \
+        --server-log "$OUT/soak-server.log" --output-file "$OUT/soak.json" 2>&1 \
+        | tee "$OUT/soak.txt" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -1,7 +1,8 @@
 """Soak: many random requests against one server, with clients hanging up, under memory pressure.
 
 Launches `python -m radixserve.launch_server` (CPU default model unless --server-args say
-otherwise) with --debug-integrity and a KV pool of --pool-fraction of the workload's demand,
+otherwise) with --debug-integrity and a KV pool of --pool-fraction of the workload's demand (the
+concurrency x the mean tokens one request of the stream asks for),
 then:
   1. runs a fixed set of greedy prompts (the reference outputs);
   2. sends --num-requests random requests over /generate, /v1/completions and
@@ -187,14 +188,37 @@ async def soak(args, url: str, pid: int):
     }
 
 
+def request_demand(args, sample: int = 2000) -> dict:
+    """Mean and max KV tokens one request of the stream asks for: (prompt + max_tokens) x n,
+    the prompt tokenized (chat template included) by the served model's tokenizer."""
+    from radixserve.model.loader import resolve_model_path
+    from radixserve.tokenizer.tokenizer import Tokenizer
+    flags = args.server_args.split()
+    model = flags[flags.index("--model-path") + 1] if "--model-path" in flags else None
+    tok = Tokenizer.from_path(resolve_model_path(model))
+    sizes = []
+    for i in range(min(sample, args.num_requests)):
+        _, body, _ = random_request(random.Random(args.seed * 1_000_003 + i),
+                                    args.max_prompt_words)
+        if "messages" in body:
+            prompt = len(tok.encode_chat(body["messages"]))
+        else:
+            prompt = len(tok.encode(body.get("text") or body.get("prompt")))
+        new = body.get("max_tokens") or body["sampling_params"]["max_new_tokens"]
+        sizes.append((prompt + new) * body.get("n", 1))
+    return {"mean": round(sum(sizes) / len(sizes), 1), "max": max(sizes)}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-requests", type=int, default=10000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--disconnect-fraction", type=float, default=0.2)
     p.add_argument("--pool-tokens", type=int, default=None,
-                   help="KV pool size (default: 10%% of concurrency x 150 tokens of demand, at "
-                        "least 400)")
+                   help="KV pool size (default: --pool-fraction of the demand)")
+    p.add_argument("--pool-fraction", type=float, default=0.1,
+                   help="pool / demand, where demand = concurrency x the mean tokens (prompt + "
+                        "max_tokens, times n) of the request stream, tokenized")
     p.add_argument("--health-interval", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-prompt-words", type=int, default=60,
@@ -203,13 +227,17 @@ def main(argv=None):
     p.add_argument("--server-log", default=None)
     p.add_argument("--output-file", default=None)
     args = p.parse_args(argv)
-    pool = args.pool_tokens or max(400, int(0.1 * args.concurrency * 150))
+    demand = request_demand(args)
+    pool = args.pool_tokens or max(2 * demand["max"], int(args.pool_fraction * args.concurrency
+                                                          * demand["mean"]))
     extra = ["--max-total-tokens", str(pool), "--debug-integrity"] + args.server_args.split()
     port = free_port()
     log_path = args.server_log or os.path.join("/tmp", f"radixserve-soak-{port}.log")
     with LaunchedServer(radixserve_command(port, extra), port, log_path, timeout=900) as server:
         result = asyncio.run(soak(args, server.base_url, server.proc.pid))
     result["pool_tokens"] = pool
+    result["demand_tokens_per_request"] = demand
+    result["pool_fraction_of_demand"] = round(pool / (args.concurrency * demand["mean"]), 3)
     result["server_log"] = log_path
     print(json.dumps(result, indent=1))
     ok = (result["outputs_identical"] and result["leaked_tokens"] == 0
