@@ -20,6 +20,9 @@ class FakeTokenizer:
     """Byte-level: token id == UTF-8 byte."""
     eos_token_ids = [0]
     template_handles_tools = False
+    chat_template_text = None          # no jinja template: /get_model_info says so
+    special_tokens = {"eos_token": "\x00"}
+    adds_bos_token = False
 
     def encode(self, text, add_special_tokens=True):
         return list(text.encode("utf-8"))
@@ -180,6 +183,7 @@ def test_lifespan_starts_engine_and_info_routes(engine):
         info = c.get("/get_model_info").json()
         assert info["model_path"] == "/models/fake" and info["is_generation"] is True
         assert info["tokenizer_path"] == "/models/fake"
+        assert info["chat_template"] is None and info["chat_template_name"] is None
         assert c.get("/get_server_info").json() == {"num_running_reqs": 0}
         assert c.post("/flush_cache").status_code == 200
         text = c.get("/metrics").text

@@ -12,14 +12,16 @@ own running loop (the work is handed over to the engine's loop and awaited from 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import uuid
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 from radixserve.config import ServerArgs
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.io import GenerateReqInput, apply_ids_delta
 from radixserve.sampling.params import SamplingParams
+from radixserve.server.errors import ApiError
 
 Prompt = Union[str, List[str], None]
 InputIds = Union[List[int], List[List[int]], None]
@@ -106,6 +108,62 @@ class Engine:
         reqs, single = self._requests(prompt, sampling_params, input_ids)
         results = await asyncio.wrap_future(self._submit(self._run_all(reqs)))
         return results[0] if single else results
+
+    # ------------------------------------------------------------------ the native API in-process
+    def native(self, path: str, body: Optional[Dict[str, Any]] = None) -> Any:
+        """The answer the server's native route `path` gives `body` (None for a GET), without
+        HTTP: /generate (not streamed), /get_model_info, /get_server_info, /flush_cache. A
+        request the server would refuse raises radixserve.server.errors.ApiError (its
+        .status and .message are the HTTP error's)."""
+        return self._submit(self._native(path, body)).result()
+
+    def native_stream(self, path: str, body: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
+        """The chunks of a streamed /generate (cumulative text, as the SSE events carry), as a
+        blocking iterator; closing it early aborts the request's sequences."""
+        from radixserve.server import native_api
+        if path != "/generate":
+            raise ApiError(f"no streamed route {path}; only /generate streams", 404)
+        chunks: "queue.Queue" = queue.Queue()
+        end = object()
+
+        async def pump():
+            try:
+                job = await native_api.prepare_generate(self.async_engine, {**body, "stream": True})
+                async for chunk in native_api.generate_chunks(self.async_engine, job):
+                    chunks.put(chunk)
+                chunks.put(end)
+            except BaseException as e:     # noqa: BLE001 - handed to the consuming thread
+                chunks.put(e)
+
+        task = self._submit(pump())
+        try:
+            while True:
+                item = chunks.get()
+                if item is end:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            task.cancel()
+
+    async def _native(self, path: str, body: Optional[Dict[str, Any]]) -> Any:
+        from radixserve.server import native_api
+        engine = self.async_engine
+        if path == "/generate" and body is not None:
+            job = await native_api.prepare_generate(engine, body)
+            if job.stream:
+                raise ApiError("use native_stream for a streamed /generate", 400, "stream")
+            return await native_api.run_generate(engine, job)
+        if path == "/get_model_info":
+            return native_api.model_info(engine)
+        if path == "/get_server_info":
+            return engine.server_info()
+        if path == "/flush_cache":
+            if not await engine.flush_cache():
+                raise ApiError("cannot flush the cache while requests are running", 400)
+            return "Cache flushed.\n"
+        raise ApiError(f"no route {path}", 404)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:

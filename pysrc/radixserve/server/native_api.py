@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import AsyncIterator, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import AsyncIterator, List, Optional
 
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -30,8 +31,20 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 # --------------------------------------------------------------------------- /generate
 
-async def generate(request: Request, engine) -> Response:
-    body = await read_json_object(request)
+@dataclass
+class NativeJob:
+    """One validated /generate body, ready to run: its sequences (prompts x n, in order), the
+    prompt of each, whether each returns logprobs, and the shape of the answer."""
+    reqs: List[GenerateReqInput]
+    seq_prompts: List[List[int]]
+    return_logprob: List[bool]
+    many: bool            # a batch or n > 1: the answer is a list (streams add "index")
+    stream: bool
+
+
+async def prepare_generate(engine, body: dict) -> NativeJob:
+    """Parse, tokenize and validate a /generate body and compile its grammars; nothing runs
+    yet. Bad input raises ApiError (a 4xx naming the field)."""
     req = P.parse_generate_request(body)
     prompt_param = "text" if body.get("text") is not None else "input_ids"
     prompt_ids = [await off_loop(engine.tokenizer.encode, p, size=len(p)) if isinstance(p, str)
@@ -52,34 +65,57 @@ async def generate(request: Request, engine) -> Response:
     validate_all(engine, reqs)
     await check_grammars(engine, reqs, body.get("sampling_params") if isinstance(
         body.get("sampling_params"), dict) else None, prefix="sampling_params.")
-    seq_prompts = [prompt_ids[i // n] for i in range(len(reqs))]
-    return_logprob = [req.return_logprob[i // n] for i in range(len(reqs))]
-    many = req.is_batch or n > 1
-    if req.stream:
-        return EventStreamResponse(_generate_events(engine, reqs, seq_prompts, return_logprob, many,
-                                                    request_metrics(request)))
-    results = [P.SeqResult(i, seq_prompts[i]) for i in range(len(reqs))]
-    try:
-        await collect(engine, reqs, results, request.receive, request_metrics(request))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    out = [P.native_result(r, reqs[r.index].rid, return_logprob[r.index]) for r in results]
-    return JSONResponse(out if many else out[0])
+    return NativeJob(reqs, [prompt_ids[i // n] for i in range(len(reqs))],
+                     [req.return_logprob[i // n] for i in range(len(reqs))],
+                     req.is_batch or n > 1, req.stream)
 
 
-async def _generate_events(engine, reqs: Sequence[GenerateReqInput], seq_prompts: Sequence[List[int]],
-                           return_logprob: Sequence[bool], many: bool,
-                           metrics: Optional[RequestMetrics] = None) -> AsyncIterator[bytes]:
-    """Chunks with the CUMULATIVE text and output ids so far (SGLang's native streaming);
-    batches add "index". Errors become an error event; [DONE] ends the stream."""
-    results = [P.SeqResult(i, seq_prompts[i]) for i in range(len(reqs))]
-    gen = merge_generations(engine, reqs, metrics)
+async def run_generate(engine, job: NativeJob, receive=None,
+                       metrics: Optional[RequestMetrics] = None):
+    """Run a non-streamed job to its end: /generate's JSON answer (a dict, or a list of them).
+    With `receive`, a client disconnect aborts it and raises ClientDisconnected."""
+    results = [P.SeqResult(i, job.seq_prompts[i]) for i in range(len(job.reqs))]
+    await collect(engine, job.reqs, results, receive, metrics)
+    out = [P.native_result(r, job.reqs[r.index].rid, job.return_logprob[r.index])
+           for r in results]
+    return out if job.many else out[0]
+
+
+async def generate_chunks(engine, job: NativeJob,
+                          metrics: Optional[RequestMetrics] = None) -> AsyncIterator[dict]:
+    """A streamed job's chunks, each with the CUMULATIVE text and output ids so far of one
+    sequence (SGLang's native streaming); batches add "index". Engine errors propagate; closing
+    the iterator aborts the unfinished sequences."""
+    results = [P.SeqResult(i, job.seq_prompts[i]) for i in range(len(job.reqs))]
+    gen = merge_generations(engine, job.reqs, metrics)
     try:
         async for i, out in gen:
             results[i].feed(out)
-            chunk = P.native_result(results[i], reqs[i].rid, return_logprob[i])
-            if many:
+            chunk = P.native_result(results[i], job.reqs[i].rid, job.return_logprob[i])
+            if job.many:
                 chunk["index"] = i
+            yield chunk
+    finally:
+        await gen.aclose()
+
+
+async def generate(request: Request, engine) -> Response:
+    job = await prepare_generate(engine, await read_json_object(request))
+    if job.stream:
+        return EventStreamResponse(_generate_events(engine, job, request_metrics(request)))
+    try:
+        out = await run_generate(engine, job, request.receive, request_metrics(request))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(out)
+
+
+async def _generate_events(engine, job: NativeJob,
+                           metrics: Optional[RequestMetrics] = None) -> AsyncIterator[bytes]:
+    """generate_chunks as SSE events. Errors become an error event; [DONE] ends the stream."""
+    chunks = generate_chunks(engine, job, metrics)
+    try:
+        async for chunk in chunks:
             yield encode_event(chunk)
     except ApiError as e:
         yield encode_event(e.body())
@@ -87,7 +123,7 @@ async def _generate_events(engine, reqs: Sequence[GenerateReqInput], seq_prompts
         logger.exception("error while streaming /generate")
         yield encode_event(ApiError(f"internal server error: {type(e).__name__}: {e}", 500).body())
     finally:
-        await gen.aclose()
+        await chunks.aclose()
     yield DONE_EVENT
 
 
@@ -113,8 +149,13 @@ async def health_generate(request: Request, engine) -> Response:
 
 
 async def get_model_info(request: Request, engine) -> Response:
+    return JSONResponse(model_info(engine))
+
+
+def model_info(engine) -> dict:
+    """The /get_model_info answer for engine."""
     args = engine.server_args
-    return JSONResponse({
+    return {
         "model_path": engine.model_path,
         "tokenizer_path": args.tokenizer_path or engine.model_path,
         "served_model_name": engine.served_model_name,
@@ -122,7 +163,20 @@ async def get_model_info(request: Request, engine) -> Response:
         "architecture": engine.model_config.architecture,
         "context_len": engine.context_len,
         "vocab_size": engine.model_config.vocab_size,
-    })
+        # what a frontend-language client (radixserve.lang.RuntimeEndpoint) renders roles with
+        **chat_template_info(engine.tokenizer),
+    }
+
+
+def chat_template_info(tokenizer) -> dict:
+    """The chat template fields of /get_model_info: its name ("chatml", "llama-3-instruct",
+    "custom" or None), its jinja source, the special tokens it sees, and whether the tokenizer
+    adds BOS itself."""
+    from radixserve.lang.roles import template_name
+    source = tokenizer.chat_template_text
+    special = {k: v for k, v in tokenizer.special_tokens.items() if isinstance(v, str)}
+    return {"chat_template_name": template_name(source), "chat_template": source,
+            "special_tokens": special, "adds_bos_token": tokenizer.adds_bos_token}
 
 
 async def get_server_info(request: Request, engine) -> Response:

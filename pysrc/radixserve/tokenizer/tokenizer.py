@@ -235,6 +235,22 @@ class Tokenizer:
         return self._chat_template_source is not None
 
     @property
+    def chat_template_text(self) -> Optional[str]:
+        """The source of the chat template plain chats use (the "default" one of named
+        templates), or None."""
+        source = self._chat_template_source
+        return source.get("default") if isinstance(source, dict) else source
+
+    @property
+    def adds_bos_token(self) -> bool:
+        """encode(text) puts a BOS token first (so a rendered template's own BOS text must not
+        be sent again as text)."""
+        bos = self.special_tokens.get("bos_token")
+        bos_id = self._id_of(bos) if isinstance(bos, str) else None
+        ids = self.encode("a", add_special_tokens=True)
+        return bos_id is not None and bool(ids) and ids[0] == bos_id
+
+    @property
     def template_handles_tools(self) -> bool:
         """The chat template renders `tools` itself (else the server adds a generic block)."""
         source = self._chat_template_source
