@@ -214,6 +214,16 @@ def test_fork_computes_the_parent_prompt_once_on_the_server(server, default_toke
     assert computed < 2 * parent_tokens
 
 
+def test_run_batch_of_forking_programs(backend):
+    """run_batch waits for every branch of every program (each joined branch ends once)."""
+    states = branches.run_batch([{"mode": "gather"}, {"mode": "concatenate"}], backend=backend,
+                                temperature=0)
+    assert len(states[0]["ending"]) == 4
+    assert states[1].text().startswith(PARENT + "Ending 1:")
+    with pytest.raises(RuntimeError, match="has ended"):
+        states[0] += "more"
+
+
 def test_join_concatenate(backend):
     """concate_and_append appends every branch's text since the fork, in order."""
     state = branches.run(mode="concate_and_append", backend=backend, temperature=0)

@@ -52,12 +52,16 @@ class Executor:
         self._role_suffix = ""
         self._changed = threading.Condition()          # streaming readers wait on it
         self._finished = False
+        self._ended = False
         self._queue: "queue.Queue" = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="radixserve-lang", daemon=True)
         self._worker.start()
 
     # ---------------------------------------------------------------- the caller's side
     def submit(self, expr: ir.Expr) -> None:
+        if self._ended:
+            raise RuntimeError("this program state has ended (its program returned, or it is "
+                               "a joined branch); it takes no more expressions")
         for name in ir.variable_names(expr):
             self.done[name] = threading.Event()
         self._queue.put(expr)
@@ -67,10 +71,13 @@ class Executor:
         self._queue.join()
 
     def end(self) -> None:
-        """No more expressions: the worker exits once the queue is done (children too)."""
+        """No more expressions: the worker exits once the queue is done (children too).
+        Idempotent (a joined branch is ended again with its parent)."""
         for child in self.children:
             child.end()
-        self._queue.put(_END)
+        if not self._ended:
+            self._ended = True
+            self._queue.put(_END)
 
     def get_var(self, name: str) -> Any:
         event = self.done.get(name)
