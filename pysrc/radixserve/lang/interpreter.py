@@ -53,6 +53,7 @@ class Executor:
         self._changed = threading.Condition()          # streaming readers wait on it
         self._finished = False
         self._ended = False
+        self.body_thread: Optional[int] = None         # the thread running the program body
         self._queue: "queue.Queue" = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="radixserve-lang", daemon=True)
         self._worker.start()
@@ -62,9 +63,11 @@ class Executor:
         if self._ended:
             raise RuntimeError("this program state has ended (its program returned, or it is "
                                "a joined branch); it takes no more expressions")
-        for name in ir.variable_names(expr):
-            self.done[name] = threading.Event()
-        self._queue.put(expr)
+        with self._changed:
+            for name in ir.variable_names(expr):
+                self.done[name] = threading.Event()
+            self._queue.put(expr)
+            self._changed.notify_all()
 
     def sync(self) -> None:
         """Wait until every expression submitted so far has run (or was skipped by an error)."""
@@ -75,11 +78,28 @@ class Executor:
         Idempotent (a joined branch is ended again with its parent)."""
         for child in self.children:
             child.end()
-        if not self._ended:
-            self._ended = True
-            self._queue.put(_END)
+        with self._changed:
+            if not self._ended:
+                self._ended = True
+                self._queue.put(_END)
+            self._changed.notify_all()
+
+    def _outside_body(self) -> bool:
+        return threading.get_ident() != self.body_thread
+
+    def _await_submitted(self, name: Optional[str]) -> None:
+        """From outside the program body (a streamed run's body runs on its own thread): wait
+        until the body has queued `name` (None: until it returned), so a read right after
+        run(stream=True) does not race the body."""
+        if not self._outside_body():
+            return
+        with self._changed:
+            while not self._ended and (name is None or name not in self.done):
+                self._changed.wait()
 
     def get_var(self, name: str) -> Any:
+        if name not in self.variables:
+            self._await_submitted(name)
         event = self.done.get(name)
         if event is not None:
             event.wait()
@@ -90,7 +110,9 @@ class Executor:
         raise KeyError(f"the program has no variable {name!r}")
 
     def checked(self, read: Callable[[], Any]) -> Any:
-        """read() once the queue has run; the state's error instead, if it failed."""
+        """read() once the queue has run (from outside the body: once the body returned, too);
+        the state's error instead, if it failed."""
+        self._await_submitted(None)
         self.sync()
         if self.error_ is not None:
             raise self.error_
@@ -112,6 +134,7 @@ class Executor:
             child.variables = dict(self.variables)
             child._role, child._role_begin = self._role, self._role_begin
             child._role_suffix = self._role_suffix
+            child.body_thread = self.body_thread
             children.append(child)
         self.children.extend(children)
         return children
@@ -119,14 +142,17 @@ class Executor:
     # ---------------------------------------------------------------- streaming
     def wait_change(self, seen: int, name: Optional[str]) -> str:
         """Block until the text (or variable `name`) is longer than `seen` characters or final;
-        return its new part ("" once final)."""
+        return its new part ("" once final). A variable the body has not queued yet is waited
+        for; one it never queues is final once the program ended."""
         with self._changed:
             while True:
                 current = self.text_ if name is None else str(self.variables.get(name, ""))
                 if len(current) > seen:
                     return current[seen:]
-                final = self._finished if name is None else (
-                    self.done.get(name) is None or self.done[name].is_set())
+                if name is None or name not in self.done:
+                    final = self._finished
+                else:
+                    final = self.done[name].is_set()
                 if final or self.error_ is not None:
                     return ""
                 self._changed.wait()
@@ -192,12 +218,16 @@ class Executor:
         if self.stream and (params.n or 1) == 1:
             self.variables[name] = ""
             meta: Any = None
-            for delta, meta in self.backend.generate_stream(self.text_, params):
-                with self._changed:
-                    self.text_ += delta
-                    self.variables[name] += delta
-                    self.meta_info[name] = meta
-                    self._changed.notify_all()
+            try:
+                for delta, meta in self.backend.generate_stream(self.text_, params):
+                    with self._changed:
+                        self.text_ += delta
+                        self.variables[name] += delta
+                        self.meta_info[name] = meta
+                        self._changed.notify_all()
+            except BaseException:
+                del self.variables[name]        # a failed gen has no value: reads raise
+                raise
             text = self.variables[name]
             self._set(name, ir.dtype_value(params.dtype, text), meta)
             return
@@ -419,7 +449,9 @@ def start_state(backend: Backend, defaults: ir.SamplingParams, stream: bool) -> 
 
 
 def run_in_state(func: Callable, state: ProgramState, args, kwargs) -> None:
-    """Call the program on `state`, then end the state (its queue still runs to the end)."""
+    """Call the program on `state` (on this thread), then end the state (its queue still
+    runs to the end)."""
+    state.executor.body_thread = threading.get_ident()
     try:
         state.ret_value = func(state, *args, **kwargs)
     finally:

@@ -31,7 +31,10 @@ def dtype_name(dtype: Union[type, str, None]) -> Optional[str]:
     """"int" / "float" / "bool" / "str" for a dtype given as a type or its name; ValueError else."""
     if dtype is None:
         return None
-    name = _DTYPE_NAMES.get(dtype, dtype)
+    try:
+        name = _DTYPE_NAMES.get(dtype, dtype)
+    except TypeError:                       # unhashable, e.g. [int]
+        name = None
     if name not in DTYPE_REGEX:
         raise ValueError(f"dtype must be int, float, bool or str, not {dtype!r}")
     return name
