@@ -17,6 +17,7 @@ PER_PROMPT = ("text", "input_ids", "sampling_params", "rid", "return_logprob", "
               "top_logprobs_num")
 INT32_MAX = 2 ** 31 - 1
 _LIMITS = {"max_tokens": MAX_FUZZ_TOKENS, "max_completion_tokens": MAX_FUZZ_TOKENS,
+           "max_output_tokens": MAX_FUZZ_TOKENS,
            "max_new_tokens": MAX_FUZZ_TOKENS, "n": MAX_FUZZ_N, "best_of": MAX_FUZZ_N}
 
 
@@ -42,6 +43,10 @@ def cap_body(path: str, body) -> None:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             del prompt[MAX_FUZZ_PROMPTS:]
+    elif path == "/v1/responses":
+        _cap(body, ("max_output_tokens",))
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = MAX_FUZZ_TOKENS
     elif path == "/generate":
         for name in PER_PROMPT:
             v = body.get(name)

@@ -129,7 +129,8 @@ def test_completion_logprobs_with_echo(oai, server):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n_prompt + 3
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(x <= 0 for x in lp.token_logprobs[1:])
-    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    # the top 2 and, as OpenAI and vLLM, the token itself: up to logprobs + 1 entries
+    assert all(1 <= len(t) <= 3 and tok in t for tok, t in zip(lp.tokens[1:], lp.top_logprobs[1:]))
     assert "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 

@@ -281,7 +281,7 @@ def test_bounds_are_inclusive_at_the_engine_types():
     assert P.parse_chat_request({**CHAT, "seed": -(2 ** 63)}).sampling.seed == -(2 ** 63)
 
 
-def test_unknown_top_level_fields_are_ignored_and_message_keys_kept():
+def test_documented_ignored_fields_pass_unknown_ones_are_400s_and_message_keys_kept():
     r = P.parse_chat_request({"messages": [{"role": "user", "content": "hi", "name": "bob"},
                                            {"role": "assistant", "content": None,
                                             "tool_calls": [{"id": "1"}], "reasoning": "r"}],
@@ -290,7 +290,9 @@ def test_unknown_top_level_fields_are_ignored_and_message_keys_kept():
     assert r.messages[1] == {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}],
                              "reasoning": "r"}
     assert P.parse_completion_request({"prompt": "x", "user": "u"}).prompts == ["x"]
-    assert P.parse_generate_request({"text": "x", "custom": 1}).prompts == ["x"]
+    assert _err(P.parse_generate_request, {"text": "x", "custom": 1}).param == "custom"
+    assert _err(P.parse_chat_request, {"messages": [{"role": "user", "content": "hi"}],
+                                       "temprature": 1}).param == "temprature"
     e = _err(P.parse_chat_request, {"messages": [{"role": "assistant"}]})
     assert e.param == "messages[0].content" and "required" in e.message
 

@@ -316,23 +316,30 @@ def _json_request(body):
     return raw, receive
 
 
+async def _asgi_post(app, path, body, client):
+    """POST a JSON body to app from peer address `client`: (status, the ASGI messages sent)."""
+    _, receive = _json_request(body)
+    sent = []
+
+    async def send(m):
+        sent.append(m)
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": client, "server": ("127.0.0.1", 2), "state": {}}
+    await app(scope, receive, send)
+    return next(m for m in sent if m["type"] == "http.response.start")["status"], sent
+
+
+ALICE, MALLORY = ("10.0.0.1", 5001), ("10.0.0.2", 5002)
+
+
 def test_abort_only_reaches_the_clients_own_requests(engine):
     app = create_app(engine)
-    alice, mallory = ("10.0.0.1", 5001), ("10.0.0.2", 5002)
-    headers = [(b"content-type", b"application/json")]
+    alice, mallory = ALICE, MALLORY
 
     async def call(path, body, client):
-        _, receive = _json_request(body)
-        sent = []
-
-        async def send(m):
-            sent.append(m)
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
-                 "query_string": b"", "root_path": "", "headers": headers, "client": client,
-                 "server": ("127.0.0.1", 2), "state": {}}
-        await app(scope, receive, send)
-        return next(m for m in sent if m["type"] == "http.response.start")["status"], sent
+        return await _asgi_post(app, path, body, client)
 
     async def scenario():
         owners = app.state.request_owners
@@ -363,6 +370,27 @@ def test_abort_only_reaches_the_clients_own_requests(engine):
         assert rid not in engine.aborted
         status, _ = await asyncio.wait_for(other, 5)
         assert status == 200 and len(owners) == 0
+
+    asyncio.run(scenario())
+
+
+def test_abort_all_reaches_only_the_clients_own_requests(engine):
+    """abort_all aborts every live request of the caller and none of another client's."""
+    app = create_app(engine)
+
+    async def scenario():
+        hang = {"text": "HANG", "stream": True, "sampling_params": {"max_new_tokens": 60}}
+        runs = [asyncio.ensure_future(_asgi_post(app, "/generate", {**hang, "rid": rid}, who))
+                for rid, who in (("a1", ALICE), ("a2", ALICE), ("m1", MALLORY))]
+        while len(engine.running) < 3:
+            await asyncio.sleep(0.005)
+        status, _ = await _asgi_post(app, "/abort_request", {"rid": "", "abort_all": True}, MALLORY)
+        assert status == 200 and engine.aborted == ["m1"]
+        status, _ = await _asgi_post(app, "/abort_request", {"abort_all": True}, ALICE)
+        assert status == 200 and sorted(engine.aborted) == ["a1", "a2", "m1"]
+        for run in runs:
+            status, _ = await asyncio.wait_for(run, 5)
+            assert status == 200
 
     asyncio.run(scenario())
 

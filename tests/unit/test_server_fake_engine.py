@@ -27,7 +27,7 @@ class FakeTokenizer:
     def encode(self, text, add_special_tokens=True):
         return list(text.encode("utf-8"))
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True):
         return bytes(ids).decode("utf-8", errors="replace")
 
     def token_text(self, tid):

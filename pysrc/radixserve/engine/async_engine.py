@@ -267,7 +267,7 @@ class AsyncEngine:
                 logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                 top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                 return_text_in_logprobs=req.return_text_in_logprobs, stream=req.stream,
-                sink=queue.put_nowait, client_id=req.client_id)
+                sink=queue.put_nowait, client_id=req.client_id, cache_salt=req.cache_salt)
         r.grammar = grammar
         self.scheduler.add_request(r)
         self._wakeup.set()
@@ -299,9 +299,18 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ introspection
     def server_info(self) -> Dict[str, Any]:
+        """Ours (server_args nested, the model's shape, ...) and, beside them, SGLang's names:
+        every server argument at the top level, max_total_num_tokens, max_req_input_len,
+        version and internal_states (what SGLang's clients and dashboards read)."""
+        from radixserve import __version__
         mc = self.model_config
+        args = dataclasses.asdict(self.server_args)
+        sglang = {**args, "max_total_num_tokens": self.runner.max_total_tokens,
+                  "max_req_input_len": self.context_len - 1, "version": __version__,
+                  "internal_states": [{"last_gen_throughput": self.scheduler.gen_throughput}]}
         return {
-            "server_args": dataclasses.asdict(self.server_args),
+            **sglang,
+            "server_args": args,
             "model_path": self.model_path,
             "served_model_name": self.served_model_name,
             "context_len": self.context_len,

@@ -23,6 +23,7 @@ class GenerateReqInput:
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     client_id: Optional[str] = None           # who sent it (fairness: --max-running-requests-per-client)
+    cache_salt: Optional[str] = None          # prefix sharing only among requests of the same salt
 
 
 @dataclass

@@ -28,7 +28,7 @@ def fcfs(waiting: Sequence[Req], cache: PrefixCache) -> List[Req]:
 def lpm(waiting: Sequence[Req], cache: PrefixCache) -> List[Req]:
     if len(waiting) > LPM_MAX_QUEUE_LEN or not cache.supports_sharing:
         return list(waiting)
-    matched = {id(r): int(cache.match_prefix(r.fill_ids[:r.max_prefix_len()]).indices.numel())
+    matched = {id(r): int(cache.match_prefix(r.cache_key[:r.max_prefix_len()]).indices.numel())
                for r in waiting}
     # sorted() is stable: equal matches keep arrival order
     return sorted(waiting, key=lambda r: -matched[id(r)])

@@ -16,6 +16,8 @@ A request without a row owns nothing. Only the event-loop thread mutates a Req.
 """
 from __future__ import annotations
 
+import hashlib
+
 import enum
 from typing import Any, Callable, Dict, List, Optional
 
@@ -23,6 +25,15 @@ import torch
 
 from radixserve.engine.io import GenerateOutput, LogprobEntry
 from radixserve.sampling.params import SamplingParams
+
+
+def salt_offset(cache_salt: Optional[str]) -> int:
+    """The key offset of a cache salt: a 64-bit digest of it shifted above every token id
+    (ids are < 2**32), 0 for no salt."""
+    if not cache_salt:
+        return 0
+    digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") | 1) << 32
 
 
 class ReqStatus(enum.Enum):
@@ -38,8 +49,10 @@ class Req:
                  logprob_start_len: int = -1, top_logprobs_num: int = 0,
                  return_text_in_logprobs: bool = False, stream: bool = False,
                  sink: Optional[Callable[[GenerateOutput], None]] = None,
-                 detokenizer: Any = None, client_id: Optional[str] = None):
+                 detokenizer: Any = None, client_id: Optional[str] = None,
+                 cache_salt: Optional[str] = None):
         self.rid = rid
+        self._salt_offset = salt_offset(cache_salt)
         self.client_id = client_id                    # fairness key (None: one anonymous client)
         self.origin_input_ids: List[int] = list(input_ids)
         self.output_ids: List[int] = []
@@ -95,6 +108,17 @@ class Req:
     @property
     def fill_ids(self) -> List[int]:
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def cache_key(self) -> List[int]:
+        """fill_ids as the prefix cache indexes them: with a cache_salt every id is moved into
+        that salt's own key range (id + offset), so requests of different salts (or salted and
+        unsalted ones) never match each other's KV; without one, fill_ids itself."""
+        ids = self.fill_ids
+        if not self._salt_offset:
+            return ids
+        off = self._salt_offset
+        return [t + off for t in ids]
 
     @property
     def seq_len(self) -> int:

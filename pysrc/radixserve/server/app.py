@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from radixserve.config import ServerArgs
-from radixserve.server import native_api, openai_api, openapi
+from radixserve.server import native_api, openai_api, openapi, responses_api, score_api
 from radixserve.server.errors import ApiError, error_response
 from radixserve.server.security import (ClientView, Door, DoorPolicy, RequestOwners, client_identity,
                                         is_loopback_bind)
@@ -73,9 +73,12 @@ def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
     routes = [
         route("/v1/chat/completions", openai_api.chat_completions, ["POST"]),
         route("/v1/completions", openai_api.completions, ["POST"]),
+        route("/v1/responses", responses_api.create_response, ["POST"]),
+        route("/v1/responses/{response_id}", responses_api.stored_response, ["GET", "DELETE"]),
         route("/v1/models", openai_api.list_models, ["GET"]),
         route("/v1/models/{model_id:path}", openai_api.retrieve_model, ["GET"]),
         route("/generate", native_api.generate, ["POST"]),
+        route("/v1/score", score_api.score, ["POST"]),
         route("/health", native_api.health, ["GET"]),
         route("/health_generate", native_api.health_generate, ["GET"]),
         route("/get_model_info", native_api.get_model_info, ["GET"]),
@@ -100,6 +103,7 @@ def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
     app.state.engine = engine
     app.state.door_policy = policy
     app.state.request_owners = RequestOwners()
+    app.state.response_store = responses_api.ResponseStore()     # stored /v1/responses
     app.state.metrics_registry = native_api.metrics_registry(engine)
     return app
 

@@ -37,11 +37,14 @@ def expand_requests(rid: str, prompt_ids: Sequence[List[int]], n: int,
                     sampling: Sequence[SamplingParams], stream: bool,
                     return_logprob: Sequence[bool], logprob_start_len: Sequence[int],
                     top_logprobs_num: Sequence[int], return_text_in_logprobs: bool,
-                    rids: Optional[Sequence[str]] = None) -> List[GenerateReqInput]:
+                    rids: Optional[Sequence[str]] = None,
+                    cache_salts: Optional[Sequence[Optional[str]]] = None
+                    ) -> List[GenerateReqInput]:
     """One GenerateReqInput per (prompt, sample): index p * n + j. With a single sequence the
     rid is `rid` (or rids[0]); otherwise "<rid>-<index>" (or "<rids[p]>-<j>" when the client
     named each prompt). A seed s gives sample j the seed s + j, so samples differ but each is
-    reproducible. Per-prompt settings are sequences with one entry per prompt."""
+    reproducible. Per-prompt settings are sequences with one entry per prompt (cache_salts
+    too: a prompt's sequences share its salt)."""
     total = len(prompt_ids) * n
     reqs = []
     for p, ids in enumerate(prompt_ids):
@@ -57,15 +60,16 @@ def expand_requests(rid: str, prompt_ids: Sequence[List[int]], n: int,
                 rid=seq_rid, input_ids=list(ids), sampling_params=sp, stream=stream,
                 return_logprob=return_logprob[p], logprob_start_len=logprob_start_len[p],
                 top_logprobs_num=top_logprobs_num[p],
-                return_text_in_logprobs=return_text_in_logprobs))
+                return_text_in_logprobs=return_text_in_logprobs,
+                cache_salt=cache_salts[p] if cache_salts is not None else None))
     return reqs
 
 
 # the request fields a grammar of each kind can come from, in the order they are looked for
-GRAMMAR_FIELDS = {"json_schema": ("response_format", "guided_json", "json_schema"),
-                  "regex": ("guided_regex", "guided_choice", "regex"),
-                  "ebnf": ("guided_grammar", "ebnf"),
-                  "structural_tag": ("tool_choice", "tools", "structural_tag")}
+GRAMMAR_FIELDS = {"json_schema": ("response_format", "guided_json", "json_schema", "structured_outputs"),
+                  "regex": ("guided_regex", "guided_choice", "regex", "structured_outputs"),
+                  "ebnf": ("guided_grammar", "ebnf", "structured_outputs"),
+                  "structural_tag": ("tool_choice", "tools", "structural_tag", "structured_outputs")}
 
 
 async def check_grammars(engine, reqs: Sequence[GenerateReqInput], body: Optional[dict] = None,

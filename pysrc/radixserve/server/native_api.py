@@ -61,7 +61,8 @@ async def prepare_generate(engine, body: dict) -> NativeJob:
     rid = uuid.uuid4().hex
     reqs = expand_requests(rid, prompt_ids, n, req.sampling, req.stream, req.return_logprob,
                            req.logprob_start_len, req.top_logprobs_num,
-                           req.return_text_in_logprobs, rids=req.rids)
+                           req.return_text_in_logprobs, rids=req.rids,
+                           cache_salts=req.cache_salts)
     validate_all(engine, reqs)
     await check_grammars(engine, reqs, body.get("sampling_params") if isinstance(
         body.get("sampling_params"), dict) else None, prefix="sampling_params.")
@@ -194,10 +195,14 @@ async def flush_cache(request: Request, engine) -> Response:
 
 
 async def abort_request(request: Request, engine) -> Response:
-    """Abort a live request of this client's (security.ClientView.abort); 200 whether or not
-    there was one to abort."""
+    """Abort a live request of this client's (security.ClientView.abort), or with abort_all
+    every live request of this client (ClientView.abort_all); 200 whether or not there was one
+    to abort."""
     rid = P.parse_abort_request(await read_json_object(request))
-    engine.abort(rid)
+    if rid is None:
+        engine.abort_all()
+    else:
+        engine.abort(rid)
     return Response(status_code=200)
 
 

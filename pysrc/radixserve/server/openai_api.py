@@ -74,21 +74,29 @@ def render_limits(engine) -> RenderLimits:
 
 
 async def _render_chat(engine, req: P.ChatRequest, tools: "_Tools") -> List[int]:
-    """The chat's prompt ids: template rendering and tokenization, always on a worker thread (a
-    template's cost need not follow the input's size), bounded by render_limits: past the time
-    limit the client gets a 400 while the render stops at its next check point."""
+    """The chat's prompt ids (see render_messages)."""
+    return await render_messages(engine, tools.messages, req.add_generation_prompt,
+                                 tools.template_tools)
+
+
+async def render_messages(engine, messages: List[dict], add_generation_prompt: bool = True,
+                          template_tools: Optional[list] = None, param: str = "messages") -> List[int]:
+    """Chat messages as prompt ids: template rendering and tokenization, always on a worker
+    thread (a template's cost need not follow the input's size), bounded by render_limits:
+    past the time limit the client gets a 400 (naming `param`) while the render stops at its
+    next check point. Also used by /v1/responses (responses_api.py)."""
     limits = render_limits(engine)
-    work = asyncio.to_thread(engine.tokenizer.encode_chat, tools.messages,
-                             add_generation_prompt=req.add_generation_prompt,
-                             tools=tools.template_tools, render_limits=limits)
+    work = asyncio.to_thread(engine.tokenizer.encode_chat, messages,
+                             add_generation_prompt=add_generation_prompt,
+                             tools=template_tools, render_limits=limits)
     try:
         return await asyncio.wait_for(work, limits.max_seconds)
     except asyncio.TimeoutError:
-        raise bad_request(f"messages cannot be rendered: the chat template took longer than "
+        raise bad_request(f"{param} cannot be rendered: the chat template took longer than "
                           f"{limits.max_seconds:g} s to render; send fewer or shorter messages",
-                          param="messages") from None
+                          param=param) from None
     except ValueError as e:
-        raise bad_request(f"messages cannot be rendered: {e}", param="messages") from None
+        raise bad_request(f"{param} cannot be rendered: {e}", param=param) from None
 
 
 @dataclasses.dataclass
@@ -106,7 +114,7 @@ class _Tools:
 def _chat_tools(engine, body: dict, req: P.ChatRequest) -> _Tools:
     """Validate tools / tool_choice; the tool grammar goes into req.sampling."""
     functions, choice = T.check_tools(req.tools, body.get("tool_choice"))
-    grammar = T.tool_grammar(functions, choice)
+    grammar = T.tool_grammar(functions, choice, parallel=req.parallel_tool_calls)
     if grammar is not None:
         if req.sampling.grammar_key is not None:
             raise bad_request("tools (with tool_choice other than none) cannot be combined with "
@@ -135,13 +143,15 @@ async def chat_completions(request: Request, engine) -> Response:
     P.check_model(body, engine.served_model_name, _model_aliases(engine))
     req = P.parse_chat_request(body)
     tools = _chat_tools(engine, body, req)
-    prompt_ids = await _render_chat(engine, req, tools)
+    prompt_ids = P.truncate_prompt(await _render_chat(engine, req, tools),
+                                   req.extras.truncate_prompt_tokens)
     P.check_prompt_ids(prompt_ids, engine.model_config.vocab_size, engine.context_len,
                        req.sampling.max_new_tokens, "messages", _max_param(body))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     reqs = expand_requests(rid, [prompt_ids], req.n, [req.sampling], req.stream,
-                           return_logprob=[req.logprobs], logprob_start_len=[-1],
-                           top_logprobs_num=[req.top_logprobs], return_text_in_logprobs=True)
+                           **_logprob_args(req.logprobs, req.top_logprobs, False, req.extras,
+                                           req.stream and req.sampling.grammar_key is not None, 1),
+                           cache_salts=[req.cache_salt])
     validate_all(engine, reqs)
     await check_grammars(engine, reqs, body)
     created = int(time.time())
@@ -157,8 +167,22 @@ async def chat_completions(request: Request, engine) -> Response:
         return Response(status_code=499)
     _raise_if_aborted(results)
     response = P.chat_response(rid, created, model, results, req.n, req.logprobs,
-                               req.top_logprobs, engine.tokenizer.token_text)
+                               req.top_logprobs, engine.tokenizer.token_text, req.extras)
     return JSONResponse(_with_tool_calls(response) if tools.active else response)
+
+
+def _logprob_args(logprobs: bool, top: int, echo_logprobs: bool, extras: P.OutputExtras,
+                  stable_ids: bool, count: int) -> dict:
+    """expand_requests' logprob settings for `count` prompts: output logprobs with `top`
+    alternatives; prompt logprobs (from position 0) for echo_logprobs or vLLM's
+    prompt_logprobs, the engine's top count the larger of the two (the builders cut each to
+    its own). stable_ids (streamed token_ids under a grammar): logprobs on, which keeps
+    jump-forward off, so streamed ids are never taken back."""
+    want_prompt = echo_logprobs or extras.wants_prompt_logprobs
+    return {"return_logprob": [bool(logprobs or want_prompt or stable_ids)] * count,
+            "logprob_start_len": [0 if want_prompt else -1] * count,
+            "top_logprobs_num": [max(top, extras.prompt_logprobs or 0)] * count,
+            "return_text_in_logprobs": True}
 
 
 async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRequest,
@@ -167,10 +191,16 @@ async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRe
                        with_tools: bool = False) -> AsyncIterator[bytes]:
     results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
     usage_null = req.include_usage
+    ex = req.extras
     streams = [T.ToolCallStream() for _ in reqs] if with_tools else None
+
+    def usage(i: int) -> Optional[dict]:          # continuous_usage_stats: on every chunk
+        return P.seq_usage(results[i]) if ex.continuous_usage else None
+
     for i in range(len(reqs)):
-        yield encode_event(P.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""},
-                                        usage_null=usage_null))
+        yield encode_event(P.chat_chunk(
+            rid, created, model, i, {"role": "assistant", "content": ""}, usage_null=usage_null,
+            usage=usage(i), chunk_extra={"prompt_token_ids": prompt_ids} if ex.return_token_ids else None))
     async for i, out in merge_generations(engine, reqs, metrics):
         results[i].feed(out)
         _raise_if_aborted([results[i]])
@@ -179,33 +209,37 @@ async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRe
             logprobs = P.chat_logprobs(out.output_token_logprobs_delta, out.output_top_logprobs_delta,
                                        req.top_logprobs, engine.tokenizer.token_text)
         text = out.text_delta
+        ids = list(out.output_ids_delta) if ex.return_token_ids else []
         finish = P.finish_reason_str(out.finish_reason) if out.finished else None
         if streams is not None:
             text = streams[i].feed(text)
             if out.finished:
                 rest, calls = streams[i].finish()
                 text += rest
-                for chunk in _tool_call_chunks(rid, created, model, i, calls, usage_null):
+                for chunk in _tool_call_chunks(rid, created, model, i, calls, usage_null, usage(i)):
                     yield chunk
                 finish = "tool_calls" if calls else finish
-        if not (text or logprobs or out.finished):
+        if not (text or logprobs or ids or out.finished):
             continue
         delta = {"content": text} if text else {}
-        extra = {"matched_stop": P.matched_stop(out.finish_reason)} if out.finished else None
+        extra = {"matched_stop": P.matched_stop(out.finish_reason)} if out.finished else {}
+        if ex.return_token_ids:
+            extra["token_ids"] = ids
         yield encode_event(P.chat_chunk(rid, created, model, i, delta, finish, logprobs,
-                                        usage_null=usage_null, extra=extra))
+                                        usage_null=usage_null, extra=extra, usage=usage(i)))
     if req.include_usage:
         yield encode_event(P.usage_chunk(rid, "chat.completion.chunk", created, model,
                                          P.usage_dict(results, req.n)))
 
 
 def _tool_call_chunks(rid: str, created: int, model: str, index: int, calls: List[dict],
-                      usage_null: bool):
+                      usage_null: bool, usage: Optional[dict] = None):
     """One chunk per parsed call: delta.tool_calls[{index, id, type, function}] (whole
     arguments in one delta, which the openai client accumulates like partial ones)."""
     for k, call in enumerate(calls):
         delta = {"tool_calls": [{"index": k, **call}]}
-        yield encode_event(P.chat_chunk(rid, created, model, index, delta, usage_null=usage_null))
+        yield encode_event(P.chat_chunk(rid, created, model, index, delta, usage_null=usage_null,
+                                        usage=usage))
 
 
 # --------------------------------------------------------------------------- completions
@@ -215,19 +249,24 @@ async def completions(request: Request, engine) -> Response:
     P.check_model(body, engine.served_model_name, _model_aliases(engine))
     req = P.parse_completion_request(body)
     tok = engine.tokenizer
-    prompt_ids = [await off_loop(tok.encode, p, size=len(p)) if isinstance(p, str) else p
-                  for p in req.prompts]
+    ex = req.extras
+    encoded = [await off_loop(tok.encode, p, size=len(p), add_special_tokens=req.add_special_tokens)
+               if isinstance(p, str) else p for p in req.prompts]
+    prompt_ids = [P.truncate_prompt(ids, ex.truncate_prompt_tokens) for ids in encoded]
     for ids in prompt_ids:
         P.check_prompt_ids(ids, engine.model_config.vocab_size, engine.context_len,
                            req.sampling.max_new_tokens, "prompt", _max_param(body))
-    echo_texts = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in req.prompts]
+    echo_texts = [_echo_text(tok, p, ids, len(ids) < len(whole)) if req.echo else ""
+                  for p, ids, whole in zip(req.prompts, prompt_ids, encoded)]
     want_logprobs = req.logprobs is not None
     count = len(prompt_ids)
     rid = f"cmpl-{uuid.uuid4().hex}"
     reqs = expand_requests(rid, prompt_ids, req.n, [req.sampling] * count, req.stream,
-                           return_logprob=[want_logprobs] * count,
-                           logprob_start_len=[0 if (want_logprobs and req.echo) else -1] * count,
-                           top_logprobs_num=[req.logprobs or 0] * count, return_text_in_logprobs=True)
+                           **_logprob_args(want_logprobs, req.logprobs or 0,
+                                           want_logprobs and req.echo, ex,
+                                           req.stream and req.sampling.grammar_key is not None,
+                                           count),
+                           cache_salts=[req.cache_salt] * count)
     validate_all(engine, reqs)
     await check_grammars(engine, reqs, body)
     created = int(time.time())
@@ -245,8 +284,18 @@ async def completions(request: Request, engine) -> Response:
     except ClientDisconnected:
         return Response(status_code=499)
     _raise_if_aborted(results)
-    choices = [P.completion_choice(r, seq_echo[r.index], req.logprobs, tok.token_text) for r in results]
+    choices = [P.completion_choice(r, seq_echo[r.index], req.logprobs, tok.token_text,
+                                   echo=req.echo, extras=ex) for r in results]
     return JSONResponse(P.completion_response(rid, created, model, choices, results, req.n))
+
+
+def _echo_text(tok, prompt: P.Prompt, ids: List[int], truncated: bool) -> str:
+    """The prompt as echo shows it: the text sent, or (token ids, or a prompt that
+    truncate_prompt_tokens cut) the ids decoded with their special tokens, so the echoed text
+    matches the prompt's logprob tokens."""
+    if isinstance(prompt, str) and not truncated:
+        return prompt
+    return tok.decode(ids, skip_special_tokens=False)
 
 
 async def _completion_events(engine, rid: str, created: int, model: str, req: P.CompletionRequest,
@@ -258,28 +307,37 @@ async def _completion_events(engine, rid: str, created: int, model: str, req: P.
     started = [False] * len(reqs)
     token_text = engine.tokenizer.token_text
     usage_null = req.include_usage
+    ex = req.extras
     async for i, out in merge_generations(engine, reqs, metrics):
         r = results[i]
         r.feed(out)
         _raise_if_aborted([r])
         text = out.text_delta
         entries, tops = list(out.output_token_logprobs_delta), list(out.output_top_logprobs_delta)
+        extra = {}
         if not started[i]:
             started[i] = True
             text = seq_echo[i] + text
-            if seq_echo[i] and req.logprobs is not None:
+            if req.echo and req.logprobs is not None:
                 p_entries, p_tops = P.prompt_logprob_entries(r)
                 entries, tops = p_entries + entries, p_tops + tops
+            if ex.return_token_ids:                  # vLLM: with the choice's first chunk
+                extra["prompt_token_ids"] = list(r.prompt_ids)
         logprobs = None
         if req.logprobs is not None and entries:
             logprobs = P.completion_logprobs(entries, tops, req.logprobs, token_text, sent_chars[i])
-        if not (text or logprobs or out.finished):
+        if ex.return_token_ids:
+            extra["token_ids"] = list(out.output_ids_delta)
+        if not (text or logprobs or out.finished or extra.get("token_ids") or
+                "prompt_token_ids" in extra):
             continue
         sent_chars[i] += len(text)
         finish = P.finish_reason_str(out.finish_reason) if out.finished else None
-        extra = {"matched_stop": P.matched_stop(out.finish_reason)} if out.finished else None
-        yield encode_event(P.completion_chunk(rid, created, model, i, text, finish, logprobs,
-                                              usage_null=usage_null, extra=extra))
+        if out.finished:
+            extra["matched_stop"] = P.matched_stop(out.finish_reason)
+        yield encode_event(P.completion_chunk(
+            rid, created, model, i, text, finish, logprobs, usage_null=usage_null, extra=extra,
+            usage=P.seq_usage(r) if ex.continuous_usage else None))
     if req.include_usage:
         yield encode_event(P.usage_chunk(rid, "text_completion", created, model,
                                          P.usage_dict(results, req.n)))

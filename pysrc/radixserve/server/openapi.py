@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve import __version__
+from radixserve.server import responses_schemas as RS
 from radixserve.server import schemas as S
 from radixserve.server.jsonio import JSONResponse
 
@@ -130,8 +131,34 @@ class ModelList(_Response):
     data: List[ModelCard]
 
 
+class ResponseObject(_Response):
+    """A /v1/responses Response object: POST's result, GET's body, and inside the stream's
+    response.* events (status "in_progress" there, output [] and usage null at first)."""
+    id: str
+    object: str
+    created_at: int
+    status: str
+    model: str
+    output: List[Dict[str, Any]]
+    usage: Optional[Dict[str, Any]]
+
+
+class ResponseStreamEvent(_Response):
+    """One event of a streamed /v1/responses (response.created ... response.completed, or an
+    error event followed by response.failed)."""
+    type: str
+    sequence_number: int
+
+
+class ResponseDeleted(_Response):
+    id: str
+    object: str
+    deleted: bool
+
+
 RESPONSE_MODELS = (ErrorResponse, ChatCompletion, TextCompletion, GenerateResult, ModelCard, ModelList,
-                   ChatCompletionChunk, TextCompletionChunk)
+                   ChatCompletionChunk, TextCompletionChunk, ResponseObject, ResponseStreamEvent,
+                   ResponseDeleted)
 
 
 # --------------------------------------------------------------------------- the document
@@ -188,6 +215,29 @@ def _get(summary: str, responses: Dict[str, dict]) -> dict:
     return {"get": {"summary": summary, "responses": responses}}
 
 
+def _responses_paths() -> Dict[str, dict]:
+    """The Responses API (server/responses_api.py): create, and a stored response's GET / DELETE."""
+    create = _generation_route("OpenAI Responses API: create a response", RS.ResponseCreateRequest,
+                               _ref(ResponseObject), ResponseStreamEvent, has_model=True)
+    answers = create["post"]["responses"]
+    answers["200"]["description"] = ("the Response object (application/json), or with stream=true "
+                                     "its typed server-sent events (event: <type>, data: <json>)")
+    answers["404"] = _error("model names a model this server does not serve, or "
+                            "previous_response_id names no stored response of this client")
+    response_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    missing = _error("no stored response of this client has this id")
+    return {
+        "/v1/responses": create,
+        "/v1/responses/{response_id}": {
+            "get": {"summary": "a stored response", "parameters": response_id,
+                    "responses": {"200": _json(_ref(ResponseObject), "the Response object"),
+                                  "404": missing}},
+            "delete": {"summary": "delete a stored response", "parameters": response_id,
+                       "responses": {"200": _json(_ref(ResponseDeleted), "deleted"),
+                                     "404": missing}}},
+    }
+
+
 def _paths() -> Dict[str, dict]:
     obj = {"type": "object"}
     empty = {"description": "empty body"}
@@ -198,10 +248,17 @@ def _paths() -> Dict[str, dict]:
         "/v1/completions": _generation_route("OpenAI text completion", S.CompletionRequest,
                                              _ref(TextCompletion), TextCompletionChunk,
                                              has_model=True),
+        **_responses_paths(),
         "/generate": _generation_route(
             "SGLang native generation", S.GenerateRequest,
             {"anyOf": [_ref(GenerateResult), {"type": "array", "items": _ref(GenerateResult)}]},
             GenerateResult, has_model=False),
+        "/v1/score": {"post": {
+            "summary": "SGLang's scoring: each label token's probability after query + item",
+            "requestBody": {"required": True, "content": {JSON: {"schema": _ref(S.ScoreRequest)}}},
+            "responses": {"200": _json(obj, "{object: scoring, model, scores: [[p per label] "
+                                            "per item], usage}"),
+                          "400": _error("an invalid request (names the field)")}}},
         "/v1/models": _get("the served model", {"200": _json(_ref(ModelList), "model list")}),
         "/v1/models/{model_id}": {"get": {
             "summary": "one model's card",
@@ -222,7 +279,8 @@ def _paths() -> Dict[str, dict]:
             "200": {"description": "flushed", "content": {"text/plain": {"schema": {"type": "string"}}}},
             "400": _error("requests are running; retry when idle")}}},
         "/abort_request": {"post": {
-            "summary": "abort one of this client's live requests (200 whether or not one was live)",
+            "summary": "abort one of this client's live requests, or all of them with abort_all "
+                       "(200 whether or not one was live)",
             "requestBody": {"required": True, "content": {JSON: {"schema": _ref(S.AbortRequest)}}},
             "responses": {"200": empty, "415": _error("Content-Type is not application/json")}}},
         "/metrics": _get("Prometheus metrics", {"200": {
@@ -234,7 +292,8 @@ def _paths() -> Dict[str, dict]:
 
 def component_schemas() -> Dict[str, Any]:
     """The JSON schemas of every request and response model, keyed by model name."""
-    _, top = models_json_schema([(m, "validation") for m in S.REQUEST_MODELS + RESPONSE_MODELS],
+    _, top = models_json_schema([(m, "validation") for m in
+                                 S.REQUEST_MODELS + RS.REQUEST_MODELS + RESPONSE_MODELS],
                                 ref_template=REF)
     return top["$defs"]
 

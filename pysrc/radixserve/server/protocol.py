@@ -79,6 +79,19 @@ def sampling_params_from_dict(d: dict, openai_names: bool = False,
 # --------------------------------------------------------------------------- OpenAI requests
 
 @dataclass
+class OutputExtras:
+    """vLLM's output extras, on both routes."""
+    prompt_logprobs: Optional[int] = None         # k: prompt_logprobs with the top k per position
+    truncate_prompt_tokens: Optional[int] = None  # keep only the last k prompt tokens
+    return_token_ids: bool = False                # prompt_token_ids and token_ids in the response
+    continuous_usage: bool = False                # every streamed chunk carries usage so far
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None
+
+
+@dataclass
 class ChatRequest:
     messages: List[dict]
     tools: Optional[List[dict]]
@@ -89,6 +102,9 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     sampling: SamplingParams
+    extras: OutputExtras = field(default_factory=lambda: OutputExtras())
+    parallel_tool_calls: bool = True
+    cache_salt: Optional[str] = None   # prefix sharing only with requests of the same salt
 
 
 @dataclass
@@ -100,17 +116,33 @@ class CompletionRequest:
     n: int
     logprobs: Optional[int]            # None: no logprobs; k: k top alternatives per token
     sampling: SamplingParams
+    extras: OutputExtras = field(default_factory=lambda: OutputExtras())
+    add_special_tokens: bool = True    # for text prompts
+    cache_salt: Optional[str] = None
 
 
 def _json_text(spec: Union[str, dict]) -> str:
     return spec if isinstance(spec, str) else json.dumps(spec)
 
 
+def json_format_schema(format_type: str, schema: Optional[dict]) -> str:
+    """The JSON schema (as the JSON text SamplingParams.json_schema takes) that an OpenAI
+    output format constrains to: json_object is any object, json_schema its schema. Chat's
+    and completions' response_format, and /v1/responses' text.format."""
+    return json.dumps({"type": "object"} if format_type == "json_object" else schema)
+
+
+def _choice_regex(choices: Sequence[str]) -> str:
+    """The output is exactly one of `choices`: the alternation of the escaped strings."""
+    return "(" + "|".join(map(re.escape, choices)) + ")"
+
+
 def _grammar(req: S._OpenAIRequest) -> Dict[str, str]:
     """The request's grammar as the one SamplingParams field it sets. Sources: json_schema,
     regex, ebnf, structural_tag (SGLang), response_format json_object / json_schema (OpenAI;
     json_object is the schema {"type": "object"}), guided_json / guided_regex / guided_grammar /
-    guided_choice (vLLM; a choice list is the regex alternation of the escaped choices). More
+    guided_choice and structured_outputs.{json, regex, choice, grammar, json_object,
+    structural_tag} (vLLM; a choice list is the regex alternation of the escaped choices). More
     than one source is a 400 naming them."""
     given = []                                   # (field the client used, SamplingParams field, spec)
     for name in ("json_schema", "structural_tag"):
@@ -121,12 +153,13 @@ def _grammar(req: S._OpenAIRequest) -> Dict[str, str]:
             given.append((name, name, getattr(req, name)))
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
-        given.append(("response_format", "json_schema", json.dumps({"type": "object"})))
+        given.append(("response_format", "json_schema", json_format_schema("json_object", None)))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None:
             raise bad_request("response_format.json_schema is required when response_format.type "
                               "is json_schema", param="response_format.json_schema")
-        given.append(("response_format", "json_schema", json.dumps(rf.json_schema.schema_)))
+        given.append(("response_format", "json_schema",
+                      json_format_schema("json_schema", rf.json_schema.schema_)))
     if req.guided_json is not None:
         given.append(("guided_json", "json_schema", _json_text(req.guided_json)))
     if req.guided_regex is not None:
@@ -134,11 +167,24 @@ def _grammar(req: S._OpenAIRequest) -> Dict[str, str]:
     if req.guided_grammar is not None:
         given.append(("guided_grammar", "ebnf", req.guided_grammar))
     if req.guided_choice is not None:
-        given.append(("guided_choice", "regex", "(" + "|".join(map(re.escape, req.guided_choice)) + ")"))
+        given.append(("guided_choice", "regex", _choice_regex(req.guided_choice)))
+    so = req.structured_outputs
+    if so is not None:
+        for name, kind, value, text in (
+                ("json", "json_schema", so.json_, _json_text),
+                ("regex", "regex", so.regex, str),
+                ("choice", "regex", so.choice, _choice_regex),
+                ("grammar", "ebnf", so.grammar, str),
+                ("json_object", "json_schema", so.json_object or None,
+                 lambda _: json.dumps({"type": "object"})),
+                ("structural_tag", "structural_tag", so.structural_tag, _json_text)):
+            if value is not None:
+                given.append((f"structured_outputs.{name}", kind, text(value)))
     if len(given) > 1:
         names = [g[0] for g in given]
         raise bad_request(f"give at most one output constraint (json_schema, regex, ebnf, "
-                          f"structural_tag, response_format, guided_*); got {', '.join(names)}",
+                          f"structural_tag, response_format, guided_*, structured_outputs.*); "
+                          f"got {', '.join(names)}",
                           param=names[1])
     return {kind: spec for _, kind, spec in given}
 
@@ -154,6 +200,8 @@ def _openai_sampling(req: S._OpenAIRequest, n: int, default_max_tokens: Optional
         v = getattr(req, name)
         if v is not None:
             d[name] = v
+    if req.include_stop_str_in_output:                 # vLLM's name for no_stop_trim
+        d["no_stop_trim"] = True
     max_tokens = getattr(req, "max_completion_tokens", None)
     if max_tokens is None:
         max_tokens = req.max_tokens
@@ -179,6 +227,24 @@ def _n_and_stream(req: S._OpenAIRequest):
                               param="stream_options")
         include_usage = bool(req.stream_options.include_usage)
     return n, stream, include_usage
+
+
+def _output_extras(req: S._OpenAIRequest) -> OutputExtras:
+    """vLLM's extras: prompt_logprobs (not with stream, as vLLM), truncate_prompt_tokens,
+    return_token_ids, stream_options.continuous_usage_stats (counts with include_usage)."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not available when stream is true (as in vLLM); "
+                          "drop one of them", param="prompt_logprobs")
+    so = req.stream_options
+    return OutputExtras(
+        prompt_logprobs=req.prompt_logprobs, truncate_prompt_tokens=req.truncate_prompt_tokens,
+        return_token_ids=bool(req.return_token_ids),
+        continuous_usage=bool(so is not None and so.include_usage and so.continuous_usage_stats))
+
+
+def truncate_prompt(ids: List[int], keep: Optional[int]) -> List[int]:
+    """truncate_prompt_tokens: only the last `keep` tokens of the prompt (all when None)."""
+    return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
 
 def _message_dict(i: int, msg: S.ChatMessage) -> dict:
@@ -218,6 +284,9 @@ def parse_chat_request(body: dict) -> ChatRequest:
         stream=stream, include_usage=include_usage, n=n,
         logprobs=logprobs, top_logprobs=top,
         sampling=_openai_sampling(req, n, default_max_tokens=None),
+        extras=_output_extras(req),
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        cache_salt=req.cache_salt,
     )
 
 
@@ -251,6 +320,9 @@ def parse_completion_request(body: dict) -> CompletionRequest:
         prompts=prompts, echo=bool(req.echo),
         stream=stream, include_usage=include_usage, n=n, logprobs=req.logprobs,
         sampling=_openai_sampling(req, n, default_max_tokens=16),
+        extras=_output_extras(req),
+        add_special_tokens=req.add_special_tokens is not False,
+        cache_salt=req.cache_salt,
     )
 
 
@@ -267,6 +339,7 @@ class NativeGenerateRequest:
     top_logprobs_num: List[int]
     return_text_in_logprobs: bool
     rids: Optional[List[str]]            # one per prompt when given
+    cache_salts: List[Optional[str]]     # one per prompt (None: unsalted)
 
 
 def _per_prompt(value: Any, name: str, default: Any, count: int) -> list:
@@ -330,12 +403,18 @@ def parse_generate_request(body: dict) -> NativeGenerateRequest:
         top_logprobs_num=_per_prompt(req.top_logprobs_num, "top_logprobs_num", 0, count),
         return_text_in_logprobs=bool(req.return_text_in_logprobs),
         rids=rids,
+        cache_salts=_per_prompt(req.cache_salt, "cache_salt", None, count),
     )
 
 
-def parse_abort_request(body: dict) -> str:
-    """The rid of an /abort_request body."""
-    return S.parse(S.AbortRequest, body).rid
+def parse_abort_request(body: dict) -> Optional[str]:
+    """The rid of an /abort_request body; None for abort_all."""
+    req = S.parse(S.AbortRequest, body)
+    if req.abort_all:
+        return None
+    if not req.rid:
+        raise bad_request("give the rid of a live request, or abort_all: true", param="rid")
+    return req.rid
 
 
 # --------------------------------------------------------------------------- shared checks
@@ -453,8 +532,10 @@ def completion_logprobs(entries: Sequence[LogprobEntry], tops: Sequence[Optional
                         num_top: int, token_text: TokenText, text_offset: int = 0) -> dict:
     """choices[].logprobs for completions: {tokens, token_logprobs, top_logprobs, text_offset}.
     text_offset counts characters from `text_offset` (the start of this piece within the
-    choice's text). An entry whose logprob is None (the first prompt token under echo) gets a
-    None top_logprobs entry too."""
+    choice's text). Each top_logprobs entry holds the `num_top` most likely tokens and, as
+    OpenAI's API and vLLM do, the token itself (so up to num_top + 1 entries; with logprobs 0
+    just the token), most likely first. An entry whose logprob is None (the first prompt token
+    under echo) gets a None top_logprobs entry too."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset
     for i, entry in enumerate(entries):
@@ -463,11 +544,13 @@ def completion_logprobs(entries: Sequence[LogprobEntry], tops: Sequence[Optional
         token_logprobs.append(entry[0])
         offsets.append(offset)
         offset += len(text)
-        top = tops[i] if i < len(tops) else None
-        if entry[0] is None or top is None:
+        if entry[0] is None:
             top_logprobs.append(None)
-        else:
-            top_logprobs.append({_entry_text(e, token_text): e[0] for e in list(top)[:num_top]})
+            continue
+        top = {text: entry[0]}
+        for e in list(tops[i] if i < len(tops) and tops[i] else [])[:num_top]:
+            top.setdefault(_entry_text(e, token_text), e[0])
+        top_logprobs.append(dict(sorted(top.items(), key=lambda kv: -kv[1])))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
 
@@ -485,8 +568,48 @@ def prompt_logprob_entries(result: SeqResult) -> tuple:
     return entries, tops
 
 
+MIN_LOGPROB = -9999.0      # what vLLM (and OpenAI) send for -inf, which JSON cannot carry
+
+
+def _vllm_logprob(logprob: float, rank: Optional[int], text: str) -> dict:
+    return {"logprob": max(logprob, MIN_LOGPROB), "rank": rank, "decoded_token": text}
+
+
+def vllm_prompt_logprobs(result: SeqResult, num_top: int,
+                         token_text: TokenText) -> List[Optional[Dict[str, dict]]]:
+    """vLLM's prompt_logprobs: one entry per prompt token, None for the first (nothing
+    precedes it), else {str(token id): {logprob, rank, decoded_token}} holding the prompt token
+    itself and the `num_top` most likely tokens at that position (rank: 1 for the most likely;
+    the prompt token's rank is known when it is among those num_top, else null)."""
+    entries, tops = prompt_logprob_entries(result)
+    out: List[Optional[Dict[str, dict]]] = []
+    for entry, top in zip(entries, tops):
+        if entry[0] is None:
+            out.append(None)
+            continue
+        top = list(top or [])[:num_top]
+        ranks = {e[1]: k + 1 for k, e in enumerate(top)}
+        row = {str(entry[1]): _vllm_logprob(entry[0], ranks.get(entry[1]), _entry_text(entry, token_text))}
+        for k, e in enumerate(top):
+            row.setdefault(str(e[1]), _vllm_logprob(e[0], k + 1, _entry_text(e, token_text)))
+        out.append(row)
+    return out
+
+
+def seq_usage(r: SeqResult) -> dict:
+    """One sequence's usage so far (stream_options.continuous_usage_stats, as vLLM: its prompt's
+    tokens and its own completion tokens)."""
+    prompt = r.prompt_tokens or len(r.prompt_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": r.completion_tokens,
+            "total_tokens": prompt + r.completion_tokens}
+
+
 def chat_response(rid: str, created: int, model: str, results: Sequence[SeqResult], n: int,
-                  logprobs: bool, top_logprobs: int, token_text: TokenText) -> dict:
+                  logprobs: bool, top_logprobs: int, token_text: TokenText,
+                  extras: Optional[OutputExtras] = None) -> dict:
+    """A chat.completion. With vLLM's extras, as vLLM: prompt_logprobs and prompt_token_ids on
+    the response (one prompt), token_ids on each choice."""
+    extras = extras or OutputExtras()
     choices = []
     for r in results:
         choice = {"index": r.index, "message": {"role": "assistant", "content": r.text},
@@ -495,21 +618,34 @@ def chat_response(rid: str, created: int, model: str, results: Sequence[SeqResul
         if logprobs:
             choice["logprobs"] = chat_logprobs(r.output_token_logprobs, r.output_top_logprobs,
                                                top_logprobs, token_text)
+        if extras.return_token_ids:
+            choice["token_ids"] = list(r.output_ids)
         choices.append(choice)
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_dict(results, n)}
+    response = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage_dict(results, n)}
+    if extras.wants_prompt_logprobs and results:
+        response["prompt_logprobs"] = vllm_prompt_logprobs(results[0], extras.prompt_logprobs,
+                                                           token_text)
+    if extras.return_token_ids and results:
+        response["prompt_token_ids"] = list(results[0].prompt_ids)
+    return response
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
                finish_reason: Optional[str] = None, logprobs: Optional[dict] = None,
-               usage_null: bool = False, extra: Optional[dict] = None) -> dict:
+               usage_null: bool = False, extra: Optional[dict] = None,
+               usage: Optional[dict] = None, chunk_extra: Optional[dict] = None) -> dict:
+    """One chat.completion.chunk: `extra` goes into the choice, `chunk_extra` (vLLM's
+    prompt_token_ids) into the chunk; `usage` (continuous usage) or null with usage_null."""
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if extra:
         choice.update(extra)
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": [choice]}
-    if usage_null:
-        chunk["usage"] = None
+    if chunk_extra:
+        chunk.update(chunk_extra)
+    if usage is not None or usage_null:
+        chunk["usage"] = usage
     return chunk
 
 
@@ -520,17 +656,28 @@ def usage_chunk(rid: str, obj: str, created: int, model: str, usage: dict) -> di
 
 
 def completion_choice(r: SeqResult, echo_text: str, logprobs: Optional[int],
-                      token_text: TokenText) -> dict:
+                      token_text: TokenText, echo: Optional[bool] = None,
+                      extras: Optional[OutputExtras] = None) -> dict:
+    """One completion choice. With echo (default: echo_text is not empty) the prompt's text
+    and, with logprobs, its logprobs come first. vLLM's extras, as vLLM: prompt_logprobs,
+    prompt_token_ids and token_ids on the choice."""
+    echo = bool(echo_text) if echo is None else echo
+    extras = extras or OutputExtras()
     choice = {"index": r.index, "text": echo_text + r.text, "logprobs": None,
               "finish_reason": finish_reason_str(r.finish_reason),
               "matched_stop": matched_stop(r.finish_reason)}
     if logprobs is not None:
         entries, tops = [], []
-        if echo_text:
+        if echo:
             entries, tops = prompt_logprob_entries(r)
         entries += list(r.output_token_logprobs)
         tops += list(r.output_top_logprobs)
         choice["logprobs"] = completion_logprobs(entries, tops, logprobs, token_text)
+    if extras.wants_prompt_logprobs:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(r, extras.prompt_logprobs, token_text)
+    if extras.return_token_ids:
+        choice["prompt_token_ids"] = list(r.prompt_ids)
+        choice["token_ids"] = list(r.output_ids)
     return choice
 
 
@@ -542,14 +689,17 @@ def completion_response(rid: str, created: int, model: str, choices: List[dict],
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
                      finish_reason: Optional[str] = None, logprobs: Optional[dict] = None,
-                     usage_null: bool = False, extra: Optional[dict] = None) -> dict:
+                     usage_null: bool = False, extra: Optional[dict] = None,
+                     usage: Optional[dict] = None) -> dict:
+    """One streamed text_completion: `extra` goes into the choice; `usage` (continuous usage)
+    or null with usage_null."""
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if extra:
         choice.update(extra)
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
              "choices": [choice]}
-    if usage_null:
-        chunk["usage"] = None
+    if usage is not None or usage_null:
+        chunk["usage"] = usage
     return chunk
 
 

@@ -12,9 +12,12 @@ Contract:
   * `parse(model, body)` returns the validated model or raises ApiError 400 for the first
     problem: param is its dotted location (messages[3].content) and the message names it and
     what is allowed ("n must be between 1 and 128, got 500").
-  * Unknown top-level fields are ignored (OpenAI clients send many we have no use for: user,
-    metadata, ...); message objects keep unknown keys (the chat template sees them); an unknown
-    key in native sampling_params is a 400.
+  * The OpenAI bodies (chat, completions, and their stream_options, response_format and
+    structured_outputs objects) are closed: every field is honoured, or declared as accepted
+    and ignored (IGNORED_FIELDS: user, metadata, ... say why), or refused (REFUSED_FIELDS: a
+    feature the server lacks, a 400 saying so); any other key is a 400 "unknown field X (did
+    you mean Y?)". Message objects keep unknown keys (the chat template sees them); an unknown
+    key in native sampling_params is a 400; other native bodies ignore unknown keys.
 Rules across fields (exactly one of text / input_ids, one entry per prompt, prompts x n, at
 most one grammar, top_logprobs needs logprobs) are protocol.py's, which builds the engine's
 types from these models.
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, Callable, Dict, List, Literal, Optional, Type, TypeVar, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Type, TypeVar, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
@@ -51,6 +54,9 @@ MAX_STOP_TOKEN_IDS = _sp.MAX_STOP_TOKEN_IDS
 MAX_LOGIT_BIAS = _sp.MAX_LOGIT_BIAS      # entries in logit_bias
 MAX_GRAMMAR_CHARS = _sp.MAX_GRAMMAR_CHARS  # a regex / ebnf / json_schema / structural_tag
 MAX_CHOICES = 1024                       # guided_choice alternatives
+MAX_CACHE_SALT_CHARS = 256               # cache_salt on the OpenAI routes
+MAX_METADATA = 16                        # metadata pairs (OpenAI's limits)
+MAX_METADATA_KEY = 64
 # The sampler divides positive logits by repetition_penalty and all by the temperature (at least
 # MIN_TEMPERATURE): from 1e-20 up, a logit of 1e13 stays finite in float32 (the same bound as
 # SamplingParams.verify's).
@@ -154,16 +160,50 @@ def _phrase(err: dict) -> str:
     return err.get("msg", "is invalid")
 
 
-def api_error(e: ValidationError, prefix: tuple = ()) -> ApiError:
+def _models_in(annotation: Any) -> List[type]:
+    """The pydantic models an annotation holds (through Optional, Union, List, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def field_names(model: type) -> List[str]:
+    """The keys a body object of `model` may have (aliases where a field has one)."""
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _unknown_field(err: dict, model: Optional[type], prefix: tuple, more: str) -> ApiError:
+    """An unknown key of a closed object: "unknown field 'X' (did you mean 'Y'?); remove it",
+    the hint from the keys of the object's own model (found by walking err's location)."""
+    owner = model
+    for part in err["loc"][:-1]:
+        if owner is None or isinstance(part, int):
+            continue
+        field = owner.model_fields.get(part) or next(
+            (f for f in owner.model_fields.values() if f.alias == part), None)
+        found = _models_in(field.annotation) if field is not None else []
+        owner = found[0] if found else None
+    where = location(prefix + tuple(err["loc"]))
+    message = f"unknown field {where!r}"
+    if owner is not None:
+        close = difflib.get_close_matches(str(err["loc"][-1]), field_names(owner), n=1)
+        if close:
+            message += f" (did you mean {location(prefix + tuple(err['loc'][:-1]) + (close[0],))!r}?)"
+    return ApiError(f"{message}; remove it{more}", 400, where)
+
+
+def api_error(e: ValidationError, prefix: tuple = (), model: Optional[type] = None) -> ApiError:
     """The first problem of a ValidationError as a 400: "<where> <what is wrong>", param <where>
-    (its location, under `prefix`)."""
+    (its location, under `prefix`). An unknown key of a closed object (`model`'s or one inside
+    it) comes first, with a did-you-mean hint (see _unknown_field)."""
     errors = e.errors(include_url=False)
+    more = f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""
+    extra = [err for err in errors if err["type"] == "extra_forbidden"]
+    if extra:
+        return _unknown_field(extra[0], model, prefix, more)
     err = errors[0]
     where = location(prefix + tuple(err["loc"]))
-    message = f"{where or 'the request body'} {_phrase(err)}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})"
-    return ApiError(message, 400, where or None)
+    return ApiError(f"{where or 'the request body'} {_phrase(err)}{more}", 400, where or None)
 
 
 def parse(model: Type[M], body: Any) -> M:
@@ -171,7 +211,7 @@ def parse(model: Type[M], body: Any) -> M:
     try:
         return model.model_validate(body, strict=True)
     except ValidationError as e:
-        raise api_error(e) from None
+        raise api_error(e, model=model) from None
 
 
 def parse_value(adapter: TypeAdapter, value: Any, where: str) -> Any:
@@ -247,6 +287,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]      # in pydantic-core: pro
 N = _bounded(int, 1, MAX_N)
 TopLogprobs = _bounded(int, 0, MAX_TOP_LOGPROBS)
 LogprobStart = _bounded(int, -1, INT32_MAX, noun="an integer (-1: no prompt logprobs)")
+PromptTokens = _bounded(int, 1, INT32_MAX)                 # truncate_prompt_tokens: keep the last k
 Bias = _bounded(float, -100.0, 100.0)
 
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
@@ -256,6 +297,8 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
 TokenIds = Annotated[List[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 JsonObject = Dict[str, Any]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+Metadata = Annotated[Dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)], Any],
+                     Field(max_length=MAX_METADATA)]
 
 
 def _check_bias_keys(v: Any, handler):
@@ -362,11 +405,82 @@ SchemaSpec = Annotated[Union[Grammar, JsonObject],
                                _JSON_OBJECT if isinstance(v, dict) else None,
                                "a JSON object, or a string holding one")]
 """A json_schema / structural_tag: an object (sent on as JSON text) or the JSON text itself."""
+_NAME = TypeAdapter(Annotated[str, Field(max_length=MAX_NAME_CHARS)])
+ToolChoice = Annotated[Union[Annotated[str, Field(max_length=MAX_NAME_CHARS)], JsonObject],
+                       _shaped(lambda v: _NAME if isinstance(v, str) else
+                               _JSON_OBJECT if isinstance(v, dict) else None,
+                               '"none", "auto", "required" or {"type": "function", "function": '
+                               '{"name": ...}}')]
+"""tool_choice (its values are checked by tool_calls.check_tools)."""
 
 
 class _Body(BaseModel):
     """A request body object: strict types, unknown keys ignored."""
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Closed(_Body):
+    """A body object whose unknown keys are 400s (api_error: "unknown field 'X' (did you mean
+    'Y'?)"); the document says additionalProperties: false."""
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- the field policy
+
+# Fields of OpenAI's (and vLLM's) request schemas accepted and ignored, each with why ignoring it
+# is harmless (the field's description in /openapi.json; README's table).
+IGNORED_FIELDS = {
+    "user": "an end-user id for OpenAI's abuse monitoring; the server keeps no per-user state",
+    "safety_identifier": "OpenAI's newer name for user",
+    "metadata": "tags for OpenAI's stored completions; nothing is stored here",
+    "store": "asks OpenAI to store the completion; nothing is stored here (and no route "
+             "returns stored completions)",
+    "service_tier": "one tier here: every request is served the same way",
+    "prompt_cache_key": "a routing hint for OpenAI's prompt cache; the radix cache finds "
+                        "shared prefixes by itself",
+    "prompt_cache_retention": "the radix cache keeps prefixes while the pool has room",
+    "prompt_cache_options": "the same (OpenAI's newer form)",
+    "prediction": "predicted output only makes OpenAI's decoding faster; the output is the same "
+                  "without it",
+    "request_id": "vLLM's id for its logs; the response carries the server's own id",
+    "guided_decoding_backend": "there is one grammar backend (xgrammar)",
+    "include_obfuscation": "padding against chunk-size side channels; chunks are not padded",
+    "stream_options": "/v1/responses streams its typed events the same way whatever is asked",
+    "disable_fallback": "one grammar backend, which never falls back",
+}
+
+
+def _ignored(t: Any, name: str) -> Any:
+    """`t`, validated as usual, then ignored (see IGNORED_FIELDS)."""
+    return Annotated[t, Field(description="accepted and ignored: " + IGNORED_FIELDS[name])]
+
+
+def _only(t: Any, allowed: Callable[[Any], bool], problem: str, schema: dict) -> Any:
+    """A field of a feature the server lacks: `t`, validated as usual, then refused with
+    "<field> <problem>" unless allowed(value) (its neutral value). `schema`: the JSON schema of
+    the values that pass (for the OpenAPI document)."""
+    def validate(v: Any, handler):
+        v = handler(v)
+        if not allowed(v):
+            raise _error(problem)
+        return v
+    return Annotated[t, WrapValidator(validate), Field(json_schema_extra=schema)]
+
+
+def _refused(problem: str) -> Any:
+    """A field of a feature the server lacks with no neutral value: only null (or leaving it
+    out) passes."""
+    def validate(v: Any, handler):
+        if v is not None:
+            raise _error(problem)
+        return None
+    return Annotated[Any, WrapValidator(validate), Field(json_schema_extra={"type": "null"})]
+
+
+def _off(problem: str) -> Any:
+    """A switch the server lacks: false (or null, or leaving it out) passes, true is refused."""
+    return _only(bool, lambda v: v is False, f"{problem}; leave it out or send false",
+                 {"const": False})
 
 
 # --------------------------------------------------------------------------- OpenAI routes
@@ -401,22 +515,86 @@ class ChatMessage(BaseModel):
     tool_call_id: Optional[Name] = None
 
 
-class JsonSchemaFormat(_Body):
-    """response_format.json_schema: {name, description, schema, strict}."""
+class JsonSchemaFormat(_Closed):
+    """response_format.json_schema: {name, description, schema, strict} (strict or not, the
+    output always follows the schema)."""
     name: Optional[Name] = None
     description: Optional[Text] = None
     schema_: JsonObject = Field(alias="schema")
     strict: Optional[bool] = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(_Closed):
     """{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
     type: FormatType
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-class StreamOptions(_Body):
+class StreamOptions(_Closed):
+    """include_usage (OpenAI): a last chunk with the request's usage; continuous_usage_stats
+    (vLLM, with include_usage): every chunk also carries its sequence's usage so far."""
     include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None
+    include_obfuscation: Optional[_ignored(bool, "include_obfuscation")] = None
+
+
+Choices = Annotated[List[Annotated[str, Field(max_length=MAX_STOP_LEN)]],
+                    Field(min_length=1, max_length=MAX_CHOICES)]
+"""guided_choice / structured_outputs.choice: the output is exactly one of these strings."""
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
+
+# Fields of features the server lacks: refused with a 400 saying so, unless neutral.
+WhitespacePattern = _refused("is not supported: JSON grammars allow no whitespace between "
+                             "tokens; leave it out")
+BeamSearch = _off("is not supported: beam search is not implemented (n samples are independent)")
+Priority = _only(int, lambda v: v == 0, "is not supported: requests are scheduled without "
+                 "priorities; leave it out or send 0", {"const": 0})
+AllowedTokenIds = _refused("is not supported; use logit_bias (-100 for the tokens to exclude) "
+                           "or a grammar (regex, ...)")
+BadWords = _refused("is not supported; use logit_bias (-100 for their tokens) instead")
+TokensAsIds = _off("is not supported: logprob tokens are always text (return_token_ids gives "
+                   "the ids)")
+LoraPath = _refused("is not supported: the server serves one model without adapters; leave it out")
+Modalities = _only(Annotated[List[Name], Field(max_length=8)], lambda v: all(m == "text" for m in v),
+                   'is not supported beyond ["text"]: the served models write text only',
+                   {"items": {"const": "text"}})
+Audio = _refused("is not supported: the served models write text only; leave it out")
+WebSearch = _refused("is not supported: there is no web search; leave it out")
+Functions = _refused("(deprecated by OpenAI) is not supported; send tools instead")
+FunctionCall = _refused("(deprecated by OpenAI) is not supported; send tool_choice instead")
+ReasoningEffort = _only(Name, lambda v: v == "none", "is not supported: the served models do not "
+                        'reason separately; leave it out or send "none"', {"const": "none"})
+Verbosity = _refused("is not supported: output length follows max_tokens and the prompt only; "
+                     "leave it out")
+Moderation = _refused("is not supported: the server runs no moderation; leave it out")
+ChatEcho = _off("is not supported on chat (vLLM's echo of the last message)")
+ContinueFinalMessage = _off("is not supported: the chat always ends with the generation prompt "
+                            "(add_generation_prompt)")
+ChatSpecialTokens = _off("is not supported on chat: the chat template writes the special tokens")
+ChatTemplate = _refused("is not supported: the server renders with the model's own chat template")
+ChatTemplateKwargs = _refused("is not supported: the chat template gets the messages, tools and "
+                              "add_generation_prompt only")
+
+
+class StructuredOutputs(_Closed):
+    """vLLM's structured_outputs: at most one of json, regex, choice, grammar, json_object (true:
+    any JSON object), structural_tag, each mapped onto the grammar of the same kind as the
+    top-level fields (protocol._grammar). The JSON grammars (constrained/backend.py) are
+    always compact and closed, which is what disable_any_whitespace and
+    disable_additional_properties ask for; a custom whitespace_pattern is refused."""
+    json_: Optional[SchemaSpec] = Field(None, alias="json")
+    regex: Optional[Grammar] = None
+    choice: Optional[Choices] = None
+    grammar: Optional[Grammar] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[SchemaSpec] = None
+    disable_fallback: Optional[_ignored(bool, "disable_fallback")] = None
+    disable_any_whitespace: Optional[bool] = Field(
+        None, description="JSON output never has whitespace between tokens, whatever this says")
+    disable_additional_properties: Optional[bool] = Field(
+        None, description="objects never get properties their schema does not list (xgrammar's "
+                          "strict mode), whatever this says")
+    whitespace_pattern: Optional[WhitespacePattern] = None
 
 
 Messages = described(Annotated[List[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)],
@@ -425,9 +603,10 @@ Messages = described(Annotated[List[ChatMessage], Field(min_length=1, max_length
 MESSAGES = TypeAdapter(Messages)
 
 
-class _OpenAIRequest(_Body):
+class _OpenAIRequest(_Closed):
     """The fields the chat and completions bodies share: OpenAI's, SGLang's and vLLM's
-    sampling extras, and the grammar fields."""
+    sampling extras, the grammar fields, vLLM's output extras, the fields accepted and ignored
+    (IGNORED_FIELDS) and the refused ones (_off / _only / _refused). Any other key is a 400."""
     model: Optional[Name] = None
     n: Optional[N] = None
     best_of: Optional[N] = None
@@ -459,18 +638,59 @@ class _OpenAIRequest(_Body):
     guided_json: Optional[SchemaSpec] = None
     guided_regex: Optional[Grammar] = None
     guided_grammar: Optional[Grammar] = None
-    guided_choice: Optional[Annotated[List[Annotated[str, Field(max_length=MAX_STOP_LEN)]],
-                                      Field(min_length=1, max_length=MAX_CHOICES)]] = None
+    guided_choice: Optional[Choices] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    include_stop_str_in_output: Optional[bool] = None      # vLLM's no_stop_trim
+    # vLLM's output extras
+    prompt_logprobs: Optional[TopLogprobs] = None
+    truncate_prompt_tokens: Optional[PromptTokens] = None
+    return_token_ids: Optional[bool] = None
+    # prefix sharing only among requests with the same salt (vLLM's cache_salt)
+    cache_salt: Optional[CacheSalt] = None
+    # accepted and ignored
+    user: Optional[_ignored(Name, "user")] = None
+    safety_identifier: Optional[_ignored(Name, "safety_identifier")] = None
+    metadata: Optional[_ignored(Metadata, "metadata")] = None
+    store: Optional[_ignored(bool, "store")] = None
+    service_tier: Optional[_ignored(Name, "service_tier")] = None
+    prompt_cache_key: Optional[_ignored(Name, "prompt_cache_key")] = None
+    prompt_cache_retention: Optional[_ignored(Name, "prompt_cache_retention")] = None
+    prompt_cache_options: Optional[_ignored(JsonObject, "prompt_cache_options")] = None
+    request_id: Optional[_ignored(Name, "request_id")] = None
+    guided_decoding_backend: Optional[_ignored(Name, "guided_decoding_backend")] = None
+    # refused unless neutral
+    use_beam_search: Optional[BeamSearch] = None
+    priority: Optional[Priority] = None
+    allowed_token_ids: Optional[AllowedTokenIds] = None
+    bad_words: Optional[BadWords] = None
+    return_tokens_as_token_ids: Optional[TokensAsIds] = None
+    lora_path: Optional[LoraPath] = None
 
 
 class ChatCompletionRequest(_OpenAIRequest):
     """POST /v1/chat/completions."""
     messages: Messages
     tools: Optional[Annotated[List[JsonObject], Field(max_length=MAX_TOOLS)]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: Optional[bool] = None
     max_completion_tokens: Optional[TokenCount] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[TopLogprobs] = None
+    prediction: Optional[_ignored(JsonObject, "prediction")] = None
+    modalities: Optional[Modalities] = None
+    audio: Optional[Audio] = None
+    web_search_options: Optional[WebSearch] = None
+    functions: Optional[Functions] = None
+    function_call: Optional[FunctionCall] = None
+    reasoning_effort: Optional[ReasoningEffort] = None
+    verbosity: Optional[Verbosity] = None
+    moderation: Optional[Moderation] = None
+    echo: Optional[ChatEcho] = None
+    continue_final_message: Optional[ContinueFinalMessage] = None
+    add_special_tokens: Optional[ChatSpecialTokens] = None
+    chat_template: Optional[ChatTemplate] = None
+    chat_template_kwargs: Optional[ChatTemplateKwargs] = None
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -479,6 +699,7 @@ class CompletionRequest(_OpenAIRequest):
     echo: Optional[bool] = None
     logprobs: Optional[TopLogprobs] = None
     suffix: Optional[Annotated[Text, Field(json_schema_extra={"maxLength": 0})]] = None  # unsupported
+    add_special_tokens: Optional[bool] = None     # text prompts: BOS etc. (default true)
 
 
 # --------------------------------------------------------------------------- native routes
@@ -541,15 +762,17 @@ GenerateIds = Annotated[
             f"a non-empty array of token ids or an array of at most {MAX_PROMPTS} of them")]
 PerPromptSampling = _per_prompt(SamplingParamsBody, "a sampling parameters object")
 PerPromptRid = _per_prompt(Annotated[Name, Field(min_length=1)], "a request id string")
+PerPromptSalt = _per_prompt(Annotated[Name, Field(min_length=1)], "a cache salt string")
 PerPromptBool = _per_prompt(bool, "a boolean")
 PerPromptLogprobStart = _per_prompt(LogprobStart, "an integer")
 PerPromptTopLogprobs = _per_prompt(TopLogprobs, "an integer")
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_Closed):
     """POST /generate (SGLang's native API): give exactly one of text and input_ids (neither
     may be null), each one prompt or an array of prompts (a batch); per-prompt fields once or
-    one per prompt."""
+    one per prompt. SGLang's fields of features this server lacks are refused by name; any
+    other unknown key is a 400 too."""
     model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["text"]},
                                                            {"required": ["input_ids"]}]})
     text: GenerateText = None
@@ -561,11 +784,39 @@ class GenerateRequest(_Body):
     logprob_start_len: Optional[PerPromptLogprobStart] = None
     top_logprobs_num: Optional[PerPromptTopLogprobs] = None
     return_text_in_logprobs: Optional[bool] = None
+    cache_salt: Optional[PerPromptSalt] = None     # prefix sharing only within one salt
+    image_data: Optional[_refused("is not supported: the served models read text only")] = None
+    lora_path: Optional[_refused("is not supported: no LoRA adapters are loaded")] = None
+    return_hidden_states: Optional[_off("is not supported: hidden states are not returned")] = None
+    custom_logit_processor: Optional[_refused("is not supported: logit processors do not run "
+                                              "here (logit_bias in sampling_params does)")] = None
 
 
-class AbortRequest(_Body):
-    """POST /abort_request: the id of one of this client's live requests."""
-    rid: Annotated[Name, Field(min_length=1)]
+class AbortRequest(_Closed):
+    """POST /abort_request: the id of one of this client's live requests, or abort_all: true
+    for every live request of this client (SGLang's body; an empty rid is allowed then)."""
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["rid"], "properties": {"rid": {"minLength": 1}}},
+        {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}}]})
+    rid: Optional[Name] = None
+    abort_all: Optional[bool] = None        # a rid or abort_all: protocol.parse_abort_request
 
 
-REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, GenerateRequest, AbortRequest)
+MAX_SCORE_LABELS = 64
+
+
+class ScoreRequest(_Closed):
+    """POST /v1/score (SGLang's scoring API): for each item, the probability of each label
+    token as the next token after query + item (item + query with item_first). query and
+    items are text, or token ids (both the same kind)."""
+    query: Union[Text, TokenIds]
+    items: Annotated[List[Union[Text, TokenIds]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    label_token_ids: Annotated[List[TokenId], Field(min_length=1, max_length=MAX_SCORE_LABELS)]
+    apply_softmax: bool = False
+    item_first: bool = False
+    model: Optional[Name] = None
+    cache_salt: Optional[Annotated[Name, Field(min_length=1)]] = None
+
+
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, GenerateRequest, AbortRequest,
+                  ScoreRequest)

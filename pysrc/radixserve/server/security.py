@@ -45,7 +45,7 @@ import ipaddress
 import logging
 import re
 import socket
-from typing import Any, AsyncIterator, Dict, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
@@ -327,6 +327,10 @@ class RequestOwners:
     def release(self, rid: str) -> None:
         self._owner.pop(rid, None)
 
+    def owned_by(self, owner: str) -> List[str]:
+        """The live request ids `owner` started."""
+        return [rid for rid, who in self._owner.items() if who == owner]
+
     def __len__(self) -> int:
         return len(self._owner)
 
@@ -378,6 +382,13 @@ class ClientView:
             return False
         self._engine.abort(rid)
         return True
+
+    def abort_all(self) -> int:
+        """Abort every live request of this client (never another's); how many."""
+        rids = self._owners.owned_by(self._identity)
+        for rid in rids:
+            self._engine.abort(rid)
+        return len(rids)
 
 
 def request_owners(request: Request) -> RequestOwners:

@@ -79,8 +79,10 @@ def _call_schema(fn: dict) -> dict:
             "required": ["name", "arguments"]}
 
 
-def tool_grammar(functions: List[dict], choice: Any) -> Optional[str]:
-    """The structural tag (JSON text) that constrains the output, or None (tool_choice none)."""
+def tool_grammar(functions: List[dict], choice: Any, parallel: bool = True) -> Optional[str]:
+    """The structural tag (JSON text) that constrains the output, or None (tool_choice none).
+    parallel=False (parallel_tool_calls: false): under auto the output ends after its first
+    call (required and named choices always make exactly one)."""
     if choice == "none" or not functions:
         return None
     chosen = functions if choice in ("auto", "required") else \
@@ -92,7 +94,7 @@ def tool_grammar(functions: List[dict], choice: Any) -> Optional[str]:
            "end": "\n" + END}
     if choice == "auto":
         fmt = {"type": "triggered_tags", "triggers": [BEGIN], "tags": [tag],
-               "at_least_one": False, "stop_after_first": False}
+               "at_least_one": False, "stop_after_first": not parallel}
     else:
         fmt = tag
     return json.dumps({"type": "structural_tag", "format": fmt})

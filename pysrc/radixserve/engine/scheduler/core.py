@@ -275,7 +275,7 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
             kv = min(kv, keep)
         kv = max(kv, req.prefix_len)   # never below the prefix: those slots are the cache's
         slots = self.req_to_token_pool.slots(req.req_pool_idx, req.kv_len)
-        self.cache.insert(req.fill_ids[:kv], slots[:kv])
+        self.cache.insert(req.cache_key[:kv], slots[:kv])
         self.kv_pool.free(slots[kv:])
         self.cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)

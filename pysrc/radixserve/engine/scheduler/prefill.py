@@ -86,7 +86,7 @@ class PrefillMixin:
                 break
             if fair is not None and not fair(req):
                 continue
-            key = req.fill_ids
+            key = req.cache_key
             match = self.cache.match_prefix(key[:req.max_prefix_len()])
             prefix_len = int(match.indices.numel())
             if self._waits_for_batch_prefix(req, batch, prefix_len):
@@ -168,8 +168,8 @@ class PrefillMixin:
         end = prefix_len + IN_BATCH_SHARE_MIN
         if len(req.fill_ids) - 1 < end:
             return False
-        head = req.fill_ids[:end]
-        return any(other.fill_ids[:end] == head for other in batch.reqs if not
+        head = req.cache_key[:end]
+        return any(other.cache_key[:end] == head for other in batch.reqs if not
                    other.status == ReqStatus.RUNNING)
 
     def _add_extend(self, batch: ScheduleBatch, req: Req, slots: torch.Tensor, final: bool) -> None:
@@ -184,7 +184,7 @@ class PrefillMixin:
         """After a prefill chunk: hand its slots to the cache and lock the new path; the row is
         re-pointed at the cache's slots (the next step carries that write to the device)."""
         kv = req.kv_len
-        key = req.fill_ids[:kv]
+        key = req.cache_key[:kv]
         slots = self.req_to_token_pool.slots(req.req_pool_idx, kv)
         self.cache.insert(key, slots)
         match = self.cache.match_prefix(key)

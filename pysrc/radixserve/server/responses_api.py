@@ -1,0 +1,389 @@
+"""The OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{response_id}.
+
+A request runs like a chat completion with one output: `input` (a string: one user message; or
+a list of message items with text content) after `instructions` (a system message, for this
+request only: it is not carried to follow-ups) and after the stored conversation of
+`previous_response_id`, rendered with the model's chat template (openai_api.render_messages),
+sampled with `temperature` / `top_p` for at most `max_output_tokens` tokens (default: up to the
+context length), constrained by `text.format` (json_object / json_schema become the same
+json_schema grammar as chat's response_format: protocol.json_format_schema, compiled up front by
+generation.check_grammars). The answer is a Response object whose output is one assistant
+message with one output_text part; status "completed", or "incomplete" with
+incomplete_details.reason "max_output_tokens" when the output was cut by the token limit (or
+the context). usage: input_tokens (prompt), input_tokens_details.cached_tokens (prompt tokens
+served from the radix cache), output_tokens, total_tokens; cache_write_tokens and
+output_tokens_details.reasoning_tokens are not tracked and always 0.
+
+stream: true sends the typed events the openai client parses, each as `event: <type>` plus
+`data: <json>` with a sequence_number counting from 0: response.created, response.in_progress,
+response.output_item.added, response.content_part.added, response.output_text.delta (one per
+piece of text), response.output_text.done, response.content_part.done,
+response.output_item.done, then response.completed (or response.incomplete). No `[DONE]`
+(OpenAI sends none). An error after the headers went out is an `error` event {code, message,
+param} followed by response.failed (status "failed", response.error set); the stream ends there.
+
+store (default true): a finished (completed or incomplete) response is kept in a bounded
+in-memory LRU store, ResponseStore (MAX_STORED_RESPONSES responses, about MAX_STORED_CHARS
+characters of conversation; the least recently used go first), per client: only the client
+that created a response (security.ClientView.identity: the same API key, or without one the
+same peer address) can GET it, DELETE it, or continue it; for anyone else it does not exist
+(404, like an unknown, deleted or evicted id). `previous_response_id`: the new conversation is
+the stored one (its input messages and output, not its instructions) followed by the new input,
+so the earlier exchange is a prefix of the new prompt and comes from the radix cache
+(usage.input_tokens_details.cached_tokens). A response streaming or failed is not stored.
+
+Refused with a 400 naming the field (responses_schemas.py): tools (other than []), tool_choice
+other than "none" / "auto", reasoning, background: true, include (other than []), truncation
+"auto", top_logprobs above 0, n above 1, conversation, prompt, context_management, moderation,
+input items other than messages, content parts other than input_text / output_text.
+Accepted and ignored (harmless; echoed in the response where OpenAI echoes them): model (it must
+name the served model, else 404), user, metadata, parallel_tool_calls, max_tool_calls (no tools
+run), service_tier, prompt_cache_key, prompt_cache_retention, safety_identifier, stream_options,
+text.verbosity, text.format.strict (the schema is always enforced). Any other top-level field is
+a 400 naming it. GET ignores its
+query parameters but stream=true (a 400: stored responses are not replayed as events).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Dict, List, Optional, Sequence
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.engine.io import GenerateReqInput
+from radixserve.sampling.params import SamplingParams
+from radixserve.server import protocol as P
+from radixserve.server import schemas as S
+from radixserve.server.errors import ApiError, bad_request
+from radixserve.server.generation import (ClientDisconnected, check_grammars, collect, expand_requests,
+                                          merge_generations, validate_all)
+from radixserve.server.jsonio import JSONResponse
+from radixserve.server.metrics import RequestMetrics, request_metrics
+from radixserve.server.openai_api import _model_aliases, _raise_if_aborted, render_messages
+from radixserve.server.responses_schemas import ResponseCreateRequest
+from radixserve.server.security import read_json_object
+from radixserve.server.sse import EventStreamResponse, encode_event
+
+logger = logging.getLogger(__name__)
+
+MAX_STORED_RESPONSES = 1024
+MAX_STORED_CHARS = 1 << 26          # characters of stored conversations, all clients together
+
+
+# --------------------------------------------------------------------------- the store
+
+@dataclasses.dataclass
+class StoredResponse:
+    owner: str                      # the identity of the client that created it
+    response: dict                  # the Response object, as GET answers it
+    conversation: List[dict]        # input + output messages a follow-up continues (no instructions)
+    chars: int                      # what it counts against max_chars
+
+
+class ResponseStore:
+    """Stored responses by id, least recently used first: putting one beyond `max_responses`
+    entries or `max_chars` characters drops the oldest until it fits (a response larger than
+    max_chars alone is not stored). Reads (get) count as use. An entry belongs to its owner:
+    get and delete for another identity behave as for an unknown id. One per app (app.state);
+    the event loop's thread only."""
+
+    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS):
+        self.max_responses = max_responses
+        self.max_chars = max_chars
+        self._entries: "collections.OrderedDict[str, StoredResponse]" = collections.OrderedDict()
+        self._chars = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def chars(self) -> int:
+        return self._chars
+
+    def put(self, response_id: str, owner: str, response: dict, conversation: List[dict],
+            chars: int) -> bool:
+        """Store (or replace) `response_id`; False when it is too large to store at all."""
+        self._drop(response_id)
+        if chars > self.max_chars:
+            return False
+        while self._entries and (len(self._entries) >= self.max_responses
+                                 or self._chars + chars > self.max_chars):
+            _, old = self._entries.popitem(last=False)
+            self._chars -= old.chars
+        self._entries[response_id] = StoredResponse(owner, response, conversation, chars)
+        self._chars += chars
+        return True
+
+    def get(self, response_id: str, owner: str) -> Optional[StoredResponse]:
+        entry = self._entries.get(response_id)
+        if entry is None or entry.owner != owner:
+            return None
+        self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str, owner: str) -> bool:
+        entry = self._entries.get(response_id)
+        if entry is None or entry.owner != owner:
+            return False
+        self._drop(response_id)
+        return True
+
+    def _drop(self, response_id: str) -> None:
+        old = self._entries.pop(response_id, None)
+        if old is not None:
+            self._chars -= old.chars
+
+
+def _store(request: Request) -> ResponseStore:
+    return request.app.state.response_store
+
+
+def _not_found(response_id: str, param: str, store: ResponseStore) -> ApiError:
+    return ApiError(f"no stored response {response_id[:200]!r}: this client never stored one by "
+                    f"that id (store: false, deleted, or another client's), or it was evicted (the "
+                    f"server keeps the {store.max_responses} most recently used)", 404, param=param)
+
+
+# --------------------------------------------------------------------------- the request
+
+def _input_messages(value) -> List[dict]:
+    """The validated input as chat messages: a string is one user message; content parts are
+    joined by newlines (as chat joins text parts); developer is system (as in chat)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    messages = []
+    for item in value:
+        content = item.content if isinstance(item.content, str) else \
+            "\n".join(part.text for part in item.content)
+        messages.append({"role": "system" if item.role == "developer" else item.role,
+                         "content": content})
+    return messages
+
+
+def _sampling(req: ResponseCreateRequest) -> SamplingParams:
+    d: Dict[str, object] = {"max_new_tokens": req.max_output_tokens}
+    for name in ("temperature", "top_p"):
+        if getattr(req, name) is not None:
+            d[name] = getattr(req, name)
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_schema" and fmt.schema_ is None:
+            raise bad_request("text.format.schema is required when text.format.type is json_schema",
+                              param="text.format.schema")
+        d["json_schema"] = P.json_format_schema(fmt.type, fmt.schema_)
+    try:
+        return P.sampling_params_from_dict(d)
+    except ApiError as e:
+        if e.param == "max_new_tokens":
+            raise bad_request(e.message.replace("max_new_tokens", "max_output_tokens", 1),
+                              param="max_output_tokens") from None
+        raise
+
+
+def _chars(messages: Sequence[dict]) -> int:
+    return sum(len(m["content"]) for m in messages)
+
+
+# --------------------------------------------------------------------------- response objects
+
+@dataclasses.dataclass
+class _Shape:
+    """What every Response object of one request shares."""
+    rid: str
+    created: int
+    model: str
+    req: ResponseCreateRequest
+    sampling: SamplingParams
+    store: bool
+
+    def response(self, status: str, output: List[dict], usage: Optional[dict] = None,
+                 error: Optional[dict] = None, incomplete: Optional[dict] = None) -> dict:
+        req = self.req
+        fmt = req.text.format if req.text is not None else None
+        return {
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status,
+            "background": False, "error": error, "incomplete_details": incomplete,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {},
+            "model": self.model, "output": output,
+            "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id, "reasoning": None,
+            "service_tier": "default", "store": self.store,
+            "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None
+                     else {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto", "tools": [], "top_logprobs": 0,
+            "truncation": "disabled", "usage": usage, "user": req.user,
+        }
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message(msg_id: str, status: str, content: List[dict]) -> dict:
+    return {"id": msg_id, "type": "message", "role": "assistant", "status": status,
+            "content": content}
+
+
+def _usage(result: P.SeqResult) -> dict:
+    u = P.usage_dict([result], 1)
+    return {"input_tokens": u["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
+            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"]}
+
+
+def _ending(result: P.SeqResult) -> tuple:
+    """(status, incomplete_details) of a finished sequence."""
+    if P.finish_reason_str(result.finish_reason) == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+def _finish(shape: _Shape, result: P.SeqResult, msg_id: str, store: ResponseStore, owner: str,
+            conversation: List[dict]) -> dict:
+    """The final Response object of a finished sequence, stored when asked."""
+    status, incomplete = _ending(result)
+    message = _message(msg_id, status, [_text_part(result.text)])
+    response = shape.response(status, [message], _usage(result), incomplete=incomplete)
+    if shape.store:
+        full = conversation + [{"role": "assistant", "content": result.text}]
+        chars = _chars(full) + len(shape.req.instructions or "") + len(result.text)
+        if not store.put(shape.rid, owner, response, full, chars):
+            logger.warning("response %s not stored: %d characters exceed the store's %d",
+                           shape.rid, chars, store.max_chars)
+    return response
+
+
+# --------------------------------------------------------------------------- routes
+
+async def create_response(request: Request, engine) -> Response:
+    """POST /v1/responses."""
+    body = await read_json_object(request)
+    P.check_model(body, engine.served_model_name, _model_aliases(engine))
+    req = S.parse(ResponseCreateRequest, body)
+    store = _store(request)
+    history: List[dict] = []
+    if req.previous_response_id is not None:
+        previous = store.get(req.previous_response_id, engine.identity)
+        if previous is None:
+            raise _not_found(req.previous_response_id, "previous_response_id", store)
+        history = previous.conversation
+    conversation = history + _input_messages(req.input)
+    sampling = _sampling(req)
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) \
+        + conversation
+    prompt_ids = await render_messages(engine, messages, param="input")
+    P.check_prompt_ids(prompt_ids, engine.model_config.vocab_size, engine.context_len,
+                       sampling.max_new_tokens, "input", "max_output_tokens")
+    rid = f"resp_{uuid.uuid4().hex}"
+    stream = bool(req.stream)
+    reqs = expand_requests(rid, [prompt_ids], 1, [sampling], stream, return_logprob=[False],
+                           logprob_start_len=[-1], top_logprobs_num=[0],
+                           return_text_in_logprobs=False)
+    validate_all(engine, reqs)
+    try:
+        await check_grammars(engine, reqs)
+    except ApiError as e:           # the only grammar source here
+        e.param = "text.format.schema" if sampling.json_schema else "text.format"
+        raise
+    shape = _Shape(rid, int(time.time()), engine.served_model_name, req, sampling,
+                   store=req.store is not False)
+    msg_id = f"msg_{uuid.uuid4().hex}"
+    if stream:
+        return EventStreamResponse(_response_events(engine, shape, reqs, prompt_ids, msg_id, store,
+                                                    conversation, request_metrics(request)))
+    result = P.SeqResult(0, prompt_ids)
+    try:
+        await collect(engine, reqs, [result], request.receive, request_metrics(request))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    _raise_if_aborted([result])
+    return JSONResponse(_finish(shape, result, msg_id, store, engine.identity, conversation))
+
+
+def _event(seq: "itertools.count", obj: dict) -> bytes:
+    obj["sequence_number"] = next(seq)
+    return b"event: " + obj["type"].encode() + b"\n" + encode_event(obj)
+
+
+async def _response_events(engine, shape: _Shape, reqs: Sequence[GenerateReqInput],
+                           prompt_ids: List[int], msg_id: str, store: ResponseStore,
+                           conversation: List[dict],
+                           metrics: Optional[RequestMetrics] = None) -> AsyncIterator[bytes]:
+    seq = itertools.count()
+    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+    result = P.SeqResult(0, prompt_ids)
+    yield _event(seq, {"type": "response.created", "response": shape.response("in_progress", [])})
+    yield _event(seq, {"type": "response.in_progress", "response": shape.response("in_progress", [])})
+    yield _event(seq, {"type": "response.output_item.added", "output_index": 0,
+                       "item": _message(msg_id, "in_progress", [])})
+    yield _event(seq, {"type": "response.content_part.added", **where, "part": _text_part("")})
+    generations = merge_generations(engine, reqs, metrics)
+    try:
+        async for _, out in generations:
+            result.feed(out)
+            _raise_if_aborted([result])
+            if out.text_delta:
+                yield _event(seq, {"type": "response.output_text.delta", **where,
+                                   "delta": out.text_delta, "logprobs": []})
+    except Exception as e:  # noqa: BLE001 - the headers are out; tell the client in-band
+        if not isinstance(e, ApiError):
+            logger.exception("error while streaming response %s", shape.rid)
+            e = ApiError(f"internal server error: {type(e).__name__}: {e}", 500)
+        code = "server_error" if e.status >= 500 else "invalid_prompt"
+        yield _event(seq, {"type": "error", "code": code, "message": e.message, "param": e.param})
+        partial = _message(msg_id, "incomplete", [_text_part(result.text)])
+        yield _event(seq, {"type": "response.failed", "response": shape.response(
+            "failed", [partial], _usage(result), error={"code": code, "message": e.message})})
+        return
+    finally:
+        await generations.aclose()
+    response = _finish(shape, result, msg_id, store, engine.identity, conversation)
+    message = response["output"][0]
+    yield _event(seq, {"type": "response.output_text.done", **where, "text": result.text,
+                       "logprobs": []})
+    yield _event(seq, {"type": "response.content_part.done", **where, "part": message["content"][0]})
+    yield _event(seq, {"type": "response.output_item.done", "output_index": 0, "item": message})
+    final = "response.completed" if response["status"] == "completed" else "response.incomplete"
+    yield _event(seq, {"type": final, "response": response})
+
+
+def _path_id(request: Request) -> str:
+    return request.path_params["response_id"]
+
+
+async def stored_response(request: Request, engine) -> Response:
+    """/v1/responses/{response_id}: GET retrieves, DELETE deletes (one route, both methods)."""
+    if request.method == "DELETE":
+        return await delete_response(request, engine)
+    return await retrieve_response(request, engine)
+
+
+async def retrieve_response(request: Request, engine) -> Response:
+    """GET /v1/responses/{response_id}: a stored response of this client, or 404."""
+    if request.query_params.get("stream", "false").lower() not in ("false", "0", ""):
+        raise bad_request("stream is not supported when retrieving a response (stored responses "
+                          "are not replayed as events); leave it out", param="stream")
+    response_id, store = _path_id(request), _store(request)
+    entry = store.get(response_id, engine.identity)
+    if entry is None:
+        raise _not_found(response_id, "response_id", store)
+    return JSONResponse(entry.response)
+
+
+async def delete_response(request: Request, engine) -> Response:
+    """DELETE /v1/responses/{response_id}: forget a stored response of this client, or 404."""
+    response_id, store = _path_id(request), _store(request)
+    if not store.delete(response_id, engine.identity):
+        raise _not_found(response_id, "response_id", store)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})

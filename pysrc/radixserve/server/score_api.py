@@ -1,0 +1,99 @@
+"""POST /v1/score, SGLang's scoring API for decoder models: how likely each label token is to
+come next after query + item, for every item.
+
+    {"query": "Is this review positive? ", "items": ["Great film.", "Dull."],
+     "label_token_ids": [9583, 2822], "apply_softmax": true}
+ -> {"object": "scoring", "model": ..., "scores": [[p_yes, p_no], [p_yes, p_no]], "usage": ...}
+
+Each (item, label) pair is one scoring sequence, query + item + [label], run with no new token
+and the prompt logprob of its last position: log P(label | query + item). The sequences of an
+item share everything but their last token, so the radix cache computes query + item once per
+item (and the query once for all). apply_softmax normalises over the labels (softmax of their
+logits); without it the scores are the labels' probabilities over the whole vocabulary.
+"""
+from __future__ import annotations
+
+import math
+import uuid
+from typing import List
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.engine.io import GenerateReqInput
+from radixserve.sampling.params import SamplingParams
+from radixserve.server import protocol as P
+from radixserve.server import schemas as S
+from radixserve.server.errors import bad_request
+from radixserve.server.generation import collect, off_loop, validate_all
+from radixserve.server.jsonio import JSONResponse
+from radixserve.server.metrics import request_metrics
+from radixserve.server.security import read_json_object
+
+
+async def _ids(engine, value, param: str) -> List[int]:
+    if isinstance(value, str):
+        return await off_loop(engine.tokenizer.encode, value, size=len(value))
+    return list(value)
+
+
+async def _item_prompts(engine, req: S.ScoreRequest) -> List[List[int]]:
+    """The prompt of each item: query + item (item + query with item_first), as text joined
+    then tokenized, or ids joined."""
+    text = isinstance(req.query, str)
+    if any(isinstance(item, str) != text for item in req.items):
+        raise bad_request("query and items must all be text or all be token ids", param="items")
+    prompts = []
+    for item in req.items:
+        if text:
+            joined = item + req.query if req.item_first else req.query + item
+            prompts.append(await _ids(engine, joined, "items"))
+        else:
+            prompts.append(list(item) + list(req.query) if req.item_first
+                           else list(req.query) + list(item))
+    return prompts
+
+
+def _scores(logprobs: List[float], apply_softmax: bool) -> List[float]:
+    if not apply_softmax:
+        return [math.exp(lp) for lp in logprobs]
+    top = max(logprobs)
+    weights = [math.exp(lp - top) for lp in logprobs]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+async def score(request: Request, engine) -> Response:
+    req = S.parse(S.ScoreRequest, await read_json_object(request))
+    vocab = engine.model_config.vocab_size
+    bad = [t for t in req.label_token_ids if t >= vocab]
+    if bad:
+        raise bad_request(f"label_token_ids {bad[:4]} are outside the vocabulary "
+                          f"(size {vocab})", param="label_token_ids")
+    prompts = await _item_prompts(engine, req)
+    labels = req.label_token_ids
+    if len(prompts) * len(labels) > S.MAX_SEQUENCES:
+        raise bad_request(f"items x label_token_ids is {len(prompts) * len(labels)} scoring "
+                          f"sequences; at most {S.MAX_SEQUENCES} per request", param="items")
+    rid = uuid.uuid4().hex
+    reqs = []
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise bad_request("query + item is empty", param=f"items[{i}]")
+        P.check_prompt_ids(ids + [0], vocab, engine.context_len, 0, "items", "max_new_tokens")
+        for j, label in enumerate(labels):
+            reqs.append(GenerateReqInput(
+                rid=f"{rid}-{i}-{j}", input_ids=ids + [label],
+                sampling_params=SamplingParams(max_new_tokens=0, temperature=0.0),
+                return_logprob=True, logprob_start_len=len(ids), cache_salt=req.cache_salt))
+    validate_all(engine, reqs)
+    results = [P.SeqResult(k, r.input_ids) for k, r in enumerate(reqs)]
+    await collect(engine, reqs, results, request.receive, request_metrics(request))
+    scores = []
+    for i in range(len(prompts)):
+        row = results[i * len(labels):(i + 1) * len(labels)]
+        scores.append(_scores([r.input_token_logprobs[-1][0] for r in row], req.apply_softmax))
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    return JSONResponse({"object": "scoring", "model": engine.served_model_name, "scores": scores,
+                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                                   "total_tokens": prompt_tokens}})
