@@ -190,3 +190,22 @@ def test_server_info_has_no_paths_or_key(http):
     assert model_path and model_path not in r.text
     assert "model_path" not in info and "model_path" not in info["server_args"]
     assert json.dumps(info).count('"/') == 0           # no absolute path anywhere
+
+
+def test_lang_runtime_endpoint_sends_the_api_key(door):
+    """radixserve.lang.RuntimeEndpoint(url, api_key=...) works behind the key; without it (or
+    with a wrong one) construction fails with a BackendError carrying the 401."""
+    import radixserve.lang as sgl
+    url, _ = door
+    for key in (None, "wrong"):
+        with pytest.raises(sgl.BackendError) as err:
+            sgl.RuntimeEndpoint(url, api_key=key)
+        assert err.value.status == 401 and err.value.route == "/get_model_info"
+    endpoint = sgl.RuntimeEndpoint(url, api_key=KEY)
+
+    @sgl.function
+    def one(s):
+        s += "Hello" + sgl.gen("x", max_tokens=2)
+
+    state = one.run(backend=endpoint, temperature=0)
+    assert state.get_meta_info("x")["completion_tokens"] <= 2
