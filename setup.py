@@ -79,6 +79,8 @@ def _extensions():
     for inc in _nvidia_wheel_includes():
         system_includes += ["-isystem", inc]
     archs = os.environ.get("RADIXSERVE_CUDA_ARCHS", "90a;80").split(";")
+    # recorded in the module (radixserve._C.CUDA_ARCHS, csrc/bindings.cpp) for ops/kernel_status.py
+    archs_define = "-DRADIXSERVE_CUDA_ARCHS=" + ",".join(a for a in archs if a)
     gencode = []
     for a in archs:
         gencode += [f"-gencode=arch=compute_{a},code=sm_{a}"]
@@ -88,7 +90,7 @@ def _extensions():
         sources=sources,
         include_dirs=include_dirs,
         extra_compile_args={
-            "cxx": ["-O3"] + system_includes,
+            "cxx": ["-O3", archs_define] + system_includes,
             "nvcc": ["-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda",
                      "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                      "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-lineinfo"] + gencode + system_includes,

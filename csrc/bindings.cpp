@@ -35,6 +35,22 @@ TORCH_LIBRARY_IMPL(radixserve, CUDA, m) {
   m.impl("silu_and_mul", &radixserve::silu_and_mul);
 }
 
-// The module itself carries nothing: importing radixserve._C runs the registrations above.
+// Importing radixserve._C runs the registrations above. The module carries one constant,
+// CUDA_ARCHS: the archs it was built for ("90a,80", from RADIXSERVE_CUDA_ARCHS via setup.py;
+// "" when not recorded), read by pysrc/radixserve/ops/kernel_status.py.
+#ifndef RADIXSERVE_CUDA_ARCHS
+#define RADIXSERVE_CUDA_ARCHS
+#endif
+#define RADIXSERVE_STR_(...) #__VA_ARGS__
+#define RADIXSERVE_STR(...) RADIXSERVE_STR_(__VA_ARGS__)
+
 static struct PyModuleDef radixserve_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&radixserve_c_module); }
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* m = PyModule_Create(&radixserve_c_module);
+  if (m != nullptr &&
+      PyModule_AddStringConstant(m, "CUDA_ARCHS", RADIXSERVE_STR(RADIXSERVE_CUDA_ARCHS)) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

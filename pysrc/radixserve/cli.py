@@ -1,8 +1,9 @@
-"""`radixserve serve | convert | bench`: the command line.
+"""`radixserve serve | convert | bench | env`: the command line.
 
     radixserve serve [--model-path DIR] [every ServerArgs flag]   (no model: the default model)
     radixserve convert --gguf FILE --out DIR                       (GGUF -> HF-style directory)
     radixserve bench [ARGS...]      (bench/serving.py of a source checkout: the load generator)
+    radixserve env                  (versions, GPU, CUDA kernels' state, cache path: bug reports)
 
 `python -m radixserve` is this CLI; `python -m radixserve.launch_server [flags]` is `serve`.
 """
@@ -15,9 +16,63 @@ import runpy
 import sys
 from typing import List, Optional
 
-from radixserve.config import ServerArgs
+from radixserve import __version__
+from radixserve.config import HelpFormatter, ServerArgs, serve_epilog
 
 LOG_FORMAT = "[%(asctime)s %(levelname)s %(name)s] %(message)s"
+SERVE_DESCRIPTION = "Serve a model over HTTP (OpenAI-compatible and native routes)."
+
+
+class Parser(argparse.ArgumentParser):
+    """Every parser of the CLI (subparsers too: add_subparsers makes them of this class): flags
+    are never abbreviated (`--tp 1` is an error, not --tp-size), and an unrecognized flag that
+    starts some flag's name says which."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def flag_names(self) -> List[str]:
+        """The documented flags of this parser and of its subcommands."""
+        names: List[str] = []
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    names += sub.flag_names() if isinstance(sub, Parser) else []
+            elif action.help is not argparse.SUPPRESS:
+                names += action.option_strings
+        return names
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            names = sorted(set(self.flag_names()))
+            for arg in message.split(":", 1)[1].split():
+                flag = arg.split("=", 1)[0]
+                longer = [n for n in names if flag.startswith("--") and n.startswith(flag)]
+                if longer:
+                    message += (f" (flags are not abbreviated: did you mean "
+                                f"{' or '.join(longer[:4])}?)")
+        super().error(message)
+
+
+def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"radixserve {__version__}",
+                        help="print `radixserve <version>` and exit")
+
+
+def _serve_parser_kwargs() -> dict:
+    return dict(description=SERVE_DESCRIPTION, epilog=serve_epilog(),
+                formatter_class=HelpFormatter,
+                usage="%(prog)s [--model-path PATH] [flags: --help lists them]")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Optional[List[str]]):
+    """(namespace, None), or (None, exit status) where argparse exits: --help and --version
+    (0), a bad or refused flag (2, its message on stderr)."""
+    try:
+        return parser.parse_args(argv), None
+    except SystemExit as e:
+        return None, e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
 
 def setup_logging(level: str) -> None:
@@ -25,8 +80,9 @@ def setup_logging(level: str) -> None:
 
 
 def serve_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP "
-                                     "(OpenAI-compatible and native routes).")
+    """The parser of `python -m radixserve.launch_server` (the flags of `radixserve serve`)."""
+    parser = Parser(prog=prog, **_serve_parser_kwargs())
+    add_version_flag(parser)
     ServerArgs.add_cli_args(parser)
     return parser
 
@@ -76,16 +132,20 @@ def run_bench(argv: List[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="radixserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model over HTTP",
-                           description="Serve a model over HTTP (OpenAI-compatible and native routes).")
+    parser = Parser(prog="radixserve", description=__doc__.splitlines()[0])
+    add_version_flag(parser)
+    sub = parser.add_subparsers(dest="command", required=True)   # subparsers: Parser too
+    serve = sub.add_parser("serve", help="serve a model over HTTP (--help lists every flag)",
+                           **_serve_parser_kwargs())
+    add_version_flag(serve)
     ServerArgs.add_cli_args(serve)
     convert = sub.add_parser("convert", help="convert a GGUF file into an HF-style model directory")
     convert.add_argument("--gguf", required=True, help="path of the .gguf file")
     convert.add_argument("--out", required=True, help="output directory")
     sub.add_parser("bench", help="run the serving load generator (bench/serving.py; --help for "
                    "its flags)", add_help=False)
+    sub.add_parser("env", help="print versions, GPUs, the CUDA kernels' state and the default "
+                   "model's cache path (for bug reports)")
     return parser
 
 
@@ -93,9 +153,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return run_bench(argv[1:])
-    ns = build_parser().parse_args(argv)
+    ns, status = parse_args(build_parser(), argv)
+    if ns is None:
+        return status
     if ns.command == "serve":
         return run_serve(ns)
+    if ns.command == "env":
+        from radixserve.env_report import main as run_env
+        return run_env()
     return run_convert(ns)
 
 

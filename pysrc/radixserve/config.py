@@ -1,4 +1,6 @@
-"""Configuration: ServerArgs (every flag of `radixserve serve`) and ModelConfig (from config.json).
+"""Configuration: ServerArgs (every flag of `radixserve serve`, each field's help text, choices
+and SGLang aliases in its metadata), REFUSED_SGLANG_FLAGS (SGLang flags refused by name), and
+ModelConfig (from config.json).
 
 Configuration flows from ServerArgs; nothing reads flags or environment variables elsewhere
 (except RADIXSERVE_DISABLE_KERNELS in ops/_ext.py, a debugging switch).
@@ -9,65 +11,348 @@ import argparse
 import dataclasses
 import json
 import os
+import textwrap
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 
+# SGLang flags radixserve does not support yet, each refused by name with its reason (exit 2):
+# `radixserve serve --quantization fp8` stops with "--quantization is an SGLang flag radixserve
+# does not support yet: ...", never starts with the flag silently ignored. The SGLang flags we do
+# implement are ServerArgs fields under SGLang's names (plus the `aliases` of their metadata).
+_ONE_DEVICE = "one server runs on one device (tensor, pipeline, expert and data parallelism are " \
+              "not implemented)"
+_ONE_HOST = "one server is one process on one machine"
+_LORA = "LoRA adapters are not supported"
+_SPECULATIVE = "speculative decoding is not implemented"
+_NO_DOWNLOAD = "models are local directories or .gguf files (--model-path); nothing is downloaded"
+_HICACHE = "the prefix cache lives in the KV pool only (no host-memory tier)"
+_OWN_KERNELS = "attention and sampling are radixserve's own kernels (torch references on the CPU)"
+_BUCKETS = "the latency histograms' buckets are fixed (--enable-metrics)"
+_NO_WARMUP = "radixserve sends no warmup request; drop the flag"
+REFUSED_SGLANG_FLAGS: Dict[str, str] = {
+    # model and tokenizer
+    "--trust-remote-code": "radixserve runs only its own model code (Llama, Mistral, Qwen2, "
+                           "SmolLM2); code from a model's repository is never run",
+    "--tokenizer-mode": "the tokenizer is the model's tokenizer.json (HF tokenizers) or "
+                        "tokenizer.model (sentencepiece)",
+    "--skip-tokenizer-init": "the server always loads the tokenizer",
+    "--revision": _NO_DOWNLOAD,
+    "--download-dir": _NO_DOWNLOAD,
+    "--model-impl": "each architecture has one implementation",
+    "--json-model-override-args": "the model's config.json is used as it is",
+    "--model-loader-extra-config": "the loader takes no options (--load-format)",
+    "--is-embedding": "embedding models are not served",
+    "--enable-multimodal": "only text models are served",
+    "--completion-template": "completion (fill-in-the-middle) templates are not supported",
+    "--hf-chat-template-name": "of a tokenizer's named templates, chats use 'default' and "
+                               "requests with tools 'tool_use'; --chat-template replaces them",
+    # quantization and data type
+    "--quantization": "weights load unquantized, in --dtype",
+    "--quantization-param-path": "weights load unquantized, in --dtype",
+    "--kv-cache-dtype": "the KV cache is stored in the model's --dtype",
+    # parallelism and distribution (--tp-size 1 and --dp-size 1 are accepted)
+    "--pp-size": _ONE_DEVICE,
+    "--pipeline-parallel-size": _ONE_DEVICE,
+    "--ep-size": _ONE_DEVICE,
+    "--expert-parallel-size": _ONE_DEVICE,
+    "--enable-dp-attention": _ONE_DEVICE,
+    "--enable-dp-lm-head": _ONE_DEVICE,
+    "--load-balance-method": _ONE_DEVICE,
+    "--nnodes": _ONE_HOST,
+    "--node-rank": _ONE_HOST,
+    "--dist-init-addr": _ONE_HOST,
+    "--nccl-port": _ONE_HOST,
+    "--dist-timeout": _ONE_HOST,
+    "--base-gpu-id": "the server uses the current CUDA device; choose it with CUDA_VISIBLE_DEVICES",
+    "--gpu-id-step": "the server uses the current CUDA device; choose it with CUDA_VISIBLE_DEVICES",
+    "--disaggregation-mode": "prefill and decode run in the same server",
+    "--disaggregation-transfer-backend": "prefill and decode run in the same server",
+    # memory and scheduling
+    "--cpu-offload-gb": "weights stay on the device",
+    "--enable-hierarchical-cache": _HICACHE,
+    "--hicache-ratio": _HICACHE,
+    "--hicache-size": _HICACHE,
+    "--enable-priority-scheduling": "requests carry no priority (--schedule-policy fcfs or lpm)",
+    "--num-continuous-decode-steps": "the scheduler runs one decode step per turn (overlapped "
+                                     "with the next: see --disable-overlap-schedule)",
+    "--enable-memory-saver": "the KV pool and weights are never released while serving",
+    # kernels and optimizations
+    "--attention-backend": _OWN_KERNELS,
+    "--prefill-attention-backend": _OWN_KERNELS,
+    "--decode-attention-backend": _OWN_KERNELS,
+    "--sampling-backend": _OWN_KERNELS,
+    "--triton-attention-reduce-in-fp32": _OWN_KERNELS,
+    "--triton-attention-num-kv-splits": _OWN_KERNELS,
+    "--enable-torch-compile": "the forward is not torch.compile'd (decode replays CUDA graphs: "
+                              "--cuda-graph-max-bs)",
+    "--torch-compile-max-bs": "the forward is not torch.compile'd (decode replays CUDA graphs: "
+                              "--cuda-graph-max-bs)",
+    "--cuda-graph-bs": "the CUDA graphs' batch-size buckets are fixed (up to --cuda-graph-max-bs)",
+    "--disable-cuda-graph-padding": "a batch between two captured sizes always replays the next "
+                                    "larger graph, padded (--disable-cuda-graph launches eagerly)",
+    "--enable-two-batch-overlap": "no micro-batch overlap (the step loop overlaps the scheduler "
+                                  "with the forward instead)",
+    "--enable-nan-detection": "a request whose logits turn non-finite already fails alone",
+    "--enable-deterministic-inference": "batch-invariant kernels are not implemented",
+    "--enable-p2p-check": _ONE_DEVICE,
+    "--disable-custom-all-reduce": _ONE_DEVICE,
+    # LoRA
+    "--enable-lora": _LORA,
+    "--lora-paths": _LORA,
+    "--max-loras-per-batch": _LORA,
+    "--max-lora-rank": _LORA,
+    "--lora-target-modules": _LORA,
+    "--lora-backend": _LORA,
+    # speculative decoding
+    "--speculative-algorithm": _SPECULATIVE,
+    "--speculative-draft-model-path": _SPECULATIVE,
+    "--speculative-num-steps": _SPECULATIVE,
+    "--speculative-eagle-topk": _SPECULATIVE,
+    "--speculative-num-draft-tokens": _SPECULATIVE,
+    # serving and API
+    "--config": "flags are read from the command line only (no YAML config file)",
+    "--skip-server-warmup": _NO_WARMUP,
+    "--warmups": _NO_WARMUP,
+    "--tool-call-parser": "tool calls are read as the JSON inside <tool_call> tags (Hermes/Qwen "
+                          "style); no other parser yet",
+    "--reasoning-parser": "reasoning text is not separated from the answer",
+    "--enable-cache-report": "cached prompt tokens are always reported "
+                             "(usage.prompt_tokens_details.cached_tokens); drop the flag",
+    "--allow-auto-truncate": "a prompt longer than the context is refused with a 400 (a request "
+                             "may ask for truncate_prompt_tokens)",
+    "--enable-custom-logit-processor": "custom logit processors are not supported (logit_bias is)",
+    "--enable-return-hidden-states": "hidden states are not returned",
+    "--preferred-sampling-params": "no server-wide default sampling parameters",
+    "--constrained-json-whitespace-pattern": "xgrammar's JSON grammar is used as it is",
+    "--file-storage-path": "the server stores no files",
+    "--admin-api-key": "one key (--api-key) guards every route but /health",
+    "--ssl-keyfile": "the server speaks plain HTTP; put a TLS proxy in front of it",
+    "--ssl-certfile": "the server speaks plain HTTP; put a TLS proxy in front of it",
+    "--tokenizer-worker-num": "tokenization runs on the event loop or one worker thread",
+    "--sleep-on-idle": "the scheduling loop already sleeps while idle; drop the flag",
+    "--watchdog-timeout": "no watchdog: if the scheduling loop dies the server reports unhealthy "
+                          "and exits non-zero",
+    # logging and metrics
+    "--log-requests-level": "--log-requests logs one line of metadata per finished request; no "
+                            "levels",
+    "--log-level-http": "--log-level sets every logger",
+    "--enable-metrics-for-all-schedulers": "one server has one scheduler",
+    "--bucket-time-to-first-token": _BUCKETS,
+    "--bucket-inter-token-latency": _BUCKETS,
+    "--bucket-e2e-request-latency": _BUCKETS,
+    "--collect-tokens-histogram": "token-count histograms are not collected",
+    "--decode-log-interval": "the decode log line comes every 40 decode steps",
+    "--show-time-cost": "no time-cost marks",
+    "--crash-dump-folder": "requests are not dumped on a crash",
+}
+
+
+class RefusedFlag(argparse.Action):
+    """An SGLang flag radixserve does not support yet: parsing it is an error (exit 2) naming the
+    flag and the reason. It takes any values (`--lora-paths a b`, `--trust-remote-code`)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, reason: str = "", **kw: Any):
+        kw.update(nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kw)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is an SGLang flag radixserve does not support yet: "
+                     f"{self.reason}")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's choices ({a,b}) and default: `(default: X)` unless the help
+    already says what the default is; on/off flags show `(default: off)`."""
+
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=36)
+
+    def _split_lines(self, text: str, width: int) -> List[str]:
+        # flag names are never broken at their hyphens
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width,
+                             break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(self._whitespace_matcher.sub(" ", text).strip(), width,
+                             initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default is argparse.SUPPRESS or not action.option_strings
+                or "default" in text.lower()):
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return text + " (default: off)"
+        return text + " (default: %(default)s)"
+
+
+def serve_epilog() -> str:
+    """The end of `serve --help`: SGLang's names, and the SGLang flags refused by name."""
+    return ("SGLang's flag names are accepted where radixserve implements the flag (e.g. --model, "
+            "--tp-size 1, --stream-interval, --grammar-backend xgrammar, --chat-template). These "
+            "SGLang flags are refused by name with the reason (not supported yet): "
+            + ", ".join(REFUSED_SGLANG_FLAGS) + ".")
+
+
+def _flag(default: Any, help: str, *, choices: Optional[Sequence[Any]] = None,
+          aliases: Sequence[str] = (), metavar: Optional[str] = None,
+          type: Optional[Callable[[str], Any]] = None, group: Optional[str] = None) -> Any:
+    """A ServerArgs field and its flag: `help` says what it does, in which unit, and (where the
+    default is None or depends on the machine) what the default means; choices closes the value
+    set; aliases are further option strings (SGLang's names); group starts a --help section."""
+    return field(default=default, metadata={"help": help, "choices": choices,
+                                            "aliases": tuple(aliases), "metavar": metavar,
+                                            "type": type, "group": group})
+
+
+def _lower(value: str) -> str:
+    return value.lower()
+
+
 @dataclass
 class ServerArgs:
+    """Every flag of `radixserve serve` (one field each: --field-name); the help text of each
+    flag is its field's metadata, so `radixserve serve --help` cannot drift from the fields."""
     # model
-    model_path: Optional[str] = None          # None: the embedded default (SmolLM2-135M-Instruct)
-    tokenizer_path: Optional[str] = None      # default: model_path
-    served_model_name: Optional[str] = None   # default: the model directory's name
-    load_format: str = "auto"                 # auto | safetensors | dummy
-    dtype: str = "auto"                       # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
-    device: str = "auto"                      # auto | cpu | cuda
-    context_length: Optional[int] = None      # default: max_position_embeddings of the model
-    trust_remote_code: bool = False
+    model_path: Optional[str] = _flag(
+        None, "model to serve: an HF-style directory (config.json + safetensors) or a .gguf file; "
+        "default: the embedded SmolLM2-135M-Instruct (converted once into ~/.cache/radixserve)",
+        aliases=("--model",), metavar="PATH", group="model")
+    tokenizer_path: Optional[str] = _flag(
+        None, "directory holding tokenizer.json or tokenizer.model; default: the model's directory",
+        metavar="PATH")
+    served_model_name: Optional[str] = _flag(
+        None, "model name shown in /v1/models and in responses; default: the model directory's name",
+        metavar="NAME")
+    load_format: str = _flag(
+        "auto", "how weights are loaded: auto (safetensors, or the converted GGUF), safetensors, "
+        "dummy (the real shapes with random weights, for benchmarks)",
+        choices=("auto", "safetensors", "dummy"))
+    dtype: str = _flag(
+        "auto", "dtype of weights, activations and the KV cache; auto: float32 on the CPU, bfloat16 "
+        "on a GPU; float = float32, half = float16",
+        choices=("auto", "float32", "float", "bfloat16", "float16", "half"))
+    device: str = _flag(
+        "auto", "device of the forward; auto: cuda when a GPU is visible, else cpu",
+        choices=("auto", "cpu", "cuda"))
+    context_length: Optional[int] = _flag(
+        None, "most tokens (prompt + output) of one sequence; default: the model's "
+        "max_position_embeddings", metavar="TOKENS")
+    chat_template: Optional[str] = _flag(
+        None, "chat template of the chat routes, replacing the model's: the path of a Jinja file, "
+        "or the Jinja text itself (it holds {{ or {%); SGLang's built-in template names are not "
+        "supported yet; default: the model's own template", metavar="PATH_OR_JINJA")
     # server
-    host: str = "127.0.0.1"
-    port: int = 30000
-    log_level: str = "info"
+    host: str = _flag("127.0.0.1", "address the HTTP server binds (0.0.0.0: every interface)",
+                      metavar="ADDR", group="server")
+    port: int = _flag(30000, "TCP port of the HTTP server", metavar="PORT")
+    log_level: str = _flag("info", "log level of every logger (trace = debug)",
+                           choices=("critical", "error", "warning", "info", "debug", "trace"),
+                           type=_lower)
     # memory and scheduling
-    mem_fraction_static: Optional[float] = None  # default: 0.85 on GPU, 0.10 of free RAM on CPU
-    max_total_tokens: Optional[int] = None
-    max_running_requests: Optional[int] = None
-    max_prefill_tokens: int = 16384
-    chunked_prefill_size: Optional[int] = None   # default: 8192 on GPU, 512 on CPU; -1 disables
-    schedule_policy: str = "fcfs"                # fcfs | lpm
-    schedule_conservativeness: float = 1.0
-    disable_radix_cache: bool = False
-    page_size: int = 1
+    mem_fraction_static: Optional[float] = _flag(
+        None, "fraction in (0, 1) of free memory the KV pool takes; default: 0.85 of the GPU's free "
+        "memory after the weights, 0.10 of available RAM on the CPU", metavar="FRACTION",
+        group="memory and scheduling")
+    max_total_tokens: Optional[int] = _flag(
+        None, "KV pool size in tokens (overrides --mem-fraction-static); default: from "
+        "--mem-fraction-static, capped at --max-running-requests x the context length",
+        metavar="TOKENS")
+    max_running_requests: Optional[int] = _flag(
+        None, "most sequences running (decoding) at once; default: 256 on a GPU, 64 on the CPU",
+        metavar="N")
+    max_prefill_tokens: int = _flag(16384, "most prompt tokens prefilled in one step (tokens)",
+                                    metavar="TOKENS")
+    chunked_prefill_size: Optional[int] = _flag(
+        None, "longest prefill chunk in tokens (longer prompts prefill over several steps); -1 "
+        "disables chunking; default: 8192 on a GPU, 512 on the CPU", metavar="TOKENS")
+    schedule_policy: str = _flag(
+        "fcfs", "order of the waiting queue: fcfs (arrival order) or lpm (longest cached prefix "
+        "first)", choices=("fcfs", "lpm"))
+    schedule_conservativeness: float = _flag(
+        1.0, "scales the output tokens reserved per running request when admitting new ones "
+        "(larger: fewer retractions, smaller batches)", metavar="X")
+    disable_radix_cache: bool = _flag(
+        False, "no prefix reuse: every prompt is prefilled in full (for A/B runs)")
+    page_size: int = _flag(1, "tokens per KV-cache page (the prefix cache matches whole pages)",
+                           metavar="TOKENS")
     # parallelism
-    tp_size: int = 1
+    tp_size: int = _flag(1, "tensor-parallel size (GPUs per model); only 1 is supported yet",
+                         aliases=("--tensor-parallel-size",), metavar="N", group="parallelism")
+    dp_size: int = _flag(1, "data-parallel size (model replicas); only 1 is supported yet",
+                         aliases=("--data-parallel-size",), metavar="N")
     # runtime
-    random_seed: int = 0
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: Optional[int] = None       # largest decode batch run as a CUDA graph (default: the running limit)
-    disable_overlap_schedule: bool = False        # serial loop: each step waits for the previous step's tokens
-    max_queued_requests: int = 4096               # waiting sequences beyond this get 503 + Retry-After
-    max_running_requests_per_client: Optional[int] = None  # a client's running share while others wait (None: no cap)
-    chat_template_timeout: float = 10.0           # seconds a chat template may take to render (400 beyond)
-    shutdown_timeout: float = 30.0                # SIGTERM: seconds live requests may run before they are aborted
-    enable_mixed_chunk: bool = False              # a prefill chunk and the running decodes share one forward
-    debug_integrity: bool = False
+    random_seed: int = _flag(0, "seed of the generator that seeds requests sent without a seed",
+                             metavar="SEED", group="runtime")
+    disable_cuda_graph: bool = _flag(
+        False, "launch decode steps eagerly instead of replaying CUDA graphs (GPU only)")
+    cuda_graph_max_bs: Optional[int] = _flag(
+        None, "largest decode batch (sequences) run as a CUDA graph; larger batches launch eagerly; "
+        "default: --max-running-requests", metavar="N")
+    disable_overlap_schedule: bool = _flag(
+        False, "serial loop: each step waits for the previous step's tokens (same outputs; for A/B "
+        "runs)")
+    max_queued_requests: int = _flag(
+        4096, "waiting sequences beyond this get a 503 with Retry-After", metavar="N")
+    max_running_requests_per_client: Optional[int] = _flag(
+        None, "running sequences one client (API key, else peer address) may hold while another "
+        "client's requests wait; default: no cap", metavar="N")
+    chat_template_timeout: float = _flag(
+        10.0, "seconds a chat template may take to render (a 400 beyond)", metavar="SECONDS")
+    shutdown_timeout: float = _flag(
+        30.0, "on SIGTERM, seconds live requests may run before they are aborted",
+        metavar="SECONDS")
+    stream_interval: int = _flag(
+        1, "tokens per streamed chunk: a stream sends its first token at once, then a chunk each "
+        "time this many new tokens are ready, and the rest when it finishes (larger: fewer "
+        "events)", metavar="TOKENS")
+    enable_mixed_chunk: bool = _flag(
+        False, "a prefill chunk and the running decodes share one forward")
+    debug_integrity: bool = _flag(
+        False, "each time the step loop runs out of work, check that every KV slot is free, "
+        "cached or owned by one request (slow; for debugging)")
+    cpu_threads: Optional[int] = _flag(
+        None, "torch threads of the CPU forward; default: torch's choice", metavar="N")
     # constrained decoding (constrained/)
-    disable_jump_forward: bool = False            # grammar-forced text is sampled token by token (A/B)
-    grammar_compile_timeout: float = 30.0         # seconds a grammar may take to compile before its request fails
-    grammar_cache_size: int = 256                 # compiled grammars kept (LRU), keyed by (kind, spec)
-    cpu_threads: Optional[int] = None            # torch threads for the CPU forward (default: torch's)
+    grammar_backend: str = _flag(
+        "xgrammar", "backend of structured output (json_schema, regex, ebnf, tools); only xgrammar "
+        "is supported", choices=("xgrammar",), group="constrained decoding")
+    disable_jump_forward: bool = _flag(
+        False, "grammar-forced text is sampled token by token (for A/B runs)")
+    grammar_compile_timeout: float = _flag(
+        30.0, "seconds a grammar may take to compile before its request fails", metavar="SECONDS")
+    grammar_cache_size: int = _flag(
+        256, "compiled grammars kept (LRU), keyed by (kind, spec)", metavar="N")
     # security (server/)
-    api_key: Optional[str] = None                 # Bearer key for every route but /health (default: $RADIXSERVE_API_KEY)
-    allowed_origins: Optional[str] = None         # comma list of browser origins allowed cross-origin (CORS); "*" = any
-    allowed_hosts: Optional[str] = None           # comma list of Host names answered (default: see server/security.py)
-    max_request_bytes: int = 8 * 1024 * 1024      # larger request bodies get 413 before they are read
-    expose_server_info: bool = False              # /get_server_info shows filesystem paths too (never the API key)
+    api_key: Optional[str] = _flag(
+        None, "Bearer key required by every route but /health; default: $RADIXSERVE_API_KEY, "
+        "else no key", metavar="KEY", group="security")
+    allowed_origins: Optional[str] = _flag(
+        None, "comma list of browser origins allowed cross-origin (CORS), e.g. "
+        "https://app.example.com, or * for any; default: none (same-origin only)",
+        metavar="ORIGINS")
+    allowed_hosts: Optional[str] = _flag(
+        None, "comma list of Host names answered (.example.com: it and its subdomains; *: any); "
+        "default: any Host on loopback, else localhost and this machine's name", metavar="HOSTS")
+    max_request_bytes: int = _flag(
+        8 * 1024 * 1024, "larger request bodies (bytes) get a 413 before they are read",
+        metavar="BYTES")
+    expose_server_info: bool = _flag(
+        False, "/get_server_info shows filesystem paths too (never the API key)")
     # observability (server/)
-    enable_metrics: bool = False                 # /metrics also serves latency histograms (TTFT, ITL, TPOT, e2e, queue time)
-    metrics_prefix: str = "radixserve:"          # prefix of every metric name; "sglang:" gives SGLang's names
-    log_requests: bool = False                   # one INFO line per finished request: rid, token counts, timings, finish reason
+    enable_metrics: bool = _flag(
+        False, "/metrics also serves latency histograms (TTFT, inter-token, per output token, "
+        "end-to-end, queue time)", group="observability")
+    metrics_prefix: str = _flag(
+        "radixserve:", "prefix of every metric name (sglang: gives SGLang's names)",
+        metavar="PREFIX")
+    log_requests: bool = _flag(
+        False, "one INFO line per finished request: rid, token counts, timings, finish reason")
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -91,6 +376,24 @@ class ServerArgs:
             return 8192 if self.resolved_device() == "cuda" else 512
         return None if self.chunked_prefill_size <= 0 else self.chunked_prefill_size
 
+    def resolved_chat_template(self) -> Optional[str]:
+        """--chat-template as Jinja text (the file's contents when it names a file), or None when
+        unset. Raises ValueError naming the flag for a value that is neither."""
+        value = self.chat_template
+        if value is None:
+            return None
+        path = os.path.expanduser(value)
+        if os.path.isfile(path):
+            if path.endswith(".json"):
+                raise ValueError(f"--chat-template {value}: SGLang's JSON conversation templates "
+                                 f"are not supported yet; pass a Jinja file")
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        if "{{" in value or "{%" in value:
+            return value
+        raise ValueError(f"--chat-template takes the path of a Jinja file or Jinja text; {value!r} "
+                         f"is neither (SGLang's built-in template names are not supported yet)")
+
     def check(self) -> None:
         """Raise ValueError naming the flag to change."""
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -104,7 +407,22 @@ class ServerArgs:
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.tp_size != 1:
-            raise ValueError("--tp-size > 1 is not supported yet")
+            raise ValueError(f"--tp-size {self.tp_size}: only 1 is supported yet "
+                             f"(tensor parallelism is not implemented)")
+        if self.dp_size != 1:
+            raise ValueError(f"--dp-size {self.dp_size}: only 1 is supported yet "
+                             f"(data parallelism is not implemented)")
+        if self.grammar_backend != "xgrammar":
+            raise ValueError(f"--grammar-backend must be xgrammar, not {self.grammar_backend!r}")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1 token")
+        template = self.resolved_chat_template()
+        if template is not None:
+            from radixserve.tokenizer.chat_template import ChatTemplate
+            try:
+                ChatTemplate(template)
+            except ValueError as e:
+                raise ValueError(f"--chat-template: {e}") from None
         if not self.shutdown_timeout >= 0:
             raise ValueError("--shutdown-timeout must be >= 0 seconds")
         if self.max_running_requests_per_client is not None and \
@@ -137,14 +455,29 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Every field as --field-name (plus its aliases), with its help, choices and default from
+        the field's metadata, in --help sections; then REFUSED_SGLANG_FLAGS, refused by name."""
+        group: Any = parser
         for f in dataclasses.fields(ServerArgs):
-            flag = "--" + f.name.replace("_", "-")
+            meta = f.metadata
+            if meta.get("group"):
+                group = parser.add_argument_group(meta["group"])
+            flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
+            kw: Dict[str, Any] = {"dest": f.name, "default": f.default,
+                                  "help": meta["help"].replace("%", "%%")}
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=f.default)
+                group.add_argument(*flags, action="store_true", **kw)
                 continue
-            base = {"int": int, "float": float, "str": str, "Optional[int]": int,
-                    "Optional[float]": float, "Optional[str]": str}[str(f.type)]
-            parser.add_argument(flag, type=base, default=f.default)
+            kw["type"] = meta.get("type") or {
+                "int": int, "float": float, "str": str, "Optional[int]": int,
+                "Optional[float]": float, "Optional[str]": str}[str(f.type)]
+            if meta.get("choices") is not None:
+                kw["choices"] = meta["choices"]
+            elif meta.get("metavar"):
+                kw["metavar"] = meta["metavar"]
+            group.add_argument(*flags, **kw)
+        for flag, reason in REFUSED_SGLANG_FLAGS.items():
+            parser.add_argument(flag, action=RefusedFlag, reason=reason)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

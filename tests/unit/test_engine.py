@@ -149,6 +149,24 @@ def test_staggered_requests_equal_alone(smol_engine, text_prompts, greedy_alone)
         assert ids == greedy_alone(text_prompts[i], lens[i]), f"request {i}"
 
 
+def test_stream_interval_batches_streamed_tokens(smol_engine, default_tokenizer, greedy_alone):
+    """--stream-interval N: the first output at once, then one per N new tokens (or more when
+    the consumer fell behind), the rest with the last; the tokens are those of the plain run."""
+    ae = smol_engine.async_engine
+    ids = default_tokenizer.encode("The capital of France is")
+    ae.server_args.stream_interval = 4
+    try:
+        outs = in_loop(smol_engine, collect(ae, make_input(ids, max_new_tokens=11, temperature=0.0,
+                                                           ignore_eos=True, stream=True)))
+    finally:
+        ae.server_args.stream_interval = 1
+    counts = [o.completion_tokens for o in outs]
+    assert counts[-1] == 11 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert all(b - a >= 4 for a, b in zip(counts, counts[1:-1]))    # a chunk: >= 4 new tokens
+    assert [t for o in outs for t in o.output_ids_delta] == greedy_alone(ids, 11)
+    assert "".join(o.text_delta for o in outs) == default_tokenizer.decode(greedy_alone(ids, 11))
+
+
 def test_flush_cache_refused_while_busy(smol_engine, default_tokenizer):
     ae = smol_engine.async_engine
     ids = default_tokenizer.encode("Water boils at")

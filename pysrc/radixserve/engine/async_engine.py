@@ -61,6 +61,9 @@ class AsyncEngine:
         self.model_path = resolve_model_path(server_args.model_path)
         self.model_config = ModelConfig.from_path(self.model_path)
         self.tokenizer = Tokenizer.from_path(server_args.tokenizer_path or self.model_path)
+        chat_template = server_args.resolved_chat_template()
+        if chat_template is not None:                     # --chat-template replaces the model's
+            self.tokenizer.set_chat_template(chat_template)
         self.served_model_name = (server_args.served_model_name
                                   or os.path.basename(os.path.normpath(self.model_path)))
         self.context_len = server_args.context_length or self.model_config.max_position_embeddings
@@ -249,8 +252,9 @@ class AsyncEngine:
 
     async def generate(self, req: GenerateReqInput) -> AsyncIterator[GenerateOutput]:
         """Yield one GenerateOutput per step that produced tokens (deltas; the last has
-        finished=True). Raises ValueError before yielding anything for a bad request. Closing
-        the iterator early (client gone, task cancelled) aborts the request."""
+        finished=True); with --stream-interval N > 1, after the first one, one per N new
+        tokens. Raises ValueError before yielding anything for a bad request. Closing the
+        iterator early (client gone, task cancelled) aborts the request."""
         self.validate(req)
         if self._task is None:
             raise RuntimeError("AsyncEngine.start() has not been called")
@@ -272,12 +276,22 @@ class AsyncEngine:
         self.scheduler.add_request(r)
         self._wakeup.set()
         finished = False
+        interval = self.server_args.stream_interval
+        held: Optional[GenerateOutput] = None       # --stream-interval: tokens not yet yielded
+        sent_tokens: Optional[int] = None           # completion_tokens at the last yield
         try:
             while True:
                 out: GenerateOutput = await queue.get()
                 while not out.finished and not queue.empty():
                     # the consumer fell behind the steps: one merged delta, not one per step
                     out = merge_outputs(out, queue.get_nowait())
+                if held is not None:
+                    out, held = merge_outputs(held, out), None
+                if (interval > 1 and not out.finished and sent_tokens is not None
+                        and out.completion_tokens - sent_tokens < interval):
+                    held = out                      # the first output and the last go at once
+                    continue
+                sent_tokens = out.completion_tokens
                 finished = out.finished
                 yield out
                 if finished:

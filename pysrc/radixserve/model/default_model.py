@@ -149,9 +149,14 @@ def converted_dir_for(gguf_path: str) -> str:
     return os.path.join(cache_dir(), f"{stem}-{hashlib.sha256(key).hexdigest()[:12]}")
 
 
+def default_model_dir() -> str:
+    """Where the default model's HF-style directory lives (or will): no download, no conversion."""
+    return os.path.join(cache_dir(), DEFAULT_MODEL_NAME)
+
+
 def default_model_path() -> str:
     """HF-style directory of SmolLM2-135M-Instruct, converting (and downloading) on first use."""
-    out_dir = os.path.join(cache_dir(), DEFAULT_MODEL_NAME)
+    out_dir = default_model_dir()
     if os.path.isdir(out_dir):
         return out_dir
     return convert_cached(default_gguf_path(), out_dir)

@@ -31,6 +31,7 @@ from radixserve.config import ModelConfig, ServerArgs
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model.staging import Packer, Upload
 from radixserve.model.step_io import SampleResult, StepInput, StepOutput
+from radixserve.ops.kernel_status import log_kernel_status
 from radixserve.sampling import sampler
 from radixserve.sampling.penalties import PenaltyState
 
@@ -124,6 +125,8 @@ class ModelRunner:
             torch.set_num_threads(server_args.cpu_threads)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        # one line: whether radixserve._C's kernels run here, and if not why (WARNING on a GPU)
+        self.kernel_status = log_kernel_status(self.device, logger)
         if model is None:
             model = load_model(model_path, model_config, server_args.load_format, self.dtype,
                                self.device)

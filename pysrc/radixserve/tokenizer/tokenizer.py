@@ -230,6 +230,13 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
 
+    def set_chat_template(self, source: str) -> None:
+        """Replace the model's chat template(s) with source (Jinja text; --chat-template).
+        Raises ValueError when it does not compile."""
+        compiled = ChatTemplate(source)
+        self._chat_template_source = source
+        self._compiled = {source: compiled}
+
     @property
     def has_chat_template(self) -> bool:
         return self._chat_template_source is not None
