@@ -190,9 +190,20 @@ def side_lang(url: str, args, fewshot: str, questions: List[str], tok) -> dict:
             answers.append(None)
             metas.append({})
             errors.append(f"{type(e).__name__}: {e}"[:300])
+    out_tokens = [m.get("completion_tokens", 0) for m in metas]
+    return {
+        **side_summary(args, before, after, wall, out_tokens, answers, errors),
+        "same_prompts": same_text, "same_prompt_ids": same_ids, "prompt_mismatch": mismatch,
+        "prompt_tokens_each": {"min": min(prompt_lens), "max": max(prompt_lens),
+                               "mean": round(sum(prompt_lens) / len(prompt_lens), 1)},
+    }
+
+
+def side_summary(args, before: str, after: str, wall: float, out_tokens: List[int],
+                 answers: List[Optional[str]], errors: List[str]) -> dict:
+    """One side's figures from /metrics before and after it and its answers."""
     prompt = metric(after, "prompt_tokens_total") - metric(before, "prompt_tokens_total")
     cached = metric(after, "cached_tokens_total") - metric(before, "cached_tokens_total")
-    out_tokens = [m.get("completion_tokens", 0) for m in metas]
     return {
         "wall_s": round(wall, 3),
         "output_tokens": sum(out_tokens),
@@ -208,9 +219,6 @@ def side_lang(url: str, args, fewshot: str, questions: List[str], tok) -> dict:
         "answers_all_max_tokens": all(n == args.max_tokens for n in out_tokens),
         "errors": errors,
         "answers": answers,
-        "same_prompts": same_text, "same_prompt_ids": same_ids, "prompt_mismatch": mismatch,
-        "prompt_tokens_each": {"min": min(prompt_lens), "max": max(prompt_lens),
-                               "mean": round(sum(prompt_lens) / len(prompt_lens), 1)},
     }
 
 
@@ -241,24 +249,7 @@ def side_openai(url: str, args, fewshot: str, questions: List[str]) -> dict:
     after = read_metrics(url)
     answers = [r["choices"][0]["message"]["content"] if r else None for r in results]
     out_tokens = [r["usage"]["completion_tokens"] if r else 0 for r in results]
-    prompt = metric(after, "prompt_tokens_total") - metric(before, "prompt_tokens_total")
-    cached = metric(after, "cached_tokens_total") - metric(before, "cached_tokens_total")
-    return {
-        "wall_s": round(wall, 3),
-        "output_tokens": sum(out_tokens),
-        "output_tok_per_s": round(sum(out_tokens) / wall, 3),
-        "prompt_tokens": prompt, "cached_tokens": cached,
-        "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
-        "requests": metric(after, "num_requests_total") - metric(before, "num_requests_total"),
-        "prefill_steps": (metric(after, "num_prefill_steps_total")
-                          - metric(before, "num_prefill_steps_total")),
-        "decode_steps": (metric(after, "num_decode_steps_total")
-                         - metric(before, "num_decode_steps_total")),
-        "answers_nonempty": all(isinstance(a, str) and a != "" for a in answers),
-        "answers_all_max_tokens": all(n == args.max_tokens for n in out_tokens),
-        "errors": errors,
-        "answers": answers,
-    }
+    return side_summary(args, before, after, wall, out_tokens, answers, errors)
 
 
 # --------------------------------------------------------------------------- main

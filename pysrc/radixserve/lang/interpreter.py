@@ -264,7 +264,21 @@ class Executor:
         self._role = None
 
 
-class ProgramState:
+class RoleMethods:
+    """s.system / s.user / s.assistant over the class's _role(role, expr): a block around expr,
+    or with no argument a `with s.user():` block."""
+
+    def system(self, expr: Any = None):
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None):
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None):
+        return self._role("assistant", expr)
+
+
+class ProgramState(RoleMethods):
     """The `s` of a program. `s += expr` queues expr (a str, gen(...), select(...), a role
     block, ...) and returns at once; `s[name]`, `s.text()` and the like wait for what they read."""
 
@@ -289,16 +303,6 @@ class ProgramState:
         self.executor.submit(ir.RoleBegin(role))
         yield self
         self.executor.submit(ir.RoleEnd(role))
-
-    def system(self, expr: Any = None):
-        """Append a system block; with no argument, a `with s.system():` block."""
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None):
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None):
-        return self._role("assistant", expr)
 
     # ---------------------------------------------------------------- reading
     def __getitem__(self, name: str) -> Any:

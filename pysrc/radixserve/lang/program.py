@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from radixserve.lang import ir
 from radixserve.lang.backend import Backend
-from radixserve.lang.interpreter import ProgramState, run_in_state, start_state
+from radixserve.lang.interpreter import ProgramState, RoleMethods, run_in_state, start_state
 
 _default_backend: Optional[Backend] = None
 PRECACHE_MIN_CHARS = 64          # a shared prefix shorter than this is not worth a request
@@ -153,7 +153,7 @@ class _StopTrace(Exception):
     pass
 
 
-class _TraceState:
+class _TraceState(RoleMethods):
     """A stand-in state that records the text a program appends before its first generation,
     select, fork or read (then stops it). Role blocks render through the backend's format."""
 
@@ -185,15 +185,6 @@ class _TraceState:
             self += ir.ExprList([ir.RoleBegin(role), ir.as_expr(expr), ir.RoleEnd(role)])
             return None
         return _TraceRole(self, role)
-
-    def system(self, expr: Any = None):
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None):
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None):
-        return self._role("assistant", expr)
 
     def __getattr__(self, name: str):
         raise _StopTrace      # fork, reads, text(), ...: the traced prefix ends here
