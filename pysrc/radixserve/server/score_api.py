@@ -31,12 +31,6 @@ from radixserve.server.metrics import request_metrics
 from radixserve.server.security import read_json_object
 
 
-async def _ids(engine, value, param: str) -> List[int]:
-    if isinstance(value, str):
-        return await off_loop(engine.tokenizer.encode, value, size=len(value))
-    return list(value)
-
-
 async def _item_prompts(engine, req: S.ScoreRequest) -> List[List[int]]:
     """The prompt of each item: query + item (item + query with item_first), as text joined
     then tokenized, or ids joined."""
@@ -47,7 +41,7 @@ async def _item_prompts(engine, req: S.ScoreRequest) -> List[List[int]]:
     for item in req.items:
         if text:
             joined = item + req.query if req.item_first else req.query + item
-            prompts.append(await _ids(engine, joined, "items"))
+            prompts.append(await off_loop(engine.tokenizer.encode, joined, size=len(joined)))
         else:
             prompts.append(list(item) + list(req.query) if req.item_first
                            else list(req.query) + list(item))
