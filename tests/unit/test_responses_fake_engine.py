@@ -18,7 +18,7 @@ from radixserve.server.openapi import openapi_document
 from radixserve.server.responses_api import ResponseStore
 from radixserve.server.responses_schemas import ResponseCreateRequest
 
-from test_server_fake_engine import REPLY, FakeEngine
+from test_server_fake_engine import REPLY, FakeEngine, err_of
 
 DOC = openapi_document(api_key=False)
 STREAM_TYPES = ["response.created", "response.in_progress", "response.output_item.added",
@@ -61,15 +61,6 @@ def events_of(resp):
         events.append(data)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
-
-
-def err_of(resp, status, param=None):
-    assert resp.status_code == status, resp.text
-    body = resp.json()["error"]
-    assert body["code"] == status and body["message"]
-    if param is not None:
-        assert body["param"] == param, body
-    return body
 
 
 # --------------------------------------------------------------------------- the store
