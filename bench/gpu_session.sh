@@ -22,6 +22,23 @@ for stage in "$@"; do
           2>&1 | tail -20 | tee -a "$OUT/log.txt"
       fi
       python3 -c "import torch, radixserve._C; print('ext ok', torch.__version__)" 2>&1 | tee -a "$OUT/log.txt" ;;
+    wheel)
+      # issue 14: the release wheel for this image's Python and torch, built from the carried
+      # sdist (dist/), then the GPU tests against the installed wheel, not the source tree
+      sdist=$(ls dist/radixserve-*.tar.gz | head -1)
+      rm -rf dist/*.whl build/wheel-raw
+      PATH=/tmp/site/bin:$PATH SOURCE=$sdist MAX_JOBS=16 PYTHONS=python3 bash release/wheel.sh \
+        2>&1 | tail -40 | tee -a "$OUT/log.txt"
+      cp dist/radixserve-*.whl dist/radixserve-*.json "$OUT/" 2>/dev/null
+      # installed as pip installs it (the image's torch lives outside any venv's reach, so the
+      # wheel goes into its own site directory, ahead of the carried dependencies)
+      rm -rf /tmp/wheelsite
+      python3 -m pip install -q --no-deps --target /tmp/wheelsite dist/radixserve-*.whl 2>&1 | tail -3
+      (cd /tmp && PYTHONPATH=/tmp/wheelsite:/tmp/site python3 -m radixserve env 2>&1 | tee -a "$OUT/log.txt")
+      rm -rf /tmp/wheelroot && mkdir -p /tmp/wheelroot && cp -r tests pyproject.toml /tmp/wheelroot/
+      (cd /tmp/wheelroot && RADIXSERVE_TEST_INSTALLED=1 PYTHONPATH=/tmp/wheelsite:/tmp/site \
+        python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu 2>&1 \
+        | tee "$OUT/gpu_tests_wheel.txt" | tail -15) ;;
     gguf)
       mkdir -p /tmp/gguf
       cp .gguf/part.* /tmp/gguf/ 2>/dev/null

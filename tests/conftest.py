@@ -17,9 +17,16 @@ import sys
 
 import pytest
 
+# The source tree's package first, unless RADIXSERVE_TEST_INSTALLED=1: then the tests run against
+# the installed radixserve (a wheel's: bench/gpu_session.sh stage wheel) and say where it is.
 _PYSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pysrc")
-if _PYSRC not in sys.path:
+if os.environ.get("RADIXSERVE_TEST_INSTALLED") != "1" and _PYSRC not in sys.path:
     sys.path.insert(0, _PYSRC)
+
+
+def pytest_report_header(config):
+    import radixserve
+    return f"radixserve {radixserve.__version__} from {os.path.dirname(radixserve.__file__)}"
 
 
 @pytest.fixture(scope="session")

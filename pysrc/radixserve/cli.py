@@ -2,7 +2,7 @@
 
     radixserve serve [--model-path DIR] [every ServerArgs flag]   (no model: the default model)
     radixserve convert --gguf FILE --out DIR                       (GGUF -> HF-style directory)
-    radixserve bench [ARGS...]      (bench/serving.py of a source checkout: the load generator)
+    radixserve bench serving|offline|presets|plots [ARGS...]   (the benchmarks: radixserve.bench)
     radixserve env                  (versions, GPU, CUDA kernels' state, cache path: bug reports)
 
 `python -m radixserve` is this CLI; `python -m radixserve.launch_server [flags]` is `serve`.
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import runpy
 import sys
 from typing import List, Optional
 
@@ -113,22 +111,11 @@ def run_convert(ns: argparse.Namespace) -> int:
     return 0
 
 
-def bench_script() -> Optional[str]:
-    """bench/serving.py next to pysrc/ in a source checkout (or editable install); else None."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, "bench", "serving.py")
-    return path if os.path.isfile(path) else None
-
-
 def run_bench(argv: List[str]) -> int:
-    script = bench_script()
-    if script is None:
-        print("radixserve: error: bench needs a source checkout (bench/serving.py was not found "
-              "next to the package); run it from the repository", file=sys.stderr)
-        return 2
-    sys.argv = [script] + list(argv)
-    runpy.run_path(script, run_name="__main__")
-    return 0
+    """`radixserve bench SUBCOMMAND ...` (radixserve.bench.main: serving, offline, presets,
+    plots; flags first means serving). Its exit status (radixserve.bench.run)."""
+    from radixserve.bench import main as bench_main
+    return bench_main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="convert a GGUF file into an HF-style model directory")
     convert.add_argument("--gguf", required=True, help="path of the .gguf file")
     convert.add_argument("--out", required=True, help="output directory")
-    sub.add_parser("bench", help="run the serving load generator (bench/serving.py; --help for "
-                   "its flags)", add_help=False)
+    sub.add_parser("bench", help="the benchmarks: bench serving|offline|presets|plots "
+                   "(`radixserve bench --help` lists them)", add_help=False)
     sub.add_parser("env", help="print versions, GPUs, the CUDA kernels' state and the default "
                    "model's cache path (for bug reports)")
     return parser

@@ -7,9 +7,7 @@ serial-loop run; integrity holds after every turn."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 
 import pytest
 
@@ -28,8 +26,7 @@ PHONE = r"\d{3}-\d{4}"
 
 @pytest.fixture(scope="module")
 def preset_dir(tmp_path_factory):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-    from presets import build_preset
+    from radixserve.bench.presets import build_preset
 
     return build_preset("smollm2-135m", str(tmp_path_factory.mktemp("smollm2_preset")))
 

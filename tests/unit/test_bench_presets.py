@@ -1,22 +1,16 @@
-"""bench/presets.py: each preset directory loads with radixserve and has the published shapes."""
-import importlib.util
+"""radixserve.bench.presets (`radixserve bench presets`): each preset directory loads with
+radixserve and has the published shapes."""
 import json
 import os
-import sys
 
 import pytest
 import torch
 
+from radixserve.bench import presets
 from radixserve.config import ModelConfig
 from radixserve.model.llama import get_model_class
 from radixserve.model.loader import load_model
 from radixserve.tokenizer.tokenizer import Tokenizer
-
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "presets.py")
-_spec = importlib.util.spec_from_file_location("bench_presets", _PATH)
-presets = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = presets          # dataclasses look their module up
-_spec.loader.exec_module(presets)
 
 TEXT = "Hello, world! The quick brown fox \u2014 na\u00efve caf\u00e9, 12345.\n\tEnd."
 
@@ -101,3 +95,11 @@ def test_smallest_preset_builds_dummy_weights(built):
 def test_unknown_preset_names_the_choices(tmp_path):
     with pytest.raises(KeyError, match="llama-3.1-8b"):
         presets.build_preset("gpt-5", str(tmp_path))
+
+
+def test_bench_presets_subcommand_builds_a_directory(tmp_path, capsys):
+    from radixserve import cli
+    out = str(tmp_path / "smol")
+    assert cli.main(["bench", "presets", "smollm2-135m", "--out", out]) == 0
+    assert capsys.readouterr().out.strip() == out
+    assert ModelConfig.from_path(out).vocab_size == 49152

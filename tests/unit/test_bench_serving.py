@@ -1,12 +1,11 @@
-"""bench/serving.py's arguments, JSON and ratios, and bench/plots.py, without a server."""
+"""radixserve.bench.serving's arguments, JSON, JSONL lines and ratios, and
+radixserve.bench.plots, without a server."""
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import serving  # noqa: E402
+from radixserve.bench import metrics, plots, serving
 
 
 def _metrics(out_tps, ttft_ms, itl_ms):
@@ -14,8 +13,7 @@ def _metrics(out_tps, ttft_ms, itl_ms):
     results = [serving.RequestResult(success=True, prompt_len=10, output_len=4, ttft=t / 1e3,
                                      latency=(t + 3 * itl_ms) / 1e3, itl=[itl_ms / 1e3] * 3)
                for t in ttft_ms]
-    m = serving.summarize(results, duration=12.0 / out_tps)
-    return m
+    return serving.summarize(results, duration=12.0 / out_tps)
 
 
 def test_compare_takes_a_value_and_stays_backwards_compatible():
@@ -43,7 +41,7 @@ def test_summary_keeps_per_request_lists():
     assert per["ttft_ms"] == [100.0, 200.0, 300.0]
     assert per["itl_ms"] == [[5.0] * 3] * 3
     assert per["output_len"] == [4, 4, 4]
-    assert m["output_token_throughput"] == pytest.approx(10.0)
+    assert m["output_throughput"] == pytest.approx(10.0)
 
 
 def test_to_json_is_json_and_keeps_series_on_one_line():
@@ -62,7 +60,7 @@ def test_overlap_ratios_per_sweep_level():
     ratios = serving.compare_ratios("overlap", {}, sweep)["overlap_over_no_overlap"]
     assert [r["max_concurrency"] for r in ratios] == [1, 2]
     for r in ratios:
-        assert r["output_token_throughput"] == pytest.approx(2.0)
+        assert r["output_throughput"] == pytest.approx(2.0)
         assert r["mean_ttft_speedup"] == pytest.approx(2.0)
         assert r["mean_itl_speedup"] == pytest.approx(2.0)
     runs = {name: pts[0] for name, pts in sweep.items()}
@@ -72,8 +70,6 @@ def test_overlap_ratios_per_sweep_level():
 
 def test_plots_are_written_next_to_the_json(tmp_path):
     pytest.importorskip("matplotlib")
-    import plots
-
     sweep = {name: [{"max_concurrency": c, **_metrics(scale * c, [100.0 * c] * 3, 5.0 * c)}
                     for c in (1, 2, 4)] for name, scale in (("overlap", 20.0), ("no-overlap", 10.0))}
     result = {"args": {"preset": "llama-3.1-8b", "dataset": "random"}, "sweep": sweep}
@@ -89,3 +85,73 @@ def test_plots_are_written_next_to_the_json(tmp_path):
     single = {"metrics": sweep["overlap"][0]}
     assert [os.path.basename(p) for p in plots.write_plots(single, str(tmp_path / "one.json"))] \
         == ["one-latency-cdf.png"]
+
+
+def test_summary_has_sglang_names_and_values():
+    """3 requests of 4 tokens, TTFT 100/200/300 ms, ITL 5 ms, over 1.2 s."""
+    m = _metrics(10.0, [100.0, 200.0, 300.0], 5.0)
+    assert m["completed"] == 3 and m["failed"] == 0
+    assert m["total_input_tokens"] == 30 and m["total_output_tokens"] == 12
+    assert m["duration"] == pytest.approx(1.2)
+    assert m["request_throughput"] == pytest.approx(2.5)
+    assert m["input_throughput"] == pytest.approx(25.0)
+    assert m["total_throughput"] == pytest.approx(35.0)
+    assert m["mean_ttft_ms"] == pytest.approx(200.0) and m["median_ttft_ms"] == pytest.approx(200.0)
+    assert m["std_ttft_ms"] == pytest.approx((20000 / 3) ** 0.5)
+    assert m["p99_ttft_ms"] == pytest.approx(298.0)
+    assert m["mean_itl_ms"] == pytest.approx(5.0) and m["max_itl_ms"] == pytest.approx(5.0)
+    assert m["mean_tpot_ms"] == pytest.approx(5.0)                # (latency - ttft) / 3
+    assert m["mean_e2e_latency_ms"] == pytest.approx(215.0)
+    assert m["concurrency"] == pytest.approx(0.645 / 1.2)         # sum of latencies / duration
+    # an empty run: zeros, as SGLang writes them, not NaN
+    empty = serving.summarize([serving.RequestResult(error="HTTP 500")], duration=1.0)
+    assert empty["completed"] == 0 and empty["failed"] == 1
+    assert empty["mean_ttft_ms"] == 0.0 and empty["p99_itl_ms"] == 0.0
+    assert empty["error_samples"] == ["HTTP 500"]
+
+
+def _result(**extra):
+    args = vars(serving.parse_args(["--dataset", "random", "--max-concurrency", "8"]))
+    return {"command": "radixserve bench serving --dataset random", "args": metrics.finite(args),
+            "time": "t", "source": {"commit": None}, "server": {"model": "m"}, **extra}
+
+
+def test_run_lines_one_per_run_with_ratios_on_the_first_of_a_pair():
+    fast, slow = _metrics(20.0, [100.0] * 3, 5.0), _metrics(10.0, [200.0] * 3, 10.0)
+    one = serving.run_lines(_result(metrics=fast))
+    assert len(one) == 1 and one[0]["max_concurrency"] == 8 and one[0]["config"] == "default"
+    assert one[0]["request_rate"] == "inf" and one[0]["dataset_name"] == "random"
+    assert "per_request" not in one[0] and one[0]["model"] == "m"
+    json.dumps(one[0], allow_nan=False)                          # strict JSON
+    runs = {"overlap": fast, "no-overlap": slow}
+    result = _result(runs=runs, ratios=serving.compare_ratios("overlap", runs, {}))
+    result["args"]["compare"] = "overlap"
+    lines = serving.run_lines(result)
+    assert [line["config"] for line in lines] == ["overlap", "no-overlap"]
+    assert lines[0]["ratios"]["overlap_over_no_overlap"]["output_throughput"] == pytest.approx(2.0)
+    assert "ratios" not in lines[1]
+    sweep = {"overlap": [{"max_concurrency": c, "num_requests": 3, **fast} for c in (1, 2)],
+             "no-overlap": [{"max_concurrency": c, "num_requests": 3, **slow} for c in (1, 2)]}
+    result = _result(sweep=sweep, ratios=serving.compare_ratios("overlap", {}, sweep))
+    result["args"]["compare"] = "overlap"
+    lines = serving.run_lines(result)
+    assert [(x["config"], x["max_concurrency"]) for x in lines] == [
+        ("overlap", 1), ("overlap", 2), ("no-overlap", 1), ("no-overlap", 2)]
+    assert lines[1]["ratios"]["overlap_over_no_overlap"]["max_concurrency"] == 2
+
+
+def test_flush_cache_default_follows_the_server_and_backend():
+    def flush(*argv, launched=False):
+        return serving.wants_flush(serving.parse_args(list(argv)), launched)
+    assert flush() and flush("--backend", "completions", launched=True)
+    assert not flush("--backend", "completions") and not flush("--backend", "chat")
+    assert flush("--backend", "completions", "--flush-cache")
+    assert not flush("--no-flush-cache", launched=True)
+
+
+def test_plots_read_results_written_with_the_old_key_names(tmp_path):
+    pytest.importorskip("matplotlib")
+    old = {"sweep": {"default": [{"max_concurrency": c, "output_token_throughput": 10.0 * c}
+                                 for c in (1, 2)]}}
+    paths = plots.write_plots(old, str(tmp_path / "old.json"))
+    assert [os.path.basename(p) for p in paths] == ["old-throughput.png"]

@@ -211,7 +211,8 @@ def test_this_machine_on_the_cpu():
     ("sm_80", (9, 0), False), ("sm_90a", (9, 0), True), ("sm_90a", (10, 0), False),
     ("sm_90", (9, 0), True), ("sm_100a", (10, 0), True), ("sm_100a", (10, 3), False),
     ("sm_100f", (10, 3), True), ("sm_120", (12, 1), True), ("sm_75", (8, 0), False),
-    ("bogus", (9, 0), False)])
+    ("compute_80", (8, 0), True), ("compute_80", (12, 0), True), ("compute_90", (8, 9), False),
+    ("compute_90a", (10, 0), False), ("compute_90a", (9, 0), True), ("bogus", (9, 0), False)])
 def test_arch_runs_on(built, cap, runs):
     assert ks.arch_runs_on(built, cap) is runs
 
@@ -221,6 +222,20 @@ def test_parse_archs():
     assert ks.parse_archs("90a;80") == ["sm_90a", "sm_80"]
     assert ks.parse_archs(" sm_90a, sm_80 ") == ["sm_90a", "sm_80"]
     assert ks.parse_archs("") == [] and ks.parse_archs(None) == []
+    assert ks.parse_archs("80+PTX,90a,100a,120") == ["sm_80", "compute_80", "sm_90a", "sm_100a",
+                                                     "sm_120"]
+
+
+@pytest.mark.parametrize("cap,chosen", [((9, 0), "sm_90a"), ((8, 9), "sm_80"),
+                                        ((12, 0), "sm_120"), ((11, 0), "compute_80")])
+def test_a_release_build_picks_a_cubin_before_its_ptx(monkeypatch, cap, chosen):
+    """The release archs (setup.py RELEASE_ARCHS): every GPU from 8.0 up runs something, a cubin
+    where one fits, else the PTX the driver compiles."""
+    fake_extension(monkeypatch, "80+PTX,90a,100a,120")
+    fake_gpu(monkeypatch, cap)
+    st = ks.probe("cuda")
+    assert st.in_use and st.kernel_arch == chosen
+    assert ("PTX" in st.reason) is chosen.startswith("compute_")
 
 
 # ------------------------------------------------------------------ the start-up line

@@ -117,7 +117,9 @@ def _probe_launch(device: torch.device) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 
 def parse_archs(text: Optional[str]) -> List[str]:
-    """'90a,80' or '90a;80' or 'sm_90a,sm_80' -> ['sm_90a', 'sm_80']; ''/None -> []."""
+    """'90a,80' or '90a;80' or 'sm_90a,sm_80' -> ['sm_90a', 'sm_80']; an entry with '+PTX'
+    ('80+PTX', setup.py's spelling for a cubin plus PTX) -> ['sm_80', 'compute_80'];
+    ''/None -> []."""
     if not text:
         return []
     out = []
@@ -125,35 +127,47 @@ def parse_archs(text: Optional[str]) -> List[str]:
         a = a.strip()
         if not a:
             continue
+        ptx = a.upper().endswith("+PTX")
+        a = a[:-4] if ptx else a
         a = a.split("sm_")[-1].split("compute_")[-1]
         out.append(f"sm_{a}")
+        if ptx:
+            out.append(f"compute_{a}")
     return out
 
 
+_ARCH = re.compile(r"(sm|compute)_(\d+)(\d)([af]?)")
+
+
 def arch_runs_on(built: str, capability: Tuple[int, int]) -> bool:
-    """Whether code built for `built` (sm_XY, sm_XYa, sm_XYf; cubins only, no PTX: setup.py
-    passes code=sm_XY) runs on a GPU of compute capability (major, minor). A cubin runs on the
-    same major with an equal or higher minor; an 'a' (architecture-specific) one only on exactly
-    its own; an 'f' (family) one on the same major with an equal or higher minor."""
-    m = re.fullmatch(r"sm_(\d+)(\d)([af]?)", built)
+    """Whether code built for `built` runs on a GPU of compute capability (major, minor).
+    A cubin (sm_XY) runs on the same major with an equal or higher minor; an 'a'
+    (architecture-specific) one only on exactly its own; an 'f' (family) one on the same major
+    with an equal or higher minor. PTX (compute_XY, no suffix) is compiled by the driver for any
+    GPU of capability >= XY; 'a'/'f' PTX only where its cubin would run."""
+    m = _ARCH.fullmatch(built)
     if m is None:
         return False
-    major, minor, suffix = int(m.group(1)), int(m.group(2)), m.group(3)
+    kind, major, minor, suffix = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
     dmaj, dmin = capability
     if suffix == "a":
         return (dmaj, dmin) == (major, minor)
+    if kind == "compute" and not suffix:
+        return (dmaj, dmin) >= (major, minor)
     return dmaj == major and dmin >= minor
 
 
 def best_arch(built_archs: List[str], capability: Tuple[int, int]) -> Optional[str]:
-    """The built arch the driver would pick for this GPU (the newest compatible), or None."""
+    """The built arch the driver would pick for this GPU (a compatible cubin, the newest, before
+    any PTX), or None."""
     ok = [a for a in built_archs if arch_runs_on(a, capability)]
     if not ok:
         return None
 
     def key(a: str):
-        m = re.fullmatch(r"sm_(\d+)(\d)([af]?)", a)
-        return (int(m.group(1)), int(m.group(2)), m.group(3) == "a", m.group(3) == "f")
+        m = _ARCH.fullmatch(a)
+        return (m.group(1) == "sm", int(m.group(2)), int(m.group(3)), m.group(4) == "a",
+                m.group(4) == "f")
     return max(ok, key=key)
 
 
@@ -226,7 +240,9 @@ def probe(device: Union[None, str, torch.device] = None) -> KernelStatus:
             return status(False, "arch_missing", f"{EXTENSION} has no code for this GPU's "
                           f"architecture ({name}, {arch}; built for {','.join(archs)}): rebuild "
                           f"with {wanted} in RADIXSERVE_CUDA_ARCHS")
-        return status(True, "in_use", f"{chosen} code runs on {name} ({arch})", kernel_arch=chosen)
+        how = (f"{chosen} PTX, compiled by the driver for {name} ({arch}) at first use"
+               if chosen.startswith("compute_") else f"{chosen} code runs on {name} ({arch})")
+        return status(True, "in_use", how, kernel_arch=chosen)
     err = _probe_launch(torch.device("cuda", idx))
     if err is not None:
         kind = "arch_missing" if "no kernel image" in err.lower() else "import_error"

@@ -1,0 +1,168 @@
+"""How `radixserve bench serving` streams one request, per --backend:
+
+  generate     POST /generate (SGLang's native API: radixserve, SGLang), input_ids; counts from
+               meta_info (prompt_tokens, completion_tokens, cached_tokens); the output ids are
+               kept (the multi-turn dataset replays them)
+  completions  POST /v1/completions (any OpenAI-compatible server: radixserve, SGLang, vLLM),
+               the prompt as a token-id array
+  chat         POST /v1/chat/completions, the prompt as text (one user message)
+
+The two OpenAI routes ask for stream_options.include_usage and take the counts from the final
+usage chunk (cached tokens from usage.prompt_tokens_details.cached_tokens when present); without
+usage, the output length is the number of chunks that carried text (a lower bound). Every
+request is greedy (temperature 0) and, unless ignore_eos is False, asks for exactly output_len
+tokens (`ignore_eos`, which SGLang, vLLM and radixserve accept). TTFT is the time to the first
+chunk with new tokens, ITL the gaps between such chunks, latency the time to the last byte.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import httpx
+
+from radixserve.bench.workloads import BenchRequest
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_len: int = 0
+    cached_tokens: int = 0
+    ttft: float = 0.0                       # seconds to the first output token
+    latency: float = 0.0                    # seconds to the last byte
+    itl: List[float] = field(default_factory=list)   # gaps between chunks carrying new tokens
+    output_ids: List[int] = field(default_factory=list)
+    num_chunks: int = 0                     # chunks that carried new tokens
+
+
+def auth_headers() -> Dict[str, str]:
+    """Authorization: Bearer $OPENAI_API_KEY when that is set (as SGLang's bench_serving does)."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+class Generate:
+    path = "/generate"
+
+    def payload(self, req: BenchRequest, model: str, ignore_eos: bool) -> Dict:
+        return {"input_ids": req.prompt_ids, "stream": True,
+                "sampling_params": {"max_new_tokens": req.output_len, "temperature": 0.0,
+                                    "ignore_eos": ignore_eos}}
+
+    def on_chunk(self, chunk: Dict, res: RequestResult, state: Dict) -> bool:
+        """Record chunk; True when it carries new tokens (output_ids are cumulative)."""
+        state["meta"] = chunk.get("meta_info") or state.get("meta") or {}
+        ids = chunk.get("output_ids") or []
+        if len(ids) <= len(res.output_ids):
+            return False
+        res.output_ids = list(ids)
+        return True
+
+    def finish(self, res: RequestResult, state: Dict) -> None:
+        meta = state.get("meta") or {}
+        res.prompt_len = meta.get("prompt_tokens", res.prompt_len)
+        res.output_len = meta.get("completion_tokens", len(res.output_ids))
+        res.cached_tokens = meta.get("cached_tokens", 0) or 0
+
+
+class Completions:
+    path = "/v1/completions"
+
+    def prompt_fields(self, req: BenchRequest) -> Dict:
+        return {"prompt": req.prompt_ids}
+
+    def payload(self, req: BenchRequest, model: str, ignore_eos: bool) -> Dict:
+        return {"model": model, **self.prompt_fields(req), "max_tokens": req.output_len,
+                "temperature": 0.0, "ignore_eos": ignore_eos, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+    def has_tokens(self, choice: Dict) -> bool:
+        return bool(choice.get("text"))
+
+    def on_chunk(self, chunk: Dict, res: RequestResult, state: Dict) -> bool:
+        if chunk.get("usage"):
+            state["usage"] = chunk["usage"]
+        return any(self.has_tokens(c) for c in chunk.get("choices") or [])
+
+    def finish(self, res: RequestResult, state: Dict) -> None:
+        usage = state.get("usage") or {}
+        res.prompt_len = usage.get("prompt_tokens", res.prompt_len)
+        res.output_len = usage.get("completion_tokens", res.num_chunks)
+        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+class Chat(Completions):
+    path = "/v1/chat/completions"
+
+    def prompt_fields(self, req: BenchRequest) -> Dict:
+        return {"messages": [{"role": "user", "content": req.prompt_text}]}
+
+    def has_tokens(self, choice: Dict) -> bool:
+        return bool((choice.get("delta") or {}).get("content"))
+
+
+BACKENDS = {"generate": Generate(), "completions": Completions(), "chat": Chat()}
+
+
+def _sse_data(line: str) -> Optional[str]:
+    """The payload of an SSE `data:` line; None for any other line."""
+    if not line.startswith("data:"):
+        return None
+    return line[5:].strip()
+
+
+async def _read(resp: httpx.Response, backend, res: RequestResult, state: Dict,
+                start: float) -> bool:
+    """Consume resp's SSE stream into res (TTFT, ITL, chunk count); False after an error chunk
+    (res.error set)."""
+    last = start
+    async for line in resp.aiter_lines():
+        data = _sse_data(line)
+        if data is None:
+            continue
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            res.error = str(chunk["error"])[:300]
+            return False
+        now = time.perf_counter()
+        if backend.on_chunk(chunk, res, state):
+            if res.num_chunks == 0:
+                res.ttft = now - start
+            else:
+                res.itl.append(now - last)
+            res.num_chunks += 1
+            last = now
+    return True
+
+
+async def send(client: httpx.AsyncClient, base_url: str, backend_name: str, req: BenchRequest,
+               model: str, ignore_eos: bool) -> RequestResult:
+    """Stream req through backend_name's route. Never raises for a failed request: the result
+    has success False and the error (HTTP status and body, an error chunk, a transport error)."""
+    backend = BACKENDS[backend_name]
+    res = RequestResult(prompt_len=len(req.prompt_ids))
+    state: Dict = {}
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", base_url + backend.path, headers=auth_headers(),
+                                 json=backend.payload(req, model, ignore_eos)) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
+                return res
+            if not await _read(resp, backend, res, state, start):
+                return res
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.latency = time.perf_counter() - start
+    backend.finish(res, state)
+    res.success = True
+    return res

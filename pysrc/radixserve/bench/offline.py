@@ -1,0 +1,203 @@
+"""Offline throughput: radixserve.Engine vs HF transformers, in one run.
+
+Both get the same prompts (random token ids, fixed seed, equal lengths), the same max_new_tokens,
+greedy decoding, and EOS ignored so every sequence has the same length. HF runs either one
+batched generate() with left padding (--hf-mode generate; EOS ignored through min_new_tokens) or
+its continuous batching (--hf-mode generate_batch: `model.generate_batch` over paged attention
+with sdpa; EOS disabled). Prints both output tokens/s and their ratio (engine / HF); --out
+writes the numbers and the command as JSON. --preset NAME runs radixserve.bench.presets' real shapes
+with random weights on both sides (each side its own: their greedy outputs are not compared).
+
+    radixserve bench offline --num-prompts 16 --input-len 64 --output-len 64 --device cpu \
+        --out bench/results/offline-cpu.json
+    radixserve bench offline --device cuda --preset llama-3.1-8b --num-prompts 256 \
+        --input-len 1024 --output-len 256 --hf-mode generate_batch --out offline-h200-8b.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import time
+
+import radixserve  # noqa: F401  (before torch: sets the process's OpenMP wait policy, for both sides)
+import torch
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    # skip the lowest ids: special tokens live there in most vocabularies
+    return [[rng.randrange(256, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def run_engine(args, prompts):
+    total = args.num_prompts * (args.input_len + args.output_len) + 1024
+    overrides = dict(device=args.device, load_format=args.load_format, max_total_tokens=total,
+                     max_running_requests=max(args.num_prompts, 1))
+    if args.cpu_threads:
+        overrides["cpu_threads"] = args.cpu_threads
+    if args.disable_cuda_graph:
+        overrides["disable_cuda_graph"] = True
+    engine = radixserve.Engine(args.model_path, **overrides)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    try:
+        sp = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+        engine.generate(input_ids=[p[:8] for p in prompts[:2]],
+                        sampling_params={**sp, "max_new_tokens": 4})          # warm-up
+        engine.async_engine.scheduler.flush_cache()
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=sp)
+        elapsed = time.perf_counter() - start
+        model_path = engine.async_engine.model_path
+    finally:
+        engine.shutdown()
+        del engine
+        import gc
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()       # the HF side sizes its cache from free memory
+    assert all(len(o["output_ids"]) == args.output_len for o in outs)
+    return elapsed, [o["output_ids"] for o in outs], model_path
+
+
+def _hf_model(args, model_path, device, dtype, **kw):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.load_format == "dummy":        # the preset's shapes, HF's own random init
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, **kw).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kw).to(device).eval()
+
+
+def run_hf_generate_batch(args, prompts, model_path):
+    """HF transformers' continuous batching (paged attention, sdpa), EOS disabled."""
+    from transformers import GenerationConfig
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = _hf_model(args, model_path, device, dtype, attn_implementation="sdpa")
+    gc = GenerationConfig(max_new_tokens=args.output_len, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    with torch.no_grad():     # not inference_mode: HF's batching thread updates its tensors
+        model.generate_batch(inputs=[p[:8] for p in prompts[:2]],
+                             generation_config=GenerationConfig(max_new_tokens=4,
+                                                                do_sample=False,
+                                                                eos_token_id=None,
+                                                                pad_token_id=0))
+        start = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=gc)
+        elapsed = time.perf_counter() - start
+    ids = [list(out[k].generated_tokens) for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    assert all(len(t) == args.output_len for t in ids), "HF stopped a sequence early"
+    return elapsed, ids
+
+
+def run_hf(args, prompts, model_path):
+    device = torch.device(args.device)
+    # the engine's dtype on each device: float32 on the CPU, bfloat16 on CUDA
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = _hf_model(args, model_path, device, dtype)
+    pad = 0
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    kw = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
+              pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(input_ids[:2, -8:], attention_mask=mask[:2, -8:], **{**kw,
+                       "max_new_tokens": 4, "min_new_tokens": 4})          # warm-up
+        start = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=mask, **kw)
+        elapsed = time.perf_counter() - start
+    return elapsed, out[:, width:].tolist()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="radixserve bench offline",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model-path", default=None, help="default: the embedded default model")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--cpu-threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--disable-cuda-graph", action="store_true",
+                    help="engine decode steps launched eagerly (CUDA graphs are on by default on "
+                         "a GPU in bf16)")
+    ap.add_argument("--preset", default=None,
+                    help="the shapes of `radixserve bench presets` NAME, dummy weights")
+    ap.add_argument("--hf-mode", default="generate", choices=["generate", "generate_batch"])
+    ap.add_argument("--out", default=None, help="write the result JSON here")
+    return ap.parse_args(argv)
+
+
+def _use_preset(args) -> None:
+    """--preset NAME: build its directory (in the temp directory) and serve it with dummy weights."""
+    import tempfile
+
+    from radixserve.bench.presets import build_preset
+    args.model_path = build_preset(args.preset, os.path.join(tempfile.gettempdir(),
+                                                              f"preset-{args.preset}"))
+    args.load_format = "dummy"
+
+
+def write_result(args, argv, model_path: str, eng_s: float, hf_s: float, same) -> None:
+    """The numbers, the machine and the command as JSON at args.out."""
+    num_out = args.num_prompts * args.output_len
+    eng_tps, hf_tps = num_out / eng_s, num_out / hf_s
+    result = {
+        "command": "radixserve bench offline " + shlex.join(argv if argv is not None
+                                                           else sys.argv[1:]),
+        "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "output_len": args.output_len, "device": args.device,
+        "model_path": os.path.basename(os.path.normpath(model_path)),
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "radixserve_tok_per_s": round(eng_tps, 2), "hf_tok_per_s": round(hf_tps, 2),
+        "ratio": round(eng_tps / hf_tps, 3), "radixserve_s": round(eng_s, 3),
+        "hf_s": round(hf_s, 3), "identical_greedy_outputs": same,
+        "hf_mode": args.hf_mode, "preset": args.preset,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    print(f"wrote {args.out}")
+
+
+def main(argv=None) -> None:
+    """`radixserve bench offline`: the engine, then HF, on the same prompts; prints the ratio."""
+    args = parse_args(argv)
+    if args.preset:
+        _use_preset(args)
+    if args.device == "cpu" and args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+
+    from radixserve.config import ModelConfig
+    from radixserve.model.loader import resolve_model_path
+
+    model_path = resolve_model_path(args.model_path)
+    vocab = ModelConfig.from_path(model_path).vocab_size
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    num_out = args.num_prompts * args.output_len
+
+    eng_s, eng_ids, _ = run_engine(args, prompts)
+    print(f"radixserve done: {num_out / eng_s:.1f} output tok/s ({eng_s:.2f} s)", flush=True)
+    hf_run = run_hf_generate_batch if args.hf_mode == "generate_batch" else run_hf
+    hf_s, hf_ids = hf_run(args, prompts, model_path)
+    same = (None if args.load_format == "dummy"         # two different random models
+            else sum(a == b for a, b in zip(eng_ids, hf_ids)))
+    print(f"radixserve: {num_out / eng_s:.1f} output tok/s ({eng_s:.2f} s)")
+    print(f"HF {args.hf_mode}: {num_out / hf_s:.1f} output tok/s ({hf_s:.2f} s)")
+    print(f"ratio (radixserve / HF): {hf_s / eng_s:.2f}")
+    print(f"identical greedy outputs: {same}/{args.num_prompts}")
+    if args.out:
+        write_result(args, argv, model_path, eng_s, hf_s, same)
