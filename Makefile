@@ -22,8 +22,11 @@ setup: $(VENV)/.installed
 serve: setup
 	$(BIN)/radixserve serve $(ARGS)
 
+# Two pytest workers (pytest-xdist), each test file on one worker: the e2e files share one server
+# per worker. TEST_JOBS=0 runs everything in this process.
+TEST_JOBS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q tests $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile tests $(ARGS)
 
 # Release artifacts (release/wheel.sh has the details): the sdist and one manylinux wheel per
 # interpreter in PYTHONS (default this venv's), kernels for sm_80 (+PTX), sm_90a, sm_100a, sm_120,

@@ -185,8 +185,8 @@ setup(
         "accelerate",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "openai", "httpx", "matplotlib",
-                 "schemathesis", "jsonschema", "nvidia-cuda-cuobjdump"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "openai", "httpx",
+                 "matplotlib", "schemathesis", "jsonschema", "nvidia-cuda-cuobjdump"],
         "bench": ["httpx", "matplotlib"],
         "build": ["pybind11", "ninja", "nvidia-cutlass"],
     },

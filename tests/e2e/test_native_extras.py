@@ -78,19 +78,23 @@ def test_score_refuses_bad_requests(server, body, param):
 def test_cache_salt_keeps_sharing_inside_one_salt(server):
     """Same prompt: a second request with the same salt reuses the KV, a different salt or no
     salt does not (and an unsalted prompt's KV is not found by a salted request)."""
-    prompt = LONG + uuid.uuid4().hex                       # nothing cached yet
+    # nothing of it cached yet: a fresh lead (the server is shared with other tests, whose
+    # prompts may begin like LONG) and salts no other test uses
+    tag = uuid.uuid4().hex
+    prompt = f"Salted {tag}: " + LONG
+    a, b = f"tenant-a-{tag}", f"tenant-b-{tag}"
     sp = {"max_new_tokens": 1, "temperature": 0}
-    n = _generate(server, text=prompt, sampling_params=sp, cache_salt="tenant-a")["meta_info"]
+    n = _generate(server, text=prompt, sampling_params=sp, cache_salt=a)["meta_info"]
     assert n["cached_tokens"] == 0
-    again = _generate(server, text=prompt, sampling_params=sp, cache_salt="tenant-a")["meta_info"]
+    again = _generate(server, text=prompt, sampling_params=sp, cache_salt=a)["meta_info"]
     assert again["cached_tokens"] == again["prompt_tokens"] - 1
-    other = _generate(server, text=prompt, sampling_params=sp, cache_salt="tenant-b")["meta_info"]
+    other = _generate(server, text=prompt, sampling_params=sp, cache_salt=b)["meta_info"]
     assert other["cached_tokens"] == 0
     plain = _generate(server, text=prompt, sampling_params=sp)["meta_info"]
-    assert plain["cached_tokens"] == 0
+    assert plain["cached_tokens"] <= 1       # at most "Salted", from some other test's prompt
     plain2 = _generate(server, text=prompt, sampling_params=sp)["meta_info"]
     assert plain2["cached_tokens"] == plain2["prompt_tokens"] - 1
-    third = _generate(server, text=prompt, sampling_params=sp, cache_salt="tenant-c")["meta_info"]
+    third = _generate(server, text=prompt, sampling_params=sp, cache_salt=f"tenant-c-{tag}")["meta_info"]
     assert third["cached_tokens"] == 0
 
 

@@ -1,0 +1,135 @@
+"""Where a decode step's device time goes: the kernels of --steps decode steps at one batch
+size, from the torch profiler (CUDA graphs off, so every kernel is its own record), grouped by
+what they do, each group's time per step and, for the weight GEMMs, the bandwidth they reach
+against the device-to-device copy bandwidth measured in the same process.
+
+    python bench/decode_profile.py --preset llama-3.1-8b --batch-size 1 --out prof.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_steps import copy_bandwidth, make_scheduler, streamed_weight_bytes  # noqa: E402
+
+GROUPS = [("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitk", "cublas")),
+          ("attention", ("decode_attention", "paged_decode", "attn")),
+          ("norm", ("rms_norm", "rmsnorm")), ("rope", ("rotary", "rope")),
+          ("kv_store", ("store_kv",)), ("activation", ("silu",)),
+          ("sampling", ("sample", "argmax", "softmax", "topk")),
+          ("copy/index", ("copy", "index", "gather", "scatter", "elementwise", "fill", "cat"))]
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"
+
+
+def _time_us(fn, iters=50) -> float:
+    for _ in range(5):
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    b.synchronize()
+    return 1e3 * a.elapsed_time(b) / iters
+
+
+def linear_bandwidth(model, bw, batch_sizes=(1, 8)):
+    """For each distinct weight shape of the model, torch's GEMM (cuBLAS) at M = batch rows
+    alone: microseconds and the fraction of the copy bandwidth its weight read reaches (the
+    floor's definition). Matrices up to ~50 MB can stay in the H200's L2 across repeats, so
+    fractions near or above 1 for those are L2 effects; the in-model kernel times above are
+    the ones that count."""
+    import torch.nn.functional as F
+
+    shapes = sorted({tuple(p.shape) for n, p in model.named_parameters()
+                     if p.dim() == 2 and "embed_tokens" not in n}, key=lambda s: -s[0] * s[1])
+    rows = []
+    for n_out, k in shapes:
+        w = torch.empty(n_out, k, device="cuda", dtype=torch.bfloat16).normal_()
+        for m in batch_sizes:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            us = _time_us(lambda x=x, w=w: F.linear(x, w))
+            rows.append({"n": n_out, "k": k, "m": m, "us": us,
+                         "bw_fraction": (w.numel() * 2 / (us / 1e6)) / bw})
+        del w
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.batch_sizes = [args.batch_size]
+    from presets import build_preset
+    from radixserve.engine.req import Req
+    from radixserve.sampling.params import SamplingParams
+
+    model_dir = build_preset(args.preset, os.path.join(tempfile.gettempdir(), f"preset-{args.preset}"))
+    bw = copy_bandwidth(torch.device("cuda"))
+    sched = make_scheduler(model_dir, args, serial=True)
+    sched.runner.graph_runner = None        # eager: one profiler record per kernel
+    n_new = args.steps + args.warmup + 8
+    for i in range(args.batch_size):
+        sched.add_request(Req(f"p{i}", [1000 + (7 * i + j) % 50000 for j in range(args.prompt_len)],
+                              SamplingParams(max_new_tokens=n_new, temperature=0.0, ignore_eos=True),
+                              n_new))
+    while len(sched.running) < args.batch_size:
+        sched.step()
+    for _ in range(args.warmup):
+        sched.step()
+    torch.cuda.synchronize()
+    d0 = sched.counters["num_decode_steps"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            sched.step()
+        torch.cuda.synchronize()
+    steps = sched.counters["num_decode_steps"] - d0
+    by_group, by_kernel, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        by_group[group_of(ev.name)] += us
+        by_kernel[ev.name] += us
+        count[ev.name] += 1
+    weight_bytes = streamed_weight_bytes(sched.runner.model)
+    floor_us = 1e6 * weight_bytes / bw
+    total = sum(by_group.values()) / steps
+    gemm = by_group["gemm"] / steps
+    out = {"device": torch.cuda.get_device_name(), "batch_size": args.batch_size,
+           "prompt_len": args.prompt_len, "steps": steps, "copy_bandwidth_GBps": bw / 1e9,
+           "floor_us": floor_us, "kernel_us_per_step": total,
+           "kernel_over_floor": total / floor_us,
+           "gemm_us_per_step": gemm, "gemm_bandwidth_fraction": floor_us / gemm if gemm else None,
+           "groups_us_per_step": {g: v / steps for g, v in sorted(by_group.items(), key=lambda x: -x[1])},
+           "linear_bandwidth": linear_bandwidth(sched.runner.model, bw),
+           "top_kernels": [{"name": k[:120], "us_per_step": v / steps, "calls_per_step": count[k] / steps}
+                           for k, v in sorted(by_kernel.items(), key=lambda x: -x[1])[:25]]}
+    print(json.dumps(out, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(out, command="python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:]))), f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
