@@ -186,7 +186,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "openai", "httpx",
-                 "matplotlib", "schemathesis", "jsonschema", "nvidia-cuda-cuobjdump"],
+                 "matplotlib", "schemathesis", "jsonschema", "nvidia-cuda-cuobjdump", "pyelftools"],
         "bench": ["httpx", "matplotlib"],
         "build": ["pybind11", "ninja", "nvidia-cutlass"],
     },
