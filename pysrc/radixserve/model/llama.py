@@ -222,12 +222,29 @@ def _mm_fp32_out_ok() -> bool:
         return False
 
 
+# On the CPU the LM head runs in slices of this many vocabulary rows: MKL's sgemm at
+# [16, 576] x [576, 49152] (the default model's decode batch of 16) ran at 24 GFLOP/s whole and
+# 1.7x faster in 2,048-row slices, with bit-identical logits (2 cores, torch 2.14 / MKL 2024.2).
+CPU_LM_HEAD_ROWS = 2048
+
+
+def _linear_in_row_slices(hidden: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """F.linear(hidden, weight) [n, vocab], computed over slices of weight's rows: each logit
+    is the same dot product over the hidden dimension as in one call."""
+    out = hidden.new_empty(hidden.shape[0], weight.shape[0])      # [n, rows_per_rank]
+    for start in range(0, weight.shape[0], rows):
+        out[:, start:start + rows].copy_(F.linear(hidden, weight[start:start + rows]))
+    return out
+
+
 def lm_head_logits(head: VocabParallelEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [n, hidden] -> logits [n, vocab] float32 from a (possibly tied) vocab-parallel head."""
     if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and _mm_fp32_out_ok():
         # fp32 output straight from the GEMM's fp32 accumulators: rounding logits to bf16
         # (a step of 0.125 at |logit| >= 16) would flip near-tied greedy choices
         local = torch.mm(hidden, head.weight.t(), out_dtype=torch.float32)   # [n, rows_per_rank]
+    elif hidden.device.type == "cpu" and head.weight.shape[0] > 2 * CPU_LM_HEAD_ROWS:
+        local = _linear_in_row_slices(hidden, head.weight, CPU_LM_HEAD_ROWS)
     else:
         local = F.linear(hidden, head.weight)                      # [n, rows_per_rank]
     full = tp_all_gather_last_dim(local, head.tp_size)             # [n, rows_per_rank * tp]
