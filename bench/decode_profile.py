@@ -79,7 +79,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.batch_sizes = [args.batch_size]
-    from presets import build_preset
+    from radixserve.bench.presets import build_preset
     from radixserve.engine.req import Req
     from radixserve.sampling.params import SamplingParams
 

@@ -30,13 +30,11 @@ echo "== import radixserve._C from the installed package"
 import os, sys
 import torch
 import radixserve, radixserve._C as C
+from radixserve.ops.kernel_status import EXTENSION_OPS, missing_extension_ops
 assert radixserve.__file__.startswith(sys.prefix), radixserve.__file__
-ops = ["store_kv", "build_kv_indices", "paged_decode_attention", "paged_extend_attention",
-       "extend_attention_kernel", "bitmask_sample", "rms_norm", "fused_add_rms_norm",
-       "rotary_embedding", "silu_and_mul"]
-missing = [o for o in ops if not hasattr(torch.ops.radixserve, o)]
+missing = missing_extension_ops()
 assert not missing, f"ops missing: {missing}"
-print(f"{C.__file__}: archs {C.CUDA_ARCHS}, torch {torch.__version__}, {len(ops)} ops")
+print(f"{C.__file__}: archs {C.CUDA_ARCHS}, torch {torch.__version__}, {len(EXTENSION_OPS)} ops")
 if os.environ.get("CHECK_GPU") == "1":
     from radixserve.ops.kernel_status import kernel_status
     st = kernel_status("cuda")

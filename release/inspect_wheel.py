@@ -7,7 +7,8 @@ requires (METADATA), the extension's size, its cubin and PTX architectures (cuob
 --list-elf / --list-ptx; cuobjdump from the CUDA toolkit or the nvidia-cuda-cuobjdump wheel),
 whether it still has debug sections, and the shared libraries it needs. Exits 1, naming what is
 wrong, when an expected architecture is missing, the torch requirement is not pinned to a minor
-version, or debug sections remain.
+version, or debug sections remain. Runs with a Python that imports radixserve (the build's:
+the expected archs are read by radixserve.ops.kernel_status.parse_archs).
 """
 from __future__ import annotations
 
@@ -47,14 +48,13 @@ def list_archs(cuobjdump: str, so_path: str, flag: str) -> List[str]:
 
 
 def expected_archs(spec: str) -> Dict[str, List[str]]:
-    """'80+PTX;90a' -> {'elf': ['sm_80', 'sm_90a'], 'ptx': ['compute_80']} (setup.py's spelling)."""
-    elf, ptx = [], []
-    for a in filter(None, (x.strip() for x in spec.split(";"))):
-        base = a[:-4] if a.upper().endswith("+PTX") else a
-        elf.append(f"sm_{base}")
-        if base != a:
-            ptx.append(f"compute_{base}")
-    return {"elf": elf, "ptx": ptx}
+    """'80+PTX;90a' -> {'elf': ['sm_80', 'sm_90a'], 'ptx': ['compute_80']} (setup.py's spelling,
+    read by the one parser of it, radixserve.ops.kernel_status.parse_archs)."""
+    from radixserve.ops.kernel_status import parse_archs
+
+    archs = parse_archs(spec)
+    return {"elf": [a for a in archs if a.startswith("sm_")],
+            "ptx": [a for a in archs if a.startswith("compute_")]}
 
 
 def debug_sections(so_path: str) -> List[str]:

@@ -350,3 +350,13 @@ def test_radixserve_env_as_a_command(tmp_path):
     for label in ("radixserve:", "Python:", "torch:", "CUDA driver:", "GPU", "CUDA kernels:",
                   "radixserve._C:", "default model:", str(tmp_path)):
         assert label in proc.stdout
+
+
+def test_missing_extension_ops(monkeypatch):
+    """The ops check of .ci/run and release/check_wheel.sh: [] for this checkout's build, the
+    import error when _C cannot load."""
+    if ks._extension_file() is not None:
+        assert ks.missing_extension_ops() == []
+    monkeypatch.setattr(ks, "_import_extension", lambda: (_ for _ in ()).throw(ImportError("x")))
+    with pytest.raises(ImportError):
+        ks.missing_extension_ops()

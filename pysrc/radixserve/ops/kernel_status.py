@@ -103,6 +103,19 @@ def _import_extension():
     return importlib.import_module(EXTENSION)
 
 
+# every op csrc/bindings.cpp registers: what a build must provide (.ci/run, release/check_wheel.sh)
+EXTENSION_OPS = ("store_kv", "build_kv_indices", "paged_decode_attention",
+                 "paged_extend_attention", "extend_attention_kernel", "bitmask_sample", "rms_norm",
+                 "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+
+
+def missing_extension_ops() -> List[str]:
+    """Imports radixserve._C (ImportError if it cannot) and returns the EXTENSION_OPS that
+    torch.ops.radixserve lacks: [] for a complete build."""
+    _import_extension()
+    return [op for op in EXTENSION_OPS if not hasattr(torch.ops.radixserve, op)]
+
+
 def _probe_launch(device: torch.device) -> Optional[str]:
     """One tiny kernel launch; None if it ran, else the error (e.g. no kernel image)."""
     try:
