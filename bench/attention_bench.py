@@ -6,6 +6,8 @@
           (how the decode step runs when served under graphs); the eager time (Python launching
           call after call) is reported too. Peer: torch "gather K/V by slot, then SDPA" on the
           same bytes, also under a graph.
+  decode, batch 1: 32 calls (a Llama-3.1-8B step's layers) at 1,024 tokens, each layer its own
+          K/V, in one CUDA graph: microseconds per step.
   extend: one request of 4096 tokens, no prefix, 32 heads, head_dim 128, bf16, causal.
           TFLOP/s (4 * S * S * D * H / 2) against torch SDPA with the flash and cuDNN backends
           on contiguous [1, H, S, D].
@@ -116,6 +118,27 @@ def bench_decode(results: dict, copy_bw: float) -> None:
     torch.cuda.empty_cache()
 
 
+def bench_decode_bs1_layers(results: dict, layers: int = 32, kv_len: int = 1024) -> None:
+    """Batch 1 decode attention of a 32-layer step at 1k context (Llama-3.1-8B heads): one CUDA
+    graph of `layers` calls, each over its own layer's K/V (4 MiB per layer, 128 MiB in all, so
+    the replay streams from HBM as a real step does, not from L2). Microseconds per step."""
+    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    caches = [(torch.randn(kv_len + 1, hkv, d, device="cuda", dtype=dtype),
+               torch.randn(kv_len + 1, hkv, d, device="cuda", dtype=dtype)) for _ in range(layers)]
+    q = torch.randn(1, hq, d, device="cuda", dtype=dtype)
+    kv_indptr = torch.tensor([0, kv_len], dtype=torch.int32, device="cuda")
+    kv_indices = torch.arange(1, kv_len + 1, dtype=torch.int32, device="cuda")
+    scale = 1.0 / math.sqrt(d)
+
+    def step():
+        for k_cache, v_cache in caches:
+            ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, scale)
+
+    results["decode_attention_bs1_1k_32layers_us"] = _graph_time_ms(step, calls=1, reps=20) * 1e3
+    del caches
+    torch.cuda.empty_cache()
+
+
 def bench_extend(results: dict) -> None:
     seq, heads, d, dtype = 4096, 32, 128, torch.bfloat16
     flops = 4 * seq * seq * d * heads / 2
@@ -166,6 +189,7 @@ def run(results: dict) -> None:
     bw = copy_bandwidth()
     results["copy_bandwidth_bytes_per_s"] = bw
     bench_decode(results, bw)
+    bench_decode_bs1_layers(results)
     bench_extend(results)
 
 

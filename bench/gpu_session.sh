@@ -13,6 +13,20 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD/pysrc:${PYTHONPATH:-}
 export RADIXSERVE_CACHE_DIR=/tmp/rscache
 GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+# issue 13's kernel peer: FlashInfer from the carried .whl-fi/ (bench/flashinfer_peer.py's
+# docstring: the wheels and its prebuilt sm_90a decode and sampling modules), into this shell
+flashinfer_env() {
+  [ -d .whl-fi ] || return 0
+  if [ ! -d /tmp/fisite/flashinfer ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/fisite .whl-fi/*.whl \
+      .whl/apache_tvm_ffi-*.whl 2>&1 | tail -2
+    tar -xzf .whl-fi/flashinfer-*-aot-sm90a-cu130.tar.gz -C /tmp/fisite
+  fi
+  export PYTHONPATH=/tmp/fisite:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws \
+    TVM_FFI_CACHE_DIR=/tmp/fiws/tvm-ffi FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 \
+    CUDA_HOME=/usr/local/cuda
+  export PATH=$(python3 -c 'import ninja; print(ninja.BIN_DIR)'):/usr/local/cuda/bin:$PATH
+}
 for stage in "$@"; do
   echo "=== stage $stage" | tee -a "$OUT/log.txt"
   case $stage in
@@ -56,7 +70,8 @@ for stage in "$@"; do
       python3 bench/structured.py --device cuda --preset llama-3.1-8b --batch-size 64 \
         --out "$OUT/structured-h200-8b.json" 2>&1 | grep -v "batch\." | tail -40 | tee "$OUT/structured.txt" ;;
     kernels)
-      python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -60
+      # with FlashInfer as the same-process peer when .whl-fi/ was carried
+      (flashinfer_env; python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -60)
       cp bench/results/kernels-h200.json "$OUT/" 2>/dev/null ;;
     model)
       RADIXSERVE_TEST_GGUF=$GGUF python3 -m pytest -q -s -p no:cacheprovider -m slow tests/gpu \
@@ -99,6 +114,35 @@ for stage in "$@"; do
         --concurrency "${SOAK_CONCURRENCY:-256}" --server-args "--model-path $GGUF --device cpu" \
         --server-log "$OUT/soak-server.log" --output-file "$OUT/soak.json" 2>&1 \
         | tee "$OUT/soak.txt" | tail -30 ;;
+    dsweep)
+      # decode attention split plans (bench/variants/decode_sweep.cu): the CTAs-per-SM target and
+      # the floor of tokens per split, variants of the working tree's headers, one build each
+      V=/tmp/dsweep; rm -rf $V
+      H=csrc/include/radixserve/decode_attention.cuh
+      M="constexpr int kDecodeMinSplitTokens = "; C="constexpr int kDecodeCtasPerSm = "
+      m0=$(grep -o "${M}[0-9]*" $H | grep -o "[0-9]*$"); c0=$(grep -o "${C}[0-9]*" $H | grep -o "[0-9]*$")
+      for cm in ${DSWEEP:-1:64 2:64 4:64 1:32 2:32 2:128}; do
+        c=${cm%:*}; m=${cm#*:}
+        python3 bench/variants/make_variant.py $V c${c}m$m decode_attention.cuh \
+          --sub "${M}${m0};" "${M}${m};" --sub "${C}${c0};" "${C}${c};"
+        python3 bench/variants/make_variant.py $V c${c}m$m attention_launch.cuh
+      done
+      bash bench/variants/run.sh $V decode_sweep.cu 2>&1 | tee "$OUT/dsweep.txt" ;;
+    profile)
+      for len in ${PROFILE_LENS:-128 1024}; do
+        python3 bench/decode_profile.py --batch-size 1 --prompt-len $len \
+          --out "$OUT/decode-profile-h200-bs1-ctx$len.json" 2>&1 | tail -40 | tee "$OUT/profile-$len.txt"
+      done ;;
+    offline8b_engine)
+      # radixserve's half of offline8b alone (no HF), with the engine's step log
+      python3 bench/offline.py --device cuda --preset llama-3.1-8b \
+        --num-prompts 256 --input-len 1024 --output-len 256 --hf-mode none 2>&1 \
+        | tee "$OUT/offline8b_engine.txt" | grep -v "it/s" | tail -12 ;;
+    flashinfer)
+      # FlashInfer alone (bench/flashinfer_peer.py); parts that JIT-compile bounded by FI_TIMEOUT
+      (flashinfer_env
+       timeout "${FI_TIMEOUT:-240}" python3 bench/flashinfer_peer.py --parts "${FI_PARTS:-decode,sampling}" \
+         --json "$OUT/flashinfer-h200.json" 2>&1 | grep -v "^ \|^{\|^}" | tail -30 | tee "$OUT/flashinfer.txt") ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -222,10 +222,30 @@ def bench_elementwise(results, copy_bw, rows, quick):
     record("build_kv_indices", f"build_kv_indices [{batch} req, {total} tok]", us, 2 * total * 4, peer)
 
 
+def bench_flashinfer(results, parts):
+    """FlashInfer's kernels in this process (bench/flashinfer_peer.py), and for decode attention
+    (the same shapes) the ratios of their times to ours (> 1: ours is faster). An import failure is recorded as
+    results["flashinfer_error"]."""
+    spec = importlib.util.spec_from_file_location("flashinfer_peer", os.path.join(HERE, "flashinfer_peer.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.run(results, time_us, parts)
+    pairs = (("decode_attention_us", "flashinfer_decode_attention_us"),
+             ("decode_attention_bs1_1k_32layers_us", "flashinfer_decode_attention_bs1_1k_us"))
+    # (no sampling ratio: the peer samples its own unmasked std-1 rows, ours masked std-3 rows)
+    for ours, theirs in pairs:
+        if ours in results and theirs in results:
+            scale = 32 if "32layers" in ours else 1      # the peer times one layer's call
+            results[f"{ours[:-3]}_speedup_vs_flashinfer"] = results[theirs] * scale / results[ours]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels-h200.json"))
     ap.add_argument("--quick", action="store_true", help="smaller elementwise sizes")
+    ap.add_argument("--flashinfer-parts", default="decode,sampling",
+                    help="FlashInfer as a same-process peer (bench/flashinfer_peer.py, when "
+                    "flashinfer imports): comma-separated parts; '' for none")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not kernels_available():
         sys.exit("needs a CUDA device and the radixserve._C extension")
@@ -257,6 +277,8 @@ def main():
         except Exception:
             traceback.print_exc()
             results.setdefault("errors", []).append("attention_bench: " + traceback.format_exc(limit=3))
+    if args.flashinfer_parts:
+        bench_flashinfer(results, tuple(args.flashinfer_parts.split(",")))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2, sort_keys=True)

@@ -164,7 +164,7 @@ constexpr int kGuard = 4096;  // poisoned elements after each output
 template <typename H, int D>
 void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
   using T = typename H::Device;
-  // crossing the kernel's per-step token counts (32 or 64) and the 256-token split unit
+  // crossing the kernel's per-step token counts (32 or 64) and the 64-token split floor
   const std::vector<int> kv_lens = {1, 17, 64, 129, 300, 2, 77, 513};
   const int batch = (int)kv_lens.size();
   std::vector<int> prefix(batch);
@@ -178,8 +178,8 @@ void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
   const int group = hq / hkv, gmax = decode_group_max(group);
   const int num_sub = (group + gmax - 1) / gmax;
   const int heuristic = decode_num_splits(batch, hkv, num_sub, (int64_t)pr.kv_indices.size(), sms);
-  // ops' choice (1 at these sizes), then 5 (the 1- and 2-token requests get empty splits) and
-  // 64 (the cap: splits of a few tokens)
+  // ops' choice, then 1, 5 and 64 (grids of more splits than a request's own plan uses: its
+  // extra splits exit, and the 1- and 2-token requests run as one split writing directly)
   std::vector<int> split_counts = {heuristic};
   for (int s : {1, 5, 64})
     if (s != heuristic) split_counts.push_back(s);
@@ -206,6 +206,7 @@ void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
     p.group = group;
     p.num_sub = num_sub;
     p.num_splits = splits;
+    p.num_sms = sms;
     p.scale_log2 = (float)scale * kLog2e;
     HX_CHECK((attn::launch_paged_decode<T, D>(p, batch, nullptr)));
     HX_CHECK(cudaDeviceSynchronize());

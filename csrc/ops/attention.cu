@@ -133,6 +133,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.group = group;
   p.num_sub = num_sub;
   p.num_splits = num_splits;
+  p.num_sms = sms;
   p.scale_log2 = (float)sm_scale * kLog2e;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();

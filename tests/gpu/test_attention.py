@@ -135,10 +135,16 @@ def test_decode_large_slot_offsets():
     torch.cuda.empty_cache()
 
 
-def test_decode_cuda_graph():
+@pytest.mark.parametrize("batch,max_len,replays", [
+    (19, 600, ([1] * 19, [600] * 19, [1, 17, 989, 2000] + [400] * 15)),
+    # one request under a grid planned for 8k tokens: the device plan uses 1, 2, 16 or all 64
+    # splits as the real length asks
+    (1, 8192, ([1], [64], [65], [1000], [8192])),
+    (3, 4096, ([1, 4096, 70], [300, 1, 5000], [4096, 4096, 4096]))], ids=["b19", "b1", "b3"])
+def test_decode_cuda_graph(batch, max_len, replays):
     """Capture once, replay with new contents and new lengths under the same nnz bound."""
     hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
-    batch, max_nnz, num_slots = 19, 19 * 600, 19 * 900
+    max_nnz, num_slots = batch * max_len, batch * max_len + 4096
     gen = torch.Generator(device="cuda").manual_seed(21)
     k_cache = torch.randn(num_slots, hkv, d, generator=gen, device="cuda").to(dtype)
     v_cache = torch.randn(num_slots, hkv, d, generator=gen, device="cuda").to(dtype)
@@ -153,7 +159,7 @@ def test_decode_cuda_graph():
         kv_indices[:nnz] = torch.randperm(num_slots, generator=gen, device="cuda")[:nnz].to(torch.int32)
         q.copy_(torch.randn(batch, hq, d, generator=gen, device="cuda").to(dtype))
 
-    fill([100] * batch)
+    fill([min(100, max_len)] * batch)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -164,7 +170,7 @@ def test_decode_cuda_graph():
     with torch.cuda.graph(graph):
         out = ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, 0.1)
 
-    for lens in ([1] * batch, [600] * batch, [1, 17, 989, 2000] + [400] * 15):
+    for lens in replays:
         assert sum(lens) <= max_nnz
         fill(lens)
         out.fill_(float("nan"))
@@ -209,14 +215,19 @@ def _extend_case(case: str, gen: torch.Generator):
     raise ValueError(case)
 
 
-def _run_extend(dtype, head_dim, hq, hkv, qo_lens, prefix_lens, seed):
+def _run_extend(dtype, head_dim, hq, hkv, qo_lens, prefix_lens, seed, strided_q=False):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     kv_lens = [a + b for a, b in zip(qo_lens, prefix_lens)]
     k_cache, v_cache, kv_indptr, kv_indices = _pool(kv_lens, hkv, head_dim, dtype, gen)
     num_q = sum(qo_lens)
     qo_indptr = torch.zeros(len(qo_lens) + 1, dtype=torch.int32, device="cuda")
     qo_indptr[1:] = torch.tensor(qo_lens, device="cuda").cumsum(0)
-    q = torch.randn(num_q, hq, head_dim, generator=gen, device="cuda").to(dtype)
+    if strided_q:   # q as the model passes it: a view into a fused qkv buffer
+        qkv = torch.randn(num_q, hq + 2 * hkv, head_dim, generator=gen, device="cuda").to(dtype)
+        q = qkv[:, :hq]
+        assert not q.is_contiguous()
+    else:
+        q = torch.randn(num_q, hq, head_dim, generator=gen, device="cuda").to(dtype)
     scale = 1.0 / math.sqrt(head_dim)
     _poison((num_q, hq, head_dim), dtype)
     out = ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale)
@@ -233,6 +244,10 @@ def test_extend(dtype, head_dim, gqa, case, extend_kernel):
     gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{case}{head_dim}{gqa}".encode()))
     qo_lens, prefix_lens = _extend_case(case, gen)
     _run_extend(dtype, head_dim, gqa[0], gqa[1], qo_lens, prefix_lens, seed=head_dim + len(qo_lens))
+
+
+def test_extend_strided_q(extend_kernel):
+    _run_extend(torch.bfloat16, 64, 9, 3, [300, 17, 129], [0, 500, 64], seed=12, strided_q=True)
 
 
 def test_extend_long_prefill(extend_kernel):

@@ -22,18 +22,13 @@ namespace attn {
 // q heads per decode CTA: exact for groups 1-4 (3 is the default model's), padded up to 8 above
 inline int decode_group_max(int group) { return group <= 4 ? group : 8; }
 
-// Splits along the sequence: about three waves of CTAs (4 resident per SM: 48 KiB of pipeline
-// each), never shorter than ~256 tokens on average, at most 64. Measured on the H200 (batch
-// 32 x 4,096, 8 KV heads): 2 to 4 waves are within 2% of each other, 4.4 waves lose 4%, 1.9
-// waves 3%. Only host-known shapes enter (nnz = kv_indices.numel(), an upper bound under CUDA
-// graphs), so a captured graph replays with the same grid; each split finds its range on the
-// device.
+// The grid's splits per (request, kv head): decode_plan_splits at the batch's average length
+// (nnz = kv_indices.numel(); an upper bound under CUDA graphs, so a captured graph replays
+// with the same grid). Each request's own plan, at its real length, is made on the device and
+// never uses more splits than this.
 inline int decode_num_splits(int64_t batch, int hkv, int num_sub, int64_t nnz, int sms) {
-  const int64_t base_ctas = batch * hkv * num_sub;
   const int64_t avg_len = std::max<int64_t>(1, nnz / std::max<int64_t>(1, batch));
-  int64_t splits = (3 * 4 * (int64_t)sms + base_ctas - 1) / base_ctas;
-  splits = std::min<int64_t>(splits, (avg_len + 255) / 256);
-  return (int)std::max<int64_t>(1, std::min<int64_t>(splits, 64));
+  return decode_plan_splits(batch * hkv * num_sub, avg_len, sms, kDecodeMaxSplits);
 }
 
 // Launches decode (plus the merge of splits when p.num_splits > 1; then p.part_o
@@ -52,8 +47,7 @@ cudaError_t launch_paged_decode(const DecodeParams& p, int batch, cudaStream_t s
       if (err != cudaSuccess) return err;
       kernel<<<grid, kDecodeThreads, smem, stream>>>(p);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
-      decode_merge_kernel<T, D><<<(unsigned)(batch * p.num_q_heads), 128, 0, stream>>>(
-          p.part_o, p.part_lse, static_cast<T*>(p.out), p.num_splits);
+      decode_merge_kernel<T, D><<<(unsigned)(batch * p.num_q_heads), kMergeThreads, 0, stream>>>(p);
     } else {
       constexpr auto kernel = paged_decode_kernel<T, D, G, false>;
       err = set_max_dynamic_smem<kernel>(smem);

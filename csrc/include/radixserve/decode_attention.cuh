@@ -10,10 +10,14 @@
 //   2 * kUnroll * (kDecodeStages - 1) 16-byte loads per thread in flight; the slot indices of
 //   the next step to issue are fetched one step ahead.
 // Each row group keeps its own online-softmax state per q head; the row groups are merged
-// in shared memory at the end. With num_splits > 1 every split writes a normalised partial
-// output and its log2-sum-exp; decode_merge_kernel combines them. Empty splits write only
-// lse = -inf and exit; the merge skips them. The grid depends only on host-known shapes, so
-// the launch is graph-safe; each request's split ranges follow its real length.
+// in shared memory at the end.
+// Split plan (decode_active_splits): the grid has num_splits splits per (request, kv head), from
+// host-known shapes only, so the launch is graph-safe (under a CUDA graph num_splits comes from
+// the capture's upper bound of the lengths). Each request then uses only as many of them as its
+// real length and the batch's CTA count call for, computed on the device from kv_indptr by the
+// decode and the merge kernel alike. A request with one active split writes its output
+// directly; with more, every active split writes a normalised partial output and its
+// log2-sum-exp, and decode_merge_kernel combines the active ones. Inactive splits exit.
 #pragma once
 
 #include <cstdint>
@@ -35,13 +39,46 @@ struct DecodeParams {
   int64_t q_stride_b, q_stride_h;      // elements
   int64_t kv_stride_slot, kv_stride_h; // elements
   int num_q_heads, num_kv_heads, group, num_sub, num_splits;
+  int num_sms;       // of the device: the split plan's CTA target
   float scale_log2;  // sm_scale * log2(e)
 };
 
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeUnroll = 4;   // tokens per row group per step
 constexpr int kDecodeStages = 3;   // cp.async pipeline depth (48 KiB: 4 CTAs per SM)
-constexpr int kDecodeMinSplitTokens = 256;   // the host heuristic's floor, applied per request
+constexpr int kDecodeMinSplitTokens = 64;    // a split is never shorter than this (but the last)
+constexpr int kDecodeCtasPerSm = 2;          // splits stop adding CTAs beyond about this many
+constexpr int kDecodeMaxSplits = 64;
+
+// Splits of one request of kv_len tokens: enough CTAs for kDecodeCtasPerSm per SM over the whole
+// batch (base_ctas = batch * kv heads * q-head subgroups), no split shorter than
+// kDecodeMinSplitTokens, at most cap. Measured on the H200 (bench/variants/decode_sweep.cu,
+// Llama-3.1-8B heads): a CTA has a fixed cost of a few microseconds (index and q loads, the
+// pipeline's ramp, the row-group combine), so past about one wave more splits cost more than the
+// parallelism they add, and at batch 1 a 64-token split on ~128 CTAs beats both fewer, longer
+// splits and more, shorter ones.
+__host__ __device__ __forceinline__ int decode_plan_splits(int64_t base_ctas, int64_t kv_len,
+                                                           int num_sms, int cap) {
+  const int64_t target = (int64_t)kDecodeCtasPerSm * num_sms;
+  int64_t splits = (target + base_ctas - 1) / (base_ctas > 0 ? base_ctas : 1);
+  const int64_t by_len = (kv_len + kDecodeMinSplitTokens - 1) / kDecodeMinSplitTokens;
+  splits = splits < by_len ? splits : by_len;
+  splits = splits < cap ? splits : cap;
+  return splits > 1 ? (int)splits : 1;
+}
+
+// The active splits of a request on the device: chunk tokens each (the last may be shorter);
+// n = ceil(kv_len / chunk) <= p.num_splits. Both kernels derive the same plan from kv_len.
+struct SplitPlan {
+  int n, chunk;
+};
+__device__ __forceinline__ SplitPlan decode_active_splits(const DecodeParams& p, int batch,
+                                                          int kv_len) {
+  const int64_t base = (int64_t)batch * p.num_kv_heads * p.num_sub;
+  const int s = decode_plan_splits(base, kv_len, p.num_sms, p.num_splits);
+  const int chunk = max((kv_len + s - 1) / s, 1);
+  return {kv_len > 0 ? (kv_len + chunk - 1) / chunk : 0, chunk};
+}
 // dynamic shared memory of paged_decode_kernel: [stages][unroll][k|v][threads] 16-byte vectors
 constexpr int kDecodeSmemBytes = kDecodeStages * kDecodeUnroll * 2 * kDecodeThreads * 16;
 
@@ -75,18 +112,19 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   const int kv_start = p.kv_indptr[b];
   const int kv_len = p.kv_indptr[b + 1] - kv_start;
-  // The split plan comes from the real length, on the device: at least kDecodeMinSplitTokens
-  // per split, so a short request under a grid sized for long ones (a CUDA graph's grid is fixed
-  // at capture) keeps only the splits it can fill; the others exit here.
-  const int chunk = max((kv_len + p.num_splits - 1) / p.num_splits, kDecodeMinSplitTokens);
-  const int lo = min(kv_len, split * chunk);
-  const int hi = min(kv_len, lo + chunk);
+  // The split plan comes from the real length, on the device (a CUDA graph's grid is fixed at
+  // capture, sized for the longest requests): splits past the request's plan exit here, and a
+  // request planned as one split writes its output directly, as the unsplit kernel does.
+  int lo = 0, hi = kv_len;
+  bool partial = false;
   if constexpr (kSplit) {
-    if (lo >= hi) {
-      const int64_t row0 = ((int64_t)b * p.num_q_heads + qh0) * p.num_splits + split;
-      if (tid < gcount) p.part_lse[row0 + (int64_t)tid * p.num_splits] = -INFINITY;
-      return;   // uniform over the CTA: no barrier is left waiting
-    }
+    const SplitPlan plan = decode_active_splits(p, gridDim.z, kv_len);
+    // uniform over the CTA: no barrier is left waiting. An empty request (n = 0) keeps split 0,
+    // which writes zeros, as the unsplit kernel does.
+    if (split >= max(plan.n, 1)) return;
+    lo = split * plan.chunk;
+    hi = min(kv_len, lo + plan.chunk);
+    partial = plan.n > 1;
   }
 
   // q of every head of the subgroup, pre-scaled into the log2 domain. Padding heads
@@ -263,7 +301,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     const int qh = qh0 + g;
     const float o = den > 0.f ? num / den : 0.f;
-    if constexpr (kSplit) {
+    if (partial) {
       const int64_t row = ((int64_t)b * p.num_q_heads + qh) * p.num_splits + split;
       p.part_o[row * D + d] = o;
       if (d == 0) p.part_lse[row] = den > 0.f ? M + __log2f(den) : -INFINITY;
@@ -274,27 +312,53 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
-// Combine the splits: out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M).
-// grid: batch * num_q_heads, block: 128 threads.
+// Combine the active splits of a request (decode_active_splits; requests with one wrote their
+// output already): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M). The split weights are
+// computed once per row, in parallel, then every thread sums its dims over the splits.
+// grid: batch * num_q_heads, block: kMergeThreads (>= kDecodeMaxSplits).
+constexpr int kMergeThreads = 128;
+static_assert(kMergeThreads >= kDecodeMaxSplits, "one thread per split weight");
+
 template <typename T, int D>
-__global__ void __launch_bounds__(128)
-    decode_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
-                        T* __restrict__ out, int num_splits) {
+__global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(const DecodeParams p) {
+  __shared__ float w[kDecodeMaxSplits];
+  __shared__ float red[kMergeThreads / 32];
   const int64_t row = blockIdx.x;  // b * num_q_heads + h
-  const float* lse = part_lse + row * num_splits;
-  float M = -INFINITY;
-  for (int s = 0; s < num_splits; ++s) M = fmaxf(M, lse[s]);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float num = 0.f, den = 0.f;
-    if (M != -INFINITY) {
-      for (int s = 0; s < num_splits; ++s) {
-        if (lse[s] == -INFINITY) continue;   // an empty split wrote no partial output
-        const float w = fast_exp2(lse[s] - M);
-        den += w;
-        num += w * part_o[(row * num_splits + s) * D + d];
-      }
-    }
-    out[row * D + d] = TypeTraits<T>::from_float(den > 0.f ? num / den : 0.f);
+  const int b = (int)(row / p.num_q_heads);
+  const int batch = (int)(gridDim.x / p.num_q_heads);
+  const int kv_len = p.kv_indptr[b + 1] - p.kv_indptr[b];
+  const int n = decode_active_splits(p, batch, kv_len).n;
+  if (n <= 1) return;  // block-uniform: written by the decode kernel
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float* lse = p.part_lse + row * p.num_splits;
+  const float l = tid < n ? lse[tid] : -INFINITY;
+  float M = l;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+  if (lane == 0) red[warp] = M;
+  __syncthreads();
+  M = red[0];
+#pragma unroll
+  for (int i = 1; i < kMergeThreads / 32; ++i) M = fmaxf(M, red[i]);
+  const float wt = (tid < n && l != -INFINITY) ? fast_exp2(l - M) : 0.f;  // M = -inf: all 0
+  if (tid < kDecodeMaxSplits) w[tid] = wt;
+  float den = wt;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
+  __syncthreads();  // red[] read above before it is reused
+  if (lane == 0) red[warp] = den;
+  __syncthreads();
+  den = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMergeThreads / 32; ++i) den += red[i];
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  const float* po = p.part_o + row * p.num_splits * D;
+  T* out = static_cast<T*>(p.out) + row * D;
+  for (int d = tid; d < D; d += kMergeThreads) {
+    float num = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < n; ++s) num = fmaf(w[s], po[(int64_t)s * D + d], num);
+    out[d] = TypeTraits<T>::from_float(num * inv);
   }
 }
 

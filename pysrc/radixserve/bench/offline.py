@@ -134,7 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "a GPU in bf16)")
     ap.add_argument("--preset", default=None,
                     help="the shapes of `radixserve bench presets` NAME, dummy weights")
-    ap.add_argument("--hf-mode", default="generate", choices=["generate", "generate_batch"])
+    ap.add_argument("--hf-mode", default="generate", choices=["generate", "generate_batch", "none"],
+                    help="none: radixserve only, no ratio (quick A/B runs of the engine)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     return ap.parse_args(argv)
 
@@ -191,6 +192,8 @@ def main(argv=None) -> None:
 
     eng_s, eng_ids, _ = run_engine(args, prompts)
     print(f"radixserve done: {num_out / eng_s:.1f} output tok/s ({eng_s:.2f} s)", flush=True)
+    if args.hf_mode == "none":
+        return
     hf_run = run_hf_generate_batch if args.hf_mode == "generate_batch" else run_hf
     hf_s, hf_ids = hf_run(args, prompts, model_path)
     same = (None if args.load_format == "dummy"         # two different random models

@@ -30,6 +30,15 @@ def _use_attention_kernel(q: torch.Tensor) -> bool:
     return q.dtype in _HALF_DTYPES and _use_kernel(q)
 
 
+def _kernel_q(q: torch.Tensor) -> torch.Tensor:
+    """q as the attention kernels read it: a strided view (e.g. into a fused qkv buffer) as is
+    when its last dim is contiguous and its token / head strides keep 16-byte rows, else a
+    contiguous copy."""
+    if q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0:
+        return q
+    return q.contiguous()
+
+
 class SampleOutput(NamedTuple):
     ids: torch.Tensor       # [batch] int64
     logprobs: torch.Tensor  # [batch] float32: log softmax of the raw logits at ids
@@ -86,8 +95,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     The kernel takes bf16/fp16; float32 runs the torch reference on any device.
     """
     if _use_attention_kernel(q):
-        return torch.ops.radixserve.paged_decode_attention(q, k_cache, v_cache, kv_indptr,
-                                                           kv_indices, sm_scale)
+        return torch.ops.radixserve.paged_decode_attention(_kernel_q(q), k_cache, v_cache,
+                                                           kv_indptr, kv_indices, sm_scale)
     return ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale)
 
 
@@ -105,8 +114,9 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     The kernel takes bf16/fp16; float32 runs the torch reference on any device.
     """
     if _use_attention_kernel(q):
-        return torch.ops.radixserve.paged_extend_attention(q, k_cache, v_cache, qo_indptr,
-                                                           kv_indptr, kv_indices, sm_scale)
+        return torch.ops.radixserve.paged_extend_attention(_kernel_q(q), k_cache, v_cache,
+                                                           qo_indptr, kv_indptr, kv_indices,
+                                                           sm_scale)
     return ref.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
                                       sm_scale)
 
