@@ -60,7 +60,8 @@ def _graph_us(time_us, fn, calls: int):
     """Device time of one fn(i) with no host work between calls: `calls` calls (i = 0..calls-1,
     so fn can rotate inputs) captured in one CUDA graph, replayed under time_us, divided by calls
     (how the decode step runs under graphs). Returns (us, mode, eager_us); falls back to the
-    eager time_us(fn) if capture fails or the replay looks empty (kernels not captured)."""
+    eager time_us(fn) if capture fails or a replay leaves the last call's zeroed output
+    untouched (kernels not captured)."""
     eager = time_us(fn, sets=calls)
     try:
         side = torch.cuda.Stream()
@@ -72,13 +73,18 @@ def _graph_us(time_us, fn, calls: int):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for i in range(calls):
-                fn(i)
+                out = fn(i)
+        probe = out[0] if isinstance(out, (tuple, list)) else out
+        probe.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = bool(probe.float().abs().sum() > 0)
         us = time_us(lambda _: graph.replay(), reps=20, warmup=3) / calls
     except Exception as e:  # noqa: BLE001 -- capture unsupported: time it eagerly
         print(f"  (graph capture failed, eager timing: {type(e).__name__}: {e})", file=sys.stderr)
         torch.cuda.synchronize()
         return eager, "eager", eager
-    if eager > 50 and us < 0.5 * eager:  # device-bound call, yet the replay is much faster
+    if not replayed:
         return eager, "eager (graph replay looked empty)", eager
     return us, "graph", eager
 
@@ -206,6 +212,7 @@ def run(results: dict, time_us, parts=PARTS) -> None:
             results[f"flashinfer_{what}_max_abs_err"] = err = fn.check()
             us, mode, eager = _graph_us(time_us, fn, calls=sets * (1 if batch > 1 else 4))
             results[f"flashinfer_{what}_us"] = us
+            results[f"flashinfer_{what}_timing"] = mode
             results[f"flashinfer_{what}_eager_us"] = eager
             print(f"flashinfer {what}: {us:.1f} us ({mode}), eager {eager:.1f} us, "
                   f"max abs err {err:.3g}")

@@ -234,7 +234,8 @@ def bench_flashinfer(results, parts):
              ("decode_attention_bs1_1k_32layers_us", "flashinfer_decode_attention_bs1_1k_us"))
     # (no sampling ratio: the peer samples its own unmasked std-1 rows, ours masked std-3 rows)
     for ours, theirs in pairs:
-        if ours in results and theirs in results:
+        graph_timed = results.get(theirs[:-3] + "_timing") == "graph"   # as ours: device time
+        if ours in results and theirs in results and graph_timed:
             scale = 32 if "32layers" in ours else 1      # the peer times one layer's call
             results[f"{ours[:-3]}_speedup_vs_flashinfer"] = results[theirs] * scale / results[ours]
 

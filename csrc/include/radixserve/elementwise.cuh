@@ -114,8 +114,9 @@ __device__ __forceinline__ float block_sum(float x, float* red /* [32] shared */
 // ----------------------------------------------------------------------------- rms_norm
 //
 // One CTA per token. Pass 1 accumulates sum(x^2) in fp32 (reading 16 bytes per access); pass 2
-// re-reads the row (from L1/L2: the row is at most 64 KB) and writes (x * rsqrt(mean + eps)) * w,
-// the reference's order of operations. fused_add_rms_norm reads x and residual in both passes
+// writes (x * rsqrt(mean + eps)) * w, the reference's order of operations, from registers when
+// the row is one chunk per thread (rows up to 1024 x 16 bytes), else re-reading the row (from
+// L1/L2: the row is at most 64 KB). fused_add_rms_norm reads x and residual in both passes
 // and writes residual only in pass 2, so the norm uses the fp32 sum (as the reference does),
 // never the rounded residual.
 //
@@ -140,6 +141,37 @@ __global__ void __launch_bounds__(THREADS) rms_norm_kernel(T* out, int64_t out_s
   R* rr = FUSED_ADD ? residual + t * res_stride : nullptr;
   T* orow = out + t * out_stride;
   const int64_t chunks = hidden / N;
+  if (chunks <= THREADS) {
+    // The launch sizes THREADS so that a row of up to 8192 bf16 (1024 threads) is one chunk per
+    // thread: the row stays in registers and the weight is loaded before the reduction, so pass
+    // 2 costs no second round of global loads (batch-1 decode runs 64 of these per step, each a
+    // chain of dependent latencies). Same operations in the same order as the loop below.
+    const int c = threadIdx.x;
+    const bool mine = c < chunks;
+    float a[N], w[N];
+    float ss = 0.f;
+    if (mine) {
+      A::load(weight + c * N, w);
+      A::load(xr + c * N, a);
+      if constexpr (FUSED_ADD) {
+        float r[N];
+        AR::load(rr + c * N, r);
+#pragma unroll
+        for (int i = 0; i < N; ++i) a[i] += r[i];
+      }
+#pragma unroll
+      for (int i = 0; i < N; ++i) ss += a[i] * a[i];
+    }
+    ss = block_sum<THREADS>(ss, red);
+    const float scale = rsqrtf(ss / (float)hidden + eps);
+    if (mine) {
+      if constexpr (FUSED_ADD) AR::store(rr + c * N, a);
+#pragma unroll
+      for (int i = 0; i < N; ++i) a[i] = (a[i] * scale) * w[i];
+      A::store(orow + c * N, a);
+    }
+    return;
+  }
   float ss = 0.f;
   for (int64_t c = threadIdx.x; c < chunks; c += THREADS) {
     float a[N];

@@ -45,19 +45,28 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
 # ----------------------------------------------------------------------------- attention
 
 
-def _padded_kv(k_cache, v_cache, kv_indptr, kv_indices):
-    """Gather each request's K/V into a padded batch: [batch, max_len, num_kv_heads, head_dim]."""
+def padded_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor):
+    """Each request's KV slots as a padded batch: (slots [batch * max_len] int64, slot 0 past a
+    request's length; valid [batch, max_len] bool; lens [batch] int64)."""
     lens = (kv_indptr[1:] - kv_indptr[:-1]).long()
     batch = lens.shape[0]
     max_len = int(lens.max()) if batch else 0
-    pos = torch.arange(max_len, device=k_cache.device)
+    pos = torch.arange(max_len, device=kv_indptr.device)
     valid = pos[None, :] < lens[:, None]                                       # [batch, max_len]
     flat = (kv_indptr[:-1].long()[:, None] + pos[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
     slots = torch.where(valid, kv_indices.long()[flat], torch.zeros_like(flat)).flatten()
-    shape = (batch, max_len) + tuple(k_cache.shape[1:])
-    k = k_cache.index_select(0, slots).view(shape).float()
-    v = v_cache.index_select(0, slots).view(shape).float()
-    return k, v, valid, lens
+    return slots, valid, lens
+
+
+def _gather_padded(cache: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    # [num_slots, num_kv_heads, head_dim] -> [batch, max_len, num_kv_heads, head_dim] float
+    return cache.index_select(0, slots).view(tuple(valid.shape) + tuple(cache.shape[1:])).float()
+
+
+def _padded_kv(k_cache, v_cache, kv_indptr, kv_indices):
+    """Gather each request's K/V into a padded batch: [batch, max_len, num_kv_heads, head_dim]."""
+    slots, valid, lens = padded_slots(kv_indptr, kv_indices)
+    return _gather_padded(k_cache, slots, valid), _gather_padded(v_cache, slots, valid), valid, lens
 
 
 def _gqa_expand(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
@@ -66,20 +75,27 @@ def _gqa_expand(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     return x.repeat_interleave(group, dim=2).transpose(1, 2)
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                           sm_scale: float) -> torch.Tensor:
-    # q: [batch, num_q_heads, head_dim] -> out: [batch, num_q_heads, head_dim]
-    batch, num_q_heads, head_dim = q.shape
-    if batch == 0:
-        return torch.empty_like(q)
-    k, v, valid, _ = _padded_kv(k_cache, v_cache, kv_indptr, kv_indices)     # [b, len, hkv, d]
+def padded_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slots: torch.Tensor, valid: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """paged_decode_attention over a table from padded_slots (which a caller may build once and
+    reuse for every layer of a step): q [batch, num_q_heads, head_dim] -> the same shape."""
+    k, v = _gather_padded(k_cache, slots, valid), _gather_padded(v_cache, slots, valid)
     # one fused softmax(q k^T) v over the padded batch; GQA without expanding K/V
     out = F.scaled_dot_product_attention(
         q.float()[:, :, None, :],                                              # [b, hq, 1, d]
         k.transpose(1, 2), v.transpose(1, 2),                                  # [b, hkv, len, d]
         attn_mask=valid[:, None, None, :], scale=sm_scale, enable_gqa=True)    # [b, hq, 1, d]
     return out[:, :, 0, :].to(q.dtype)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                           sm_scale: float) -> torch.Tensor:
+    # q: [batch, num_q_heads, head_dim] -> out: [batch, num_q_heads, head_dim]
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    slots, valid, _ = padded_slots(kv_indptr, kv_indices)
+    return padded_decode_attention(q, k_cache, v_cache, slots, valid, sm_scale)
 
 
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
