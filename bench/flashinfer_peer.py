@@ -11,6 +11,15 @@ flashinfer.utils) are needed for these APIs; filelock, numpy, packaging, request
 torch's image. cuda-python, nvidia-cutlass-dsl (CuTe-DSL kernels, Blackwell), cudnn-frontend,
 cuda-tile, nccl4py, click, einops, tabulate are optional for import and unused here.
 
+.whl-fi/ is not committed (git ignores it through .git/info/exclude); remake it on a machine
+with PyPI and nvcc 13.0 (no GPU needed):
+
+  python -m pip download --no-deps -d .whl-fi flashinfer-python==0.6.18.post1 nvidia-ml-py==13.615.71
+  PYTHONPATH=<the flashinfer wheel installed with --target> python bench/flashinfer_peer.py \
+      --aot-build .whl-fi/flashinfer-0.6.18.post1-aot-sm90a-cu130.tar.gz
+  # builds decode, FA3/FA2 prefill, sampling and top-k for sm_90a; the tarball used on the
+  # H200 so far held decode and sampling only (87 s + 298 s here on 2 cores)
+
 Install offline on the GPU machine (the files travel in .whl-fi/ and .whl/):
 
   python -m pip install --no-index --no-deps --target /tmp/fisite \
@@ -297,21 +306,6 @@ def run(results: dict, time_us, parts=PARTS) -> None:
         _measure(results, what, body)
 
 
-def _time_us(fn, reps=50, warmup=5, sets=1):
-    """Standalone copy of bench/kernels.py's time_us."""
-    for i in range(warmup):
-        fn(i % sets)
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]
-    for i, (a, b) in enumerate(ev):
-        a.record()
-        fn(i % sets)
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
-
-
 def aot_build(out_tar: str) -> None:
     """Compile the modules run() uses (bf16, head_dim 128, int32 indices, no RoPE / window /
     soft-cap) for $FLASHINFER_CUDA_ARCH_LIST without a GPU and pack them as
@@ -345,7 +339,8 @@ if __name__ == "__main__":
         aot_build(args.aot_build)
         sys.exit(0)
     res: dict = {"device": torch.cuda.get_device_name()}
-    run(res, _time_us, tuple(args.parts.split(",")))
+    from kernels import time_us   # bench/kernels.py's timer (this file's folder is on sys.path)
+    run(res, time_us, tuple(args.parts.split(",")))
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:
