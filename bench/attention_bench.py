@@ -8,9 +8,9 @@
           same bytes, also under a graph.
   decode, batch 1: 32 calls (a Llama-3.1-8B step's layers) at 1,024 tokens, each layer its own
           K/V, in one CUDA graph: microseconds per step.
-  extend: one request of 4096 tokens, no prefix, 32 heads, head_dim 128, bf16, causal.
-          TFLOP/s (4 * S * S * D * H / 2) against torch SDPA with the flash and cuDNN backends
-          on contiguous [1, H, S, D].
+  extend: one request of 4096 tokens (and 1k, 2k, 8k; and 1k new after a 3k cached prefix), 32
+          heads, head_dim 128, bf16, causal. TFLOP/s (4 * S * S * D * H / 2) against torch SDPA
+          with the flash and cuDNN backends on contiguous [1, H, S, D].
 
 `run(results)` adds keys to results (bench/kernels.py calls it); `python bench/attention_bench.py
 [--json PATH]` prints the table.
@@ -139,46 +139,72 @@ def bench_decode_bs1_layers(results: dict, layers: int = 32, kv_len: int = 1024)
     torch.cuda.empty_cache()
 
 
-def bench_extend(results: dict) -> None:
-    seq, heads, d, dtype = 4096, 32, 128, torch.bfloat16
-    flops = 4 * seq * seq * d * heads / 2
-    q = torch.randn(seq, heads, d, device="cuda", dtype=dtype)
-    k_cache = torch.randn(seq + 1, heads, d, device="cuda", dtype=dtype)
-    v_cache = torch.randn(seq + 1, heads, d, device="cuda", dtype=dtype)
-    qo_indptr = torch.tensor([0, seq], dtype=torch.int32, device="cuda")
-    kv_indptr = torch.tensor([0, seq], dtype=torch.int32, device="cuda")
-    kv_indices = torch.arange(1, seq + 1, dtype=torch.int32, device="cuda")
+def _causal_flops(new: int, prefix: int = 0, heads: int = 32, d: int = 128) -> float:
+    """QK^T and PV of `new` causal queries after `prefix` cached tokens: 4 * d * heads * (the
+    (query, key) pairs: prefix * new + new * (new + 1) / 2, taken as new^2 / 2 for prefix 0)."""
+    pairs = prefix * new + (new * new / 2 if prefix == 0 else new * (new + 1) / 2)
+    return 4 * d * heads * pairs
+
+
+def _ours_extend(new: int, prefix: int, heads: int, d: int, dtype):
+    """radixserve's paged extend on one request: `new` queries after `prefix` cached tokens, K/V
+    in a page-size-1 cache (slots 1..prefix+new; slot 0 unused), causal over the new chunk."""
+    kv = prefix + new
+    q = torch.randn(new, heads, d, device="cuda", dtype=dtype)
+    k_cache = torch.randn(kv + 1, heads, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn(kv + 1, heads, d, device="cuda", dtype=dtype)
+    qo_indptr = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+    kv_indptr = torch.tensor([0, kv], dtype=torch.int32, device="cuda")
+    kv_indices = torch.arange(1, kv + 1, dtype=torch.int32, device="cuda")
     scale = 1.0 / math.sqrt(d)
+    fn = lambda: ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr,  # noqa: E731
+                                            kv_indices, scale)
+    fn.q = q
+    return fn
 
-    def ours():
-        return ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
-                                          scale)
 
-    results["extend_attention_kernel"] = torch.ops.radixserve.extend_attention_kernel(q)
-    results["extend_attention_tflops"] = flops / (_time_ms(ours) * 1e-3) / 1e12
-    # the portable mma.sync kernel (what an sm_80 build runs), same inputs
-    os.environ["RADIXSERVE_EXTEND_KERNEL"] = "mma"
-    try:
-        results["extend_attention_mma_sm80_tflops"] = flops / (_time_ms(ours) * 1e-3) / 1e12
-    finally:
-        del os.environ["RADIXSERVE_EXTEND_KERNEL"]
-
+def bench_extend(results: dict) -> None:
+    """Causal extend at 1k, 2k, 4k (the headline keys: extend_attention_tflops and its SDPA
+    ratios), 8k tokens, and 1,024 new tokens over a 3,072-token cached prefix; SDPA (flash,
+    cuDNN) on contiguous [1, H, S, D] for the square shapes."""
+    heads, d, dtype = 32, 128, torch.bfloat16
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    qs = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
-    ks = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
-    vs = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            with sdpa_kernel(backend):
-                t = _time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
-        except RuntimeError as e:  # backend unavailable on this build
-            print(f"sdpa {name}: unavailable ({e})", file=sys.stderr)
-            continue
-        tf = flops / (t * 1e-3) / 1e12
-        results[f"extend_attention_sdpa_{name}_tflops"] = tf
-        results[f"extend_attention_vs_sdpa_{name}"] = results["extend_attention_tflops"] / tf
+    for seq in (1024, 2048, 4096, 8192):
+        flops = _causal_flops(seq)
+        ours = _ours_extend(seq, 0, heads, d, dtype)
+        tag = "extend_attention" if seq == 4096 else f"extend_attention_{seq}"
+        if seq == 4096:
+            results["extend_attention_kernel"] = torch.ops.radixserve.extend_attention_kernel(ours.q)
+        ms = _time_ms(ours)
+        results[f"{tag}_us"] = ms * 1e3
+        results[f"{tag}_tflops"] = flops / (ms * 1e-3) / 1e12
+        if seq == 4096:
+            # the portable mma.sync kernel (what an sm_80 build runs), same inputs
+            os.environ["RADIXSERVE_EXTEND_KERNEL"] = "mma"
+            try:
+                results["extend_attention_mma_sm80_tflops"] = flops / (_time_ms(ours) * 1e-3) / 1e12
+            finally:
+                del os.environ["RADIXSERVE_EXTEND_KERNEL"]
+        qs = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
+        ks = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
+        vs = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                              ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    t = _time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+            except RuntimeError as e:  # backend unavailable on this build
+                print(f"sdpa {name}: unavailable ({e})", file=sys.stderr)
+                continue
+            tf = flops / (t * 1e-3) / 1e12
+            results[f"{tag}_sdpa_{name}_tflops"] = tf
+            results[f"{tag}_vs_sdpa_{name}"] = results[f"{tag}_tflops"] / tf
+        del qs, ks, vs, ours
+    ours = _ours_extend(1024, 3072, heads, d, dtype)
+    ms = _time_ms(ours)
+    results["extend_attention_prefix3k_new1k_us"] = ms * 1e3
+    results["extend_attention_prefix3k_new1k_tflops"] = _causal_flops(1024, 3072) / (ms * 1e-3) / 1e12
 
 
 def run(results: dict) -> None:

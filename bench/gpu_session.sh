@@ -70,8 +70,10 @@ for stage in "$@"; do
       python3 bench/structured.py --device cuda --preset llama-3.1-8b --batch-size 64 \
         --out "$OUT/structured-h200-8b.json" 2>&1 | grep -v "batch\." | tail -40 | tee "$OUT/structured.txt" ;;
     kernels)
-      # with FlashInfer as the same-process peer when .whl-fi/ was carried
-      (flashinfer_env; python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -60)
+      # with FlashInfer as the same-process peer when .whl-fi/ was carried ($FI_PARTS: which of
+      # decode, extend, sampling, topk, tensor_cores; default decode,sampling)
+      (flashinfer_env; python3 bench/kernels.py --flashinfer-parts "${FI_PARTS:-decode,sampling}" 2>&1 \
+        | tee "$OUT/kernels.txt" | tail -60)
       cp bench/results/kernels-h200.json "$OUT/" 2>/dev/null ;;
     model)
       RADIXSERVE_TEST_GGUF=$GGUF python3 -m pytest -q -s -p no:cacheprovider -m slow tests/gpu \
@@ -114,6 +116,33 @@ for stage in "$@"; do
         --concurrency "${SOAK_CONCURRENCY:-256}" --server-args "--model-path $GGUF --device cpu" \
         --server-log "$OUT/soak-server.log" --output-file "$OUT/soak.json" 2>&1 \
         | tee "$OUT/soak.txt" | tail -30 ;;
+    ssweep)
+      # bitmask_sample A/B (bench/variants/sample_sweep.cu): the header at git revision
+      # $SSWEEP_BASE (default HEAD; or a carried .ssweep-base/sampling.cuh where the copy has no
+      # git history) against the working tree's, built side by side, same run
+      V=/tmp/ssweep; rm -rf $V
+      if [ -f .ssweep-base/sampling.cuh ]; then
+        mkdir -p $V/var_base/radixserve && cp .ssweep-base/sampling.cuh $V/var_base/radixserve/
+      else
+        python3 bench/variants/make_variant.py $V base sampling.cuh --rev "${SSWEEP_BASE:-HEAD}"
+      fi
+      python3 bench/variants/make_variant.py $V tree sampling.cuh
+      python3 bench/variants/make_variant.py $V nohist sampling.cuh --sub \
+        "const bool hist_row = spec && use_p" "const bool hist_row = false && spec && use_p"
+      # nohist: the tree without the bins (the refactor alone); diag: the tree with counters of
+      # the two-pass top-p's outcomes per launch: rows that did not bin, no window, n == 0, cut
+      # outside the window, nothing kept in the tile, L == 0, drawn
+      D=/tmp/ssweep-diag; rm -rf $D
+      python3 bench/variants/make_variant.py $D diag sampling.cuh \
+        --sub "struct TopPRow {" "__device__ unsigned int g_diag[8];\nstruct TopPRow {" \
+        --sub "  if (!find_window(sm, r)) return false;" "  if (!find_window(sm, r)) { if (threadIdx.x == 0) atomicAdd(&g_diag[1], 1u); return false; }" \
+        --sub "  if (n == 0) return false;" "  if (n == 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[2], 1u); return false; }" \
+        --sub "  if (cut_above || cut_below) return false;" "  if (cut_above || cut_below) { if (threadIdx.x == 0) atomicAdd(&g_diag[3], 1u); return false; }" \
+        --sub "    if (id < 0) return false;" "    if (id < 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[4], 1u); return false; }\n    if (threadIdx.x == 0) atomicAdd(&g_diag[6], 1u);" \
+        --sub "  if (L == 0) return false;" "  if (L == 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[5], 1u); return false; }\n  if (threadIdx.x == 0) atomicAdd(&g_diag[6], 1u);" \
+        --sub "  if (!hist_on) pass1(" "  if (hist_row && !hist_on && tid == 0) atomicAdd(&g_diag[0], 1u);\n  if (!hist_on) pass1("
+      bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/ssweep.txt"
+      bash bench/variants/run.sh $D sample_sweep.cu -DDIAG 2>&1 | tee -a "$OUT/ssweep.txt" ;;
     dsweep)
       # decode attention split plans (bench/variants/decode_sweep.cu): the CTAs-per-SM target and
       # the floor of tokens per split, variants of the working tree's headers, one build each

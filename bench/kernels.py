@@ -229,15 +229,38 @@ def bench_flashinfer(results, parts):
     spec = importlib.util.spec_from_file_location("flashinfer_peer", os.path.join(HERE, "flashinfer_peer.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.run(results, time_us, parts)
+    ops = torch.ops.radixserve
+
+    def ours(top_k, top_p):
+        def sample(logits):   # no bitmask, temperature 1, as the peer's calls
+            b = logits.shape[0]
+            return ops.bitmask_sample(
+                logits, None, torch.ones(b, device="cuda"),
+                torch.full((b,), top_k, device="cuda", dtype=torch.int32),
+                torch.full((b,), top_p, device="cuda"), torch.zeros(b, device="cuda"),
+                torch.arange(b, device="cuda"), torch.zeros(b, device="cuda", dtype=torch.int64))
+        return sample
+    mod.run(results, time_us, parts, ours={"sampling_topp_only": ours(0, 0.9),
+                                           "sampling_topk50_topp": ours(50, 0.9)})
     pairs = (("decode_attention_us", "flashinfer_decode_attention_us"),
              ("decode_attention_bs1_1k_32layers_us", "flashinfer_decode_attention_bs1_1k_us"))
-    # (no sampling ratio: the peer samples its own unmasked std-1 rows, ours masked std-3 rows)
     for ours, theirs in pairs:
         graph_timed = results.get(theirs[:-3] + "_timing") == "graph"   # as ours: device time
         if ours in results and theirs in results and graph_timed:
             scale = 32 if "32layers" in ours else 1      # the peer times one layer's call
             results[f"{ours[:-3]}_speedup_vs_flashinfer"] = results[theirs] * scale / results[ours]
+    # extend: one request, causal, paged page-size-1 K/V on both sides (ours timed eagerly per
+    # call, theirs under a graph of 10 calls: both are device-bound at these sizes)
+    for n in ("1024", "2048", "4096", "8192", "prefix3k_new1k"):
+        ours = "extend_attention_us" if n == "4096" else f"extend_attention_{n}_us"
+        theirs = f"flashinfer_extend_attention_{n}_us"
+        if ours in results and theirs in results:
+            results[f"{ours[:-3]}_speedup_vs_flashinfer"] = results[theirs] / results[ours]
+    # sampling: ours on the peer's own rows (bitmask_sample_on_flashinfer_rows_*, timed in its run)
+    for what in ("sampling_topp_only", "sampling_topk50_topp"):
+        ours, theirs = f"bitmask_sample_on_flashinfer_rows_{what}_us", f"flashinfer_{what}_us"
+        if ours in results and theirs in results:
+            results[f"bitmask_sample_{what}_speedup_vs_flashinfer"] = results[theirs] / results[ours]
 
 
 def main():

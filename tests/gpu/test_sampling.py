@@ -150,6 +150,49 @@ def test_top_p_min_p_rows_whose_kept_set_the_buffer_may_not_hold(num_high, top_p
     _tv_check(ids, probs, f"num_high {num_high} top_p {top_p} min_p {min_p}: {kept} kept")
 
 
+def _normal_logits(vocab, std, seed, first_tile_shift=0.0, spike=0.0):
+    """Random normal rows (the flat rows of bench/kernels.py at std 3); first_tile_shift moves
+    the first 8192 tokens (the two-pass top-p anchor's tile) down; spike > 0 puts token 5 that
+    far above the row's max (the anchor well above the bulk)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(vocab, generator=g) * std
+    x[:8192] -= first_tile_shift
+    if spike:
+        x[5] = x.max() + spike
+    return x.cuda()
+
+
+@pytest.mark.parametrize("vocab,std,temperature,top_p,min_p,shift,spike", [
+    (128256, 3.0, 1.0, 0.9, 0.0, 0.0, 0.0),      # the benchmark's flat rows: ~5400 tokens kept
+    (128256, 3.0, 1.5, 0.5, 0.0, 0.0, 0.0),      # temperature: ~2950 kept
+    (128256, 3.0, 1.0, 0.9, 0.001, 0.0, 0.0),    # min_p cuts above the top-p cut: ~1200 kept
+    (128256, 3.0, 1.0, 0.9, 0.0001, 0.0, 0.0),   # min_p under it
+    (128256, 1.0, 1.0, 0.5, 0.0, 0.0, 0.0),      # dense bins at the cut: ~20000 kept
+    (50257, 2.0, 1.3, 0.8, 0.0, 0.0, 0.0),       # odd vocab (scalar loads): ~12000 kept
+    (128256, 3.0, 1.0, 0.9, 0.0, 0.0, 2.0),      # a spike in the first tile over a flat row
+    (128256, 3.0, 1.0, 0.9999, 0.0, 0.0, 0.0),   # the cut under the bins' span: the streaming search
+    (128256, 0.05, 1.0, 0.9, 0.0, 0.0, 0.0),     # nearly uniform: an overfull window, the search
+    (128256, 3.0, 1.0, 0.9, 0.0, 12.0, 0.0),     # the anchor far under the max: the cut above the bins
+])
+@pytest.mark.parametrize("masked", [False, True])
+def test_top_p_without_top_k_on_flat_rows(vocab, std, temperature, top_p, min_p, shift, spike, masked):
+    """Flat rows whose nucleus the 256-token buffer misses take the two-pass draw (pass-1 bins,
+    the cut resolved in a window of bins on pass 2), or, where the bins cannot place the cut
+    (overfull window, cut in a catch-all bin), the streaming search: the filtered distribution
+    either way, and reproducible."""
+    draws = 1 << 16
+    row = _normal_logits(vocab, std, seed=vocab + int(std * 10) + int(shift), first_tile_shift=shift,
+                         spike=spike)
+    bits, allowed, bits_e = _one_row_mask(masked, vocab, draws, seed=5)
+    prm = _params(draws, temperature, 0, top_p, min_p)
+    ids, _, probs = _draw_one_row(row, bits, allowed, bits_e, prm)
+    kept = int((probs > 0).sum())
+    assert kept > 256, f"the case should keep more than the buffer holds, kept {kept}"
+    _tv_check(ids, probs, f"std {std} t {temperature} top_p {top_p} min_p {min_p}: {kept} kept")
+    ids2, _ = _sample(row[None, :].expand(draws, vocab), bits_e, **prm)
+    assert torch.equal(ids, ids2), "same (seed, offset) must give the same draw"
+
+
 @pytest.mark.parametrize("top_k", [300, 700, 1000])
 @pytest.mark.parametrize("masked", [False, True])
 def test_large_top_k_over_many_tiles(top_k, masked):

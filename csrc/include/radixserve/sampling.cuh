@@ -39,8 +39,13 @@
 //   Top-k rows then finish in shared memory: exact select to k, rank by counting (k <= 1024),
 //   one block scan of e in rank order gives the top-p prefix; min-p is a bound on e; the kept
 //   set is a prefix of the ranked list, and the draw is an inverse-CDF search of u * mass(kept).
-//   A top_p / min_p row whose kept set may reach past its kSpecK buffered tokens falls through
-//   to the streaming path below.
+//   A top_p / min_p row whose kept set may reach past its kSpecK buffered tokens falls through:
+//   a top_p row (min_p <= 1, no top-k) to the two-pass draw (window_draw): pass 1 has also
+//   counted its allowed tokens in log-spaced bins, which place the top-p cut in a window of a
+//   few bins; pass 2 sums the mass above the window per tile and collects the window, where the
+//   cut is resolved exactly and the draw lands (or in the one tile re-read that holds it). If
+//   the bins cannot place the cut (a catch-all bin, an overfull window, a missed estimate), and
+//   for the other rows, the streaming path below runs.
 //   Other rows (no top-k, or top_k > kTopKCap) stream the row again from L2/HBM:
 //     - top-p (or a large top-k): a threshold search over the 32-bit ordered float keys: each
 //       pass counts tokens and their mass above kPivots evenly spaced pivot keys inside the
@@ -54,12 +59,23 @@
 //   the streaming path keeps every token whose value equals the threshold value.
 //
 // Measured (H200, bench/kernels.py, batch 256 x vocab 128256 fp32, bitmask on every row; one read
-// of the logits = logits.sum() = 39.1 us in that run): top_k 50 + top_p 0.9: 75.7 us (1.94x a
-// read; temperature 0.7: 82.7 us); greedy: 48.7 us; plain sampling: 98.8 us (two passes);
-// top_k 256: 100.7 us; top_k 1000 + top_p: 244 us (303 us selecting after every tile). top_p alone / min_p
-// alone: 100.6 us on peaked rows (the buffer holds the kept set), 648 / 116 us on random normal
-// rows (top_p 0.9 spans ~5000 tokens there: the streaming search). Peers: torch mask+topk+
-// softmax+multinomial 1098 us, the reference's full sort 4856 us.
+// of the logits = logits.sum() = 40.7 us in that run): top_k 50 + top_p 0.9: 75.2 us (1.85x a
+// read; temperature 0.7: 82.8 us); greedy: 48.5 us; plain sampling: 104.7 us (two passes);
+// top_k 256: 99.5 us; top_k 1000 + top_p: 246 us (303 us selecting after every tile). On random
+// normal rows (std 3: top_p 0.9 spans ~5000 tokens), top_p alone: 204 us = 5.0x a read with the
+// two-pass draw (647 us = 15.8x with the streaming search alone), min_p alone: 116 us; on peaked
+// rows (the buffer holds the kept set) top_p alone 115 us (101 us before pass 1 binned: the bins
+// cost a peaked top_p row ~14 us), min_p alone 99 us. Peers: torch mask+topk+softmax+
+// multinomial 1108 us, the reference's full sort 4856 us; FlashInfer 0.6.18 on its own call's
+// rows (std 3, no mask), same process: softmax + top_p_sampling_from_probs 234 us (ours 216 us),
+// top_k_top_p_sampling_from_logits(50, 0.9) 345 us (ours 138 us).
+// The bins, A/B in one run (bench/variants/sample_sweep.cu, `gpu_session.sh ssweep`: the previous
+// header, this one, this one without bins): top_p flat rows 655 -> 201 us; peaked 100 -> 115 us,
+// peaked past the first tile 100 -> 116 us; every other configuration within 4 us but plain
+// sampling, +6 us with the bins compiled out too; the same draws bit for bit outside top_p-only
+// rows. A batch
+// takes as long as its slowest row: one flat top_p row among 256 used to cost the whole batch
+// the streaming search's ~650 us.
 // Pass 1 is issue-bound, not memory-bound: a sweep of diagnostic variants (bench/variants, one
 // variant per build, same run) split the former 110 us top-k time into pass 1 alone 56 us
 // (45 us without the second exp per element), the first-tile select 8 us, the candidate append
@@ -69,6 +85,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -95,6 +112,18 @@ constexpr int kWarps = kThreads / 32;
 // exp(-35) in all for m - M <= 40 and 2^17 tokens: far below fp32 resolution. A row whose
 // allowed max lies more than kZGapMax below its raw max sums Z again (one more read).
 constexpr float kZGapMax = 40.f;
+// Two-pass top-p (rows with top_p < 1 and no top-k whose kept set the kSpecK buffer misses):
+// pass 1 also bins the allowed tokens by x / t in kHistBins bins of 1/kBinsPerNat nat, anchored
+// at the first tile's allowed max A: bin 0 holds everything more than kHeadBins / kBinsPerNat
+// nats above A, the last bin (not counted) everything more than (kHistBins - 1 - kHeadBins) /
+// kBinsPerNat nats below it, -inf and NaN. A bin counts its tokens (integers: the counts do not
+// depend on the order of the shared atomics).
+// See window_draw.
+constexpr int kHistBins = 2048;
+constexpr int kBinsLog2 = 7;
+constexpr int kBinsPerNat = 1 << kBinsLog2;
+constexpr int kHeadBins = 4 * kBinsPerNat;
+constexpr int kMaxTiles = kHistBins / (kThreads / 32);  // pass 2's per-warp tile masses (floats)
 
 struct SampleParams {
   const void* logits;        // [batch, vocab] float or bf16, row stride logits_stride
@@ -232,13 +261,15 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ row, const int32
 }
 
 // Streams a row tile by tile, the tile two ahead already on its way to L2 (l2_prefetch_tile):
-// fn(x, allow, base) for each tile in order (block-uniform); fn returns false to stop early.
+// fn(x, allow, base) for each tile in order (block-uniform) from the tile at `begin` (a
+// multiple of kTile) until the tile at `end`; fn returns false to stop early.
 template <typename T, bool VEC, typename F>
 __device__ __forceinline__ void stream_row(const T* __restrict__ row,
                                            const int32_t* __restrict__ mask_row, int64_t vocab,
-                                           F&& fn) {
-  l2_prefetch_tile<T>(row, vocab, kTile);
-  for (int64_t base = 0; base < vocab; base += kTile) {
+                                           F&& fn, int64_t begin = 0, int64_t end = INT64_MAX) {
+  end = min(end, vocab);
+  l2_prefetch_tile<T>(row, vocab, begin + kTile);
+  for (int64_t base = begin; base < end; base += kTile) {
     l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
     float x[kElems];
     uint32_t allow;
@@ -278,6 +309,7 @@ struct SampleShared {
   float val[kBufCap];     // candidate logits (also scratch on the streaming path)
   int32_t idx[kBufCap];   // candidate token ids
   uint32_t hist[256];
+  uint32_t bins[kHistBins];  // two-pass top-p: counts (pass 1), then pass 2's tile masses (floats)
   float red_m[kWarps], red_s[kWarps], red_m2[kWarps], red_s2[kWarps];
   float red_bv[kWarps];
   int32_t red_bi[kWarps];
@@ -296,6 +328,10 @@ struct SampleShared {
   float scan_carry;
   uint32_t lo, hi;
   int32_t stop;
+  int32_t win_lo, win_hi, win_tile;  // two-pass top-p: the window's bins, the drawn tile
+  float anchor;                      // two-pass top-p: the bins' anchor
+  double win_carry;                  // mass of the tiles before win_tile
+  double win_target;                 // the draw's target (in the tile, or within the window)
 };
 
 // Block-wide scan of one float per thread. excl of thread i+1 is bit-identical to incl of
@@ -337,6 +373,38 @@ __device__ __forceinline__ V block_sum(V v, V* scratch) {
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) t += scratch[w];
   return t;
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) t = fmaxf(t, scratch[w]);
+  return t;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// The two-pass top-p bin of x (see kHistBins): floor(f) clipped to [0, kHistBins - 1], where
+// f = (A - x) * scale + kHeadBins and scale = kBinsPerNat / t. Rounded operations only (no
+// contraction into an FMA), so both passes bin every token alike; non-increasing in x, so the
+// bins order tokens by value: a lower bin holds only larger values.
+__device__ __forceinline__ float hist_pos(float x, float anchor, float scale) {
+  return __fadd_rn(__fmul_rn(__fsub_rn(anchor, x), scale), (float)kHeadBins);
+}
+__device__ __forceinline__ int hist_bin_of(float f) {  // f < 0 (and -inf): bin 0; NaN: the last
+  return f < (float)(kHistBins - 1) ? __float2int_rz(fmaxf(f, 0.f)) : kHistBins - 1;
+}
+__device__ __forceinline__ int hist_bin(float x, float anchor, float scale) {
+  return hist_bin_of(hist_pos(x, anchor, scale));
 }
 
 // Exact block-wide selection: the k-th largest 64-bit candidate key among sm.val/idx[0, n),
@@ -448,6 +516,385 @@ __device__ int compact_candidates(SampleShared& sm, int n, uint64_t theta) {
   return out;
 }
 
+// Ranks the n <= kTopKCap candidates sm.val/idx[0, n) by key, largest first, into
+// sm.val/idx[kTopKCap + rank] (keys are distinct: ranks are a permutation of [0, n)). Ends with
+// a barrier.
+__device__ void rank_candidates(SampleShared& sm, int n) {
+  float* sval = sm.val + kTopKCap;
+  int32_t* sidx = sm.idx + kTopKCap;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    const float v = sm.val[i];
+    const int32_t id = sm.idx[i];
+    const uint64_t c = cand_key(v, id);
+    int rank = 0;
+    for (int j = 0; j < n; ++j) rank += cand_key(sm.val[j], sm.idx[j]) > c ? 1 : 0;
+    sval[rank] = v;
+    sidx[rank] = id;
+  }
+  __syncthreads();
+}
+
+// The ranked candidates' weights e = exp(v / t - My), each thread owning ranks r0 = 2 tid and
+// r1 = 2 tid + 1 (n <= kTopKCap = 2 kThreads), with their exclusive / inclusive prefix masses in
+// rank order and the total.
+struct RankPair {
+  int r0, r1;
+  float e0, e1, excl0, incl0, excl1, incl1, total;
+};
+
+__device__ RankPair scan_ranked(SampleShared& sm, int n, float inv_t, float My) {
+  const float* sval = sm.val + kTopKCap;
+  RankPair rp;
+  rp.r0 = 2 * threadIdx.x;
+  rp.r1 = rp.r0 + 1;
+  rp.e0 = rp.r0 < n ? __expf(sval[rp.r0] * inv_t - My) : 0.f;
+  rp.e1 = rp.r1 < n ? __expf(sval[rp.r1] * inv_t - My) : 0.f;
+  float incl_t;
+  block_scan(rp.e0 + rp.e1, sm.f_scratch, rp.excl0, incl_t, rp.total);
+  rp.incl0 = rp.excl0 + rp.e0;
+  rp.excl1 = rp.incl0;
+  rp.incl1 = rp.incl0 + rp.e1;
+  return rp;
+}
+
+// Kept ranks form a prefix [0, L) (k0 / k1: this thread's ranks are kept). Returns L and, in
+// kept_mass, the inclusive mass of rank L - 1 (block-uniform).
+__device__ int kept_prefix(SampleShared& sm, const RankPair& rp, bool k0, bool k1, float& kept_mass) {
+  const int L = block_sum<int32_t>((k0 ? 1 : 0) + (k1 ? 1 : 0), sm.i_scratch);
+  if (threadIdx.x == 0 && L == 0) sm.scan_carry = 0.f;
+  if (rp.r0 == L - 1) sm.scan_carry = rp.incl0;
+  if (rp.r1 == L - 1) sm.scan_carry = rp.incl1;
+  __syncthreads();
+  kept_mass = sm.scan_carry;
+  __syncthreads();
+  return L;
+}
+
+// The kept rank whose interval [excl, incl) holds target; the last kept rank L - 1 when
+// rounding leaves target past every interval. Block-uniform.
+__device__ int pick_rank(SampleShared& sm, const RankPair& rp, bool k0, bool k1, int L, double target) {
+  if (threadIdx.x == 0) sm.chosen = INT32_MAX;
+  __syncthreads();
+  if (k0 && (double)rp.excl0 <= target && target < (double)rp.incl0) atomicMin(&sm.chosen, rp.r0);
+  if (k1 && (double)rp.excl1 <= target && target < (double)rp.incl1) atomicMin(&sm.chosen, rp.r1);
+  __syncthreads();
+  const int rc = sm.chosen == INT32_MAX ? L - 1 : sm.chosen;
+  __syncthreads();
+  return rc;
+}
+
+// One tile of an inverse-CDF draw in token order. e[j]: the weight of this thread's element j
+// of the tile at `base` (0: not kept). The thread whose interval [carry + excl, carry + incl)
+// holds target claims its element (sm.chosen, atomicMin; sm.chosen = INT32_MAX beforehand);
+// last_kept tracks the thread's last kept element. Returns the tile's total weight; ends with a
+// barrier, after which sm.chosen says whether a thread claimed.
+template <bool VEC>
+__device__ __forceinline__ float claim_in_tile(SampleShared& sm, const float (&e)[kElems], int64_t base,
+                               double carry, double target, int32_t& last_kept) {
+  float tsum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kElems; ++j) {
+    tsum += e[j];
+    if (e[j] > 0.f) last_kept = max(last_kept, (int32_t)elem_index<VEC>(base, j));
+  }
+  float excl, incl, total;
+  block_scan(tsum, sm.f_scratch, excl, incl, total);
+  const double start = carry + (double)excl, end = carry + (double)incl;
+  if (start <= target && target < end) {
+    double run = start;
+    int32_t pick = -1;
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) {
+      if (e[j] > 0.f) {
+        const double nxt = run + (double)e[j];
+        if (pick < 0 && (target < nxt || nxt >= end)) pick = (int32_t)elem_index<VEC>(base, j);
+        run = nxt;
+      }
+    }
+    if (pick < 0) {  // rounding inside the thread: its last kept element
+#pragma unroll
+      for (int j = 0; j < kElems; ++j)
+        if (e[j] > 0.f) pick = (int32_t)elem_index<VEC>(base, j);
+    }
+    if (pick >= 0) atomicMin(&sm.chosen, pick);
+  }
+  __syncthreads();
+  return total;
+}
+
+// The block's largest last_kept (-1: none); for a target that rounding left past the mass.
+__device__ int32_t block_last_kept(SampleShared& sm, int32_t last_kept) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    last_kept = max(last_kept, __shfl_xor_sync(0xffffffffu, last_kept, off));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sm.i_scratch[threadIdx.x >> 5] = last_kept;
+  __syncthreads();
+  int32_t lk = -1;
+  for (int w = 0; w < kWarps; ++w) lk = max(lk, sm.i_scratch[w]);
+  return lk;
+}
+
+// Appends this thread's elements `mine` (bit j: element j of the tile at base) to the candidate
+// buffer, warp-aggregated (one shared atomic per warp with a candidate), re-reading each value
+// from the row (just loaded by this thread: an L1 hit) rather than indexing registers
+// dynamically. guard: a warp whose candidates would not fit raises sm.overflow instead of
+// writing. Called by whole warps.
+template <typename T, bool VEC>
+__device__ __forceinline__ void append_bits(SampleShared& sm, const T* __restrict__ row, uint32_t mine,
+                                            int64_t base, bool guard) {
+  const int lane = threadIdx.x & 31;
+  if (!__any_sync(0xffffffffu, mine != 0u)) return;
+  const int cnt = __popc(mine);
+  int incl = cnt;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += y;
+  }
+  int wbase = 0;
+  if (lane == 31 && incl > 0) wbase = atomicAdd(&sm.count, incl);  // lane 31: the warp total
+  wbase = __shfl_sync(0xffffffffu, wbase, 31);
+  if (guard && wbase + __shfl_sync(0xffffffffu, incl, 31) > kBufCap) {
+    if (lane == 0) sm.overflow = 1;
+    return;
+  }
+  int pos = wbase + incl - cnt;
+  while (mine != 0u) {
+    const int j = __ffs(mine) - 1;
+    mine &= mine - 1u;
+    const int64_t id = elem_index<VEC>(base, j);
+    sm.val[pos] = load_f(row + id);
+    sm.idx[pos] = (int32_t)id;
+    ++pos;
+  }
+}
+
+// ----------------------------------------------------------------------------- two-pass top-p
+
+//
+// For a top_p row (no top-k, min_p <= 1) whose nucleus the kSpecK buffer does not hold (flat
+// rows). Pass 1 has counted the allowed tokens per bin (hist_bin, anchor A = the first tile's
+// allowed max) and found M and Z. Then:
+//   1. find_window: the bin where the mass from the top, each token weighed at its bin's
+//      centre, reaches top_p * Z, widened by a bin each side while the window's tokens fit the
+//      rank buffer (kTopKCap).
+//   2. window_pass (pass 2): the tokens above the window are kept by top-p: their weights are
+//      summed (all, for the top-p cut; and those with e >= min_p per tile, for the draw); the
+//      window's tokens go to the candidate buffer.
+//   3. the window is ranked (ties by token id, as on the top-k path) and the exact cut is taken
+//      there: rank r is kept iff mass(above) + mass(ranks before r) < top_p * Z (and e >= min_p).
+//      If the cut is not inside the window (the estimate missed, by rounding or a catch-all bin)
+//      the row returns to the streaming search, so the kept set never depends on the estimate.
+//   4. the draw, target = u * mass(kept), over the kept tokens in the order (above the window,
+//      by token id) then (the window's ranks): in the ranks, or in the one tile (tile masses
+//      from pass 2) that holds the target, re-read once.
+// Two passes over the logits and a tile, instead of pass 1 + ~5 search passes + 2.
+
+struct TopPRow {  // a two-pass top-p row's block-uniform values
+  float anchor, inv_t, My, p_mass, min_p;
+  bool use_minp;
+  int n_spec;       // the buffer's ranked tokens (sm.val[kTopKCap + r], r < n_spec): the row's best
+  float spec_mass;  // and their mass (< p_mass: the buffer missed the nucleus)
+  double u;
+};
+
+// Step 1 (see above); sets sm.win_lo / win_hi. The mass from the top is exact over the
+// buffer's n_spec ranked tokens (the row's best: the last of them lies in bin b_last, and the bins
+// above b_last hold buffer tokens only) and estimated below them, each token at its bin's centre,
+// w_b = exp((centre of b - M) / t): the heavy tokens, whose rounding to a centre would move the
+// estimate most, are the exact ones. False (sm.win_lo = -1): no usable window (bin 0 holds tokens
+// beyond the buffer, the buffer reaches the bottom catch-all, the cut falls there, an overfull
+// bin): the streaming search takes the row. Block-uniform; the bins are read until the caller's
+// next barrier.
+__device__ bool find_window(SampleShared& sm, const TopPRow& r) {
+  constexpr int kPer = kHistBins / kThreads;  // bins per thread, consecutive
+  const int tid = threadIdx.x, b0 = tid * kPer;
+  const float scale = kBinsPerNat * r.inv_t;
+  const float c0 = r.anchor * r.inv_t - r.My;  // (A - M) / t <= 0
+  const float* sval = sm.val + kTopKCap;
+  const int b_last = hist_bin(sval[r.n_spec - 1], r.anchor, scale);
+  const bool last_is_mine = tid < r.n_spec && hist_bin(sval[tid], r.anchor, scale) == b_last;
+  const uint32_t in_last = (uint32_t)block_sum<int32_t>(last_is_mine ? 1 : 0, sm.i_scratch);
+  float mb[kPer], mine = 0.f;
+#pragma unroll
+  for (int q = 0; q < kPer; ++q) {
+    const int b = b0 + q;
+    const uint32_t c = sm.bins[b];
+    const uint32_t rest = b < b_last ? 0u : b == b_last ? (c > in_last ? c - in_last : 0u) : c;
+    const float w = __expf(c0 - ((float)(b - kHeadBins) + 0.5f) * (1.f / kBinsPerNat));
+    mb[q] = w * (float)rest + (b == b_last ? r.spec_mass : 0.f);
+    mine += mb[q];
+  }
+  if (tid == 0) sm.win_lo = -1;
+  float excl, incl, total;
+  block_scan(mine, sm.f_scratch, excl, incl, total);
+  const bool usable = b_last < kHistBins - 1 && !(b_last == 0 && sm.bins[0] > in_last);
+  if (usable && excl < r.p_mass && r.p_mass <= incl) {  // one thread: the intervals tile exactly
+    float acc = excl;
+    int bs = -1;
+#pragma unroll
+    for (int q = 0; q < kPer; ++q) {
+      if (bs >= 0 && acc >= r.p_mass) break;
+      if (mb[q] == 0.f && sm.bins[b0 + q] == 0u) continue;
+      bs = b0 + q;
+      acc += mb[q];
+    }
+    const uint32_t c = sm.bins[bs];
+    if (bs > 0 && bs < kHistBins - 1 && c <= (uint32_t)kTopKCap) {
+      int lo = bs, hi = bs;
+      if (bs > 1 && bs < kHistBins - 2 && sm.bins[bs - 1] + c + sm.bins[bs + 1] <= (uint32_t)kTopKCap) {
+        lo = bs - 1;
+        hi = bs + 1;
+      }
+      sm.win_lo = lo;
+      sm.win_hi = hi;
+    }
+  }
+  __syncthreads();
+  return sm.win_lo >= 0;
+}
+
+// Step 2, the second pass (no block barriers): per warp and tile, the weights of the kept
+// tokens above the window (bins < lo, e >= min_p) into sm.bins as floats [tile][warp]; above /
+// n_above: this thread's weight and count of all tokens above the window; n_below: its allowed
+// tokens under it; the window's tokens (bins lo..hi) appended to the candidate buffer (sm.count
+// reset by the caller; they fit: pass 1 counted them).
+template <typename T, bool VEC>
+__device__ void window_pass(SampleShared& sm, const T* __restrict__ row, const int32_t* __restrict__ mask_row,
+                            int64_t vocab, const TopPRow& r, int lo, int hi, float& above,
+                            int& n_above, int& n_below) {
+  const float scale = kBinsPerNat * r.inv_t;
+  float* part = reinterpret_cast<float*>(sm.bins);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
+    float kept = 0.f;
+    uint32_t cand = 0;
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) {
+      if (!((allow >> j) & 1u)) continue;
+      const int b = hist_bin(x[j], r.anchor, scale);
+      if (b < lo) {
+        const float e = __expf(x[j] * r.inv_t - r.My);
+        above += e;
+        ++n_above;
+        kept += (!r.use_minp || e >= r.min_p) ? e : 0.f;
+      } else if (b <= hi) {
+        cand |= 1u << j;
+      } else {
+        ++n_below;
+      }
+    }
+    kept = warp_sum(kept);
+    if (lane == 0) part[(int)(base / kTile) * kWarps + warp] = kept;
+    append_bits<T, VEC>(sm, row, cand, base, false);
+    return true;
+  });
+}
+
+// Step 4 for a target among the tokens above the window: thread 0 finds the tile (sm.win_tile,
+// sm.win_carry = the mass of the tiles before it); the tile is read again and claimed in token
+// order. Returns the token id, or -1 (nothing kept in the tile: not expected). Block-uniform.
+template <typename T, bool VEC>
+__device__ int32_t draw_in_tile(SampleShared& sm, const T* __restrict__ row, const int32_t* __restrict__ mask_row,
+                                int64_t vocab, const TopPRow& r, int lo) {
+  const int64_t base = (int64_t)sm.win_tile * kTile;
+  const double carry = sm.win_carry, target = sm.win_target;
+  const float scale = kBinsPerNat * r.inv_t;
+  float x[kElems], e[kElems];
+  uint32_t allow;
+  load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
+#pragma unroll
+  for (int j = 0; j < kElems; ++j) {
+    e[j] = 0.f;
+    if (((allow >> j) & 1u) && hist_bin(x[j], r.anchor, scale) < lo) {
+      const float ev = __expf(x[j] * r.inv_t - r.My);
+      if (!r.use_minp || ev >= r.min_p) e[j] = ev;
+    }
+  }
+  int32_t last_kept = -1;
+  claim_in_tile<VEC>(sm, e, base, carry, target, last_kept);  // sm.chosen reset by thread 0
+  const int32_t found = sm.chosen;
+  return found != INT32_MAX ? found : block_last_kept(sm, last_kept);
+}
+
+// Steps 1-4 (see above). Returns false, having drawn nothing, when the row needs the streaming
+// search; else sets chosen. Block-uniform.
+template <typename T, bool VEC>
+__device__ __noinline__ bool window_draw(SampleShared& sm, const T* __restrict__ row, const int32_t* __restrict__ mask_row,
+                            int64_t vocab, const TopPRow& r, int64_t& chosen) {
+  const int tid = threadIdx.x;
+  if (!find_window(sm, r)) return false;
+  const int lo = sm.win_lo, hi = sm.win_hi;
+  if (tid == 0) sm.count = 0;
+  __syncthreads();  // the bins are read: pass 2 reuses them
+  float above = 0.f;
+  int n_above = 0, n_below = 0;
+  window_pass<T, VEC>(sm, row, mask_row, vocab, r, lo, hi, above, n_above, n_below);
+  const float mass_above = block_sum<float>(above, sm.f_scratch);  // after every append landed
+  const int na = block_sum<int32_t>(n_above, sm.i_scratch);
+  const int nb = block_sum<int32_t>(n_below, sm.i_scratch);
+  const int n = sm.count;
+  if (n == 0) return false;
+
+  // 3. the exact cut inside the window
+  rank_candidates(sm, n);
+  const RankPair rp = scan_ranked(sm, n, r.inv_t, r.My);
+  const float e_last = __expf(sm.val[kTopKCap + n - 1] * r.inv_t - r.My);
+  const bool cut_above = na > 0 && !(mass_above < r.p_mass);
+  const bool cut_below = nb > 0 && mass_above + rp.total < r.p_mass && !(r.use_minp && !(e_last >= r.min_p));
+  if (cut_above || cut_below) return false;
+  auto keep = [&](int rk, float excl, float e) {
+    if (rk >= n) return false;
+    if (rk == 0 && na == 0) return true;  // the row's first token
+    return mass_above + excl < r.p_mass && (!r.use_minp || e >= r.min_p);
+  };
+  const bool k0 = keep(rp.r0, rp.excl0, rp.e0), k1 = keep(rp.r1, rp.excl1, rp.e1);
+  float window_kept;
+  const int L = kept_prefix(sm, rp, k0, k1, window_kept);
+
+  // 4. the draw: the tiles' kept masses (pass 2's warp partials), then target = u * mass(kept)
+  const int ntiles = (int)((vocab + kTile - 1) / kTile);
+  float* tile_mass = sm.val + 2 * kTopKCap;
+  const float* part = reinterpret_cast<const float*>(sm.bins);
+  for (int t = tid; t < ntiles; t += kThreads) {
+    float m = 0.f;
+    for (int w = 0; w < kWarps; ++w) m += part[t * kWarps + w];
+    tile_mass[t] = m;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    double K = 0.0;
+    for (int t = 0; t < ntiles; ++t) K += (double)tile_mass[t];
+    const double target = r.u * (K + (double)window_kept);
+    sm.win_tile = -1;
+    sm.win_target = target - K;
+    sm.chosen = INT32_MAX;
+    if (target < K) {  // among the tokens above the window: the tile holding it
+      double cum = 0.0;
+      for (int t = 0; t < ntiles; ++t) {
+        if (tile_mass[t] > 0.f) {
+          sm.win_tile = t;  // the last tile with mass, if rounding passes them all
+          sm.win_carry = cum;
+          if (target < cum + (double)tile_mass[t]) break;
+        }
+        cum += (double)tile_mass[t];
+      }
+      sm.win_target = target;
+    }
+  }
+  __syncthreads();
+  if (sm.win_tile >= 0) {
+    const int32_t id = draw_in_tile<T, VEC>(sm, row, mask_row, vocab, r, lo);
+    if (id < 0) return false;
+    chosen = id;
+    return true;
+  }
+  if (L == 0) return false;
+  chosen = sm.idx[kTopKCap + pick_rank(sm, rp, k0, k1, L, sm.win_target)];
+  return true;
+}
+
 // ----------------------------------------------------------------------------- the kernel
 
 template <typename T, bool VEC>
@@ -480,12 +927,17 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   const bool spec = !greedy && k_eff == 0 && (use_p || use_minp);
   const int64_t k_buf = spec ? kSpecK : k_eff;  // candidates the buffer path keeps
   const bool buffer_path = !greedy && ((k_eff > 0 && k_eff <= kTopKCap) || spec);
+  // Spec top_p rows also bin their allowed tokens in pass 1, for the two-pass draw should the
+  // buffer miss the nucleus (window_draw); anchor: the first tile's allowed max.
+  const bool hist_row = spec && use_p && !(min_p > 1.f) && vocab <= (int64_t)kMaxTiles * kTile;
 
   if (tid == 0) {
     sm.count = 0;
     sm.overflow = 0;
     sm.theta = 0;
   }
+  if (hist_row)
+    for (int i = tid; i < kHistBins; i += kThreads) sm.bins[i] = 0u;
   __syncthreads();
 
   // ---------------------------------------------------------------- pass 1
@@ -504,40 +956,13 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   // Appends this thread's allowed elements of the tile whose value is >= theta's value: a
   // superset of the keys >= theta (ties on the value), which the exact selects trim. Pass 1 is
   // issue-bound, so this is lean: one compare per element, and only a warp with a candidate
-  // goes on (one scan, one shared atomic); a thread stores its few candidates bit by bit,
-  // re-reading each value (just loaded by this thread: an L1 hit) rather than indexing x[]
-  // dynamically. guard (free-running): a warp whose candidates would not fit raises
-  // sm.overflow instead of writing.
+  // goes on (append_bits). guard (free-running): see append_bits.
   auto append = [&](const float (&x)[kElems], uint32_t allow, int64_t base, bool guard) {
     const float theta_f = key_value(theta);
     uint32_t mine = 0;
 #pragma unroll
     for (int j = 0; j < kElems; ++j) mine |= (x[j] >= theta_f ? 1u : 0u) << j;
-    mine &= allow;
-    if (!__any_sync(0xffffffffu, mine != 0u)) return;
-    const int cnt = __popc(mine);
-    int incl = cnt;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
-    int wbase = 0;
-    if (lane == 31 && incl > 0) wbase = atomicAdd(&sm.count, incl);   // lane 31: warp total
-    wbase = __shfl_sync(0xffffffffu, wbase, 31);
-    if (guard && wbase + __shfl_sync(0xffffffffu, incl, 31) > kBufCap) {
-      if (lane == 0) sm.overflow = 1;
-      return;
-    }
-    int pos = wbase + incl - cnt;
-    while (mine != 0u) {
-      const int j = __ffs(mine) - 1;
-      mine &= mine - 1u;
-      const int64_t id = elem_index<VEC>(base, j);
-      sm.val[pos] = load_f(row + id);
-      sm.idx[pos] = (int32_t)id;
-      ++pos;
-    }
+    append_bits<T, VEC>(sm, row, mine & allow, base, guard);
   };
   // Block-synchronised, after a tile: raise theta to the k-th largest key and compact once the
   // buffer holds more than `limit` candidates. strict (limit kBufCap - kTile; also while theta
@@ -559,66 +984,97 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       compact_candidates(sm, n, theta);
     }
   };
-  stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
-    float vm = -INFINITY, bm = -INFINITY;
-    int jb = -1;
+  // Pass 1 over the tiles [begin, end), compiled twice: with the two-pass top-p bins (kHist) and
+  // without, so that rows without them keep pass 1's registers. A top_p row (hist_row) bins
+  // (hist_on) once its first tile gave the anchor; with no finite allowed token there, the rest
+  // of the row runs without.
+  bool hist_on = false;
+  auto pass1 = [&](auto hist_tag, int64_t begin, int64_t end) {
+    constexpr bool kHist = decltype(hist_tag)::value;
+    stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
+      float vm = -INFINITY, bm = -INFINITY;
+      int jb = -1;
 #pragma unroll
-    for (int j = 0; j < kElems; ++j) {
-      vm = fmaxf(vm, x[j]);
-      if (((allow >> j) & 1u) && x[j] > bm) {
-        bm = x[j];
-        jb = j;
-      }
-    }
-    if (vm > m_raw) {
-      const float c = __expf(m_raw - vm);
-      s_raw *= c;
-      if (t1) s_y *= c;
-      m_raw = vm;
-    }
-    if (m_raw != -INFINITY) {
-      if (t1) {
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) {
-          const float e = __expf(x[j] - m_raw);
-          s_raw += e;
-          s_y += ((allow >> j) & 1u) ? e : 0.f;
+      for (int j = 0; j < kElems; ++j) {
+        vm = fmaxf(vm, x[j]);
+        if (((allow >> j) & 1u) && x[j] > bm) {
+          bm = x[j];
+          jb = j;
         }
-      } else {
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) s_raw += __expf(x[j] - m_raw);
       }
-    }
-    if (bm > best_v) {
-      if (!greedy && !t1) s_y *= __expf((best_v - bm) * inv_t);
-      best_v = bm;
-      best_i = (int32_t)elem_index<VEC>(base, jb);
-    }
-    if (!greedy && !t1 && best_v != -INFINITY) {
-      const float my = best_v * inv_t;
-#pragma unroll
-      for (int j = 0; j < kElems; ++j)
-        if ((allow >> j) & 1u) s_y += __expf(x[j] * inv_t - my);
-    }
-    if (buffer_path && base == 0 && k_buf <= kThreads) {
-      // First tile: theta starts at the k-th largest of the threads' best keys (the k elements
-      // behind them are >= it, so theta stays <= the row's k-th largest key); the tile then
-      // appends about k candidates instead of all kTile, and the select over kTile keys it
-      // used to trigger becomes one over kThreads keys. Threads without a finite allowed
-      // element offer the smallest key; with fewer than k such threads theta stays 0.
-      if (__syncthreads_count(jb >= 0) >= k_buf) {
-        sm.val[tid] = jb >= 0 ? bm : -INFINITY;
-        sm.idx[tid] = jb >= 0 ? (int32_t)elem_index<VEC>(base, jb) : INT32_MAX;
-        theta = select_kth(sm, kThreads, (int)k_buf);  // starts and ends with a barrier
-        free_run = k_buf <= kFreeRunTopK;
+      if (vm > m_raw) {
+        const float c = __expf(m_raw - vm);
+        s_raw *= c;
+        if (t1) s_y *= c;
+        m_raw = vm;
       }
-    }
-    if (buffer_path) {
-      append(x, allow, base, true);
-      if (!free_run) settle(false);
-    }
-    return true;
-  });
+      if (m_raw != -INFINITY) {
+        if (t1) {
+#pragma unroll
+          for (int j = 0; j < kElems; ++j) {
+            const float e = __expf(x[j] - m_raw);
+            s_raw += e;
+            s_y += ((allow >> j) & 1u) ? e : 0.f;
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kElems; ++j) s_raw += __expf(x[j] - m_raw);
+        }
+      }
+      if (bm > best_v) {
+        if (!greedy && !t1) s_y *= __expf((best_v - bm) * inv_t);
+        best_v = bm;
+        best_i = (int32_t)elem_index<VEC>(base, jb);
+      }
+      if (!greedy && !t1 && best_v != -INFINITY) {
+        const float my = best_v * inv_t;
+#pragma unroll
+        for (int j = 0; j < kElems; ++j)
+          if ((allow >> j) & 1u) s_y += __expf(x[j] * inv_t - my);
+      }
+      if constexpr (kHist) {
+        // the anchor lives in shared memory (pass 1 is short of registers), read after the
+        // first tile's __syncthreads_count below
+        float a;
+        if (base == 0) {
+          a = block_max(bm, sm.f_scratch);
+          if (tid == 0) sm.anchor = a;
+          hist_on = a > -INFINITY;
+        } else {
+          a = sm.anchor;
+        }
+        const float sc = kBinsPerNat * inv_t;
+        // bins are monotone in x: a thread whose allowed max falls under the span skips the tile
+        if (hist_on && hist_bin(bm, a, sc) < kHistBins - 1) {
+#pragma unroll
+          for (int j = 0; j < kElems; ++j) {
+            const int b = hist_bin(x[j], a, sc);
+            if (((allow >> j) & 1u) && b < kHistBins - 1) atomicAdd(&sm.bins[b], 1u);
+          }
+        }
+      }
+      if (buffer_path && base == 0 && k_buf <= kThreads) {
+        // First tile: theta starts at the k-th largest of the threads' best keys (the k elements
+        // behind them are >= it, so theta stays <= the row's k-th largest key); the tile then
+        // appends about k candidates instead of all kTile, and the select over kTile keys it
+        // used to trigger becomes one over kThreads keys. Threads without a finite allowed
+        // element offer the smallest key; with fewer than k such threads theta stays 0.
+        if (__syncthreads_count(jb >= 0) >= k_buf) {
+          sm.val[tid] = jb >= 0 ? bm : -INFINITY;
+          sm.idx[tid] = jb >= 0 ? (int32_t)elem_index<VEC>(base, jb) : INT32_MAX;
+          theta = select_kth(sm, kThreads, (int)k_buf);  // starts and ends with a barrier
+          free_run = k_buf <= kFreeRunTopK;
+        }
+      }
+      if (buffer_path) {
+        append(x, allow, base, true);
+        if (!free_run) settle(false);
+      }
+      return !kHist || hist_on;  // a top_p row that does not bin goes on without kHist
+    }, begin, end);
+  };
+  if (hist_row) pass1(std::true_type{}, 0, vocab);
+  if (!hist_on) pass1(std::false_type{}, hist_row ? kTile : 0, vocab);
   if (buffer_path) {
     __syncthreads();  // every append landed, sm.overflow final
     if (sm.overflow) {
@@ -714,6 +1170,8 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   if (!greedy && any_allowed) {
     const double u = uniform_from(p.seeds[row_id], p.offsets[row_id]);
     bool drawn = false;
+    int spec_n = 0;          // the buffer's ranked tokens and their mass (the two-pass top-p
+    float spec_mass = 0.f;   // reads them)
     if (buffer_path) {
       // ------------------------------------------------ top-k path, all in shared memory
       int n = sm.count;
@@ -721,51 +1179,32 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
         const uint64_t th = select_kth(sm, n, (int)k_buf);
         n = compact_candidates(sm, n, th);
       }
-      // rank by counting: keys are distinct, ranks are a permutation of [0, n)
-      float* sval = sm.val + kTopKCap;
-      int32_t* sidx = sm.idx + kTopKCap;
-      for (int i = tid; i < n; i += kThreads) {
-        const float v = sm.val[i];
-        const int32_t id = sm.idx[i];
-        const uint64_t c = cand_key(v, id);
-        int rank = 0;
-        for (int j = 0; j < n; ++j) rank += cand_key(sm.val[j], sm.idx[j]) > c ? 1 : 0;
-        sval[rank] = v;
-        sidx[rank] = id;
-      }
-      __syncthreads();
-      // each thread owns ranks 2*tid, 2*tid+1 (n <= kTopKCap = 2 * kThreads)
-      const int r0 = 2 * tid, r1 = 2 * tid + 1;
-      const float e0 = r0 < n ? __expf(sval[r0] * inv_t - My) : 0.f;
-      const float e1 = r1 < n ? __expf(sval[r1] * inv_t - My) : 0.f;
-      float excl0, incl_t, total;
-      block_scan(e0 + e1, sm.f_scratch, excl0, incl_t, total);
-      const float incl0 = excl0 + e0, excl1 = incl0, incl1 = incl0 + e1;
+      rank_candidates(sm, n);
+      spec_n = n;
+      const RankPair rp = scan_ranked(sm, n, inv_t, My);
+      spec_mass = rp.total;
       const float p_mass = top_p * Z;
       // spec: the buffer holds the kept set when the row has fewer than k_buf allowed tokens,
       // or the next token (rank n) would not be kept (uniform: block-wide values only)
-      const bool covered = !spec || n < k_buf || (use_p && !(total < p_mass)) ||
-                           (use_minp && !(__expf(sval[n - 1] * inv_t - My) >= min_p));
+      const bool covered = !spec || n < k_buf || (use_p && !(rp.total < p_mass)) ||
+                           (use_minp && !(__expf(sm.val[kTopKCap + n - 1] * inv_t - My) >= min_p));
       if (covered) {
         auto keep = [&](int r, float excl, float e) {
           if (r >= n) return false;
           if (r == 0) return true;
           return (!use_p || excl < p_mass) && (!use_minp || e >= min_p);
         };
-        const bool k0 = keep(r0, excl0, e0), k1 = keep(r1, excl1, e1);
-        const int L = block_sum<int32_t>((k0 ? 1 : 0) + (k1 ? 1 : 0), sm.i_scratch);  // kept prefix
-        if (tid == 0) sm.chosen = INT32_MAX;
-        if (r0 == L - 1) sm.scan_carry = incl0;
-        if (r1 == L - 1) sm.scan_carry = incl1;
-        __syncthreads();
-        const double target = u * (double)sm.scan_carry;
-        if (k0 && (double)excl0 <= target && target < (double)incl0) atomicMin(&sm.chosen, r0);
-        if (k1 && (double)excl1 <= target && target < (double)incl1) atomicMin(&sm.chosen, r1);
-        __syncthreads();
-        const int rc = sm.chosen == INT32_MAX ? L - 1 : sm.chosen;
-        chosen = sidx[rc];
+        const bool k0 = keep(rp.r0, rp.excl0, rp.e0), k1 = keep(rp.r1, rp.excl1, rp.e1);
+        float kept_mass;
+        const int L = kept_prefix(sm, rp, k0, k1, kept_mass);
+        chosen = sm.idx[kTopKCap + pick_rank(sm, rp, k0, k1, L, u * (double)kept_mass)];
         drawn = true;
       }
+    }
+    if (!drawn && hist_on && spec_n > 0 && M > -INFINITY) {
+      // ------------------------------------------------ two-pass top-p (flat rows)
+      const TopPRow r{sm.anchor, inv_t, My, top_p * Z, min_p, use_minp, spec_n, spec_mass, u};
+      drawn = window_draw<T, VEC>(sm, row, mask_row, vocab, r, chosen);
     }
     if (!drawn) {
       // ------------------------------------------------ streaming path
@@ -898,51 +1337,13 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       int32_t last_kept = -1;
       stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
         float e[kElems];
-        float tsum = 0.f;
 #pragma unroll
-        for (int j = 0; j < kElems; ++j) {
-          e[j] = kept_e(x[j], (allow >> j) & 1u);
-          tsum += e[j];
-          if (e[j] > 0.f) last_kept = max(last_kept, (int32_t)elem_index<VEC>(base, j));
-        }
-        float excl, incl, total;
-        block_scan(tsum, sm.f_scratch, excl, incl, total);
-        const double start = carry + (double)excl, end = carry + (double)incl;
-        if (start <= target && target < end) {
-          double run = start;
-          int32_t pick = -1;
-#pragma unroll
-          for (int j = 0; j < kElems; ++j) {
-            if (e[j] > 0.f) {
-              const double nxt = run + (double)e[j];
-              if (pick < 0 && (target < nxt || nxt >= end)) pick = (int32_t)elem_index<VEC>(base, j);
-              run = nxt;
-            }
-          }
-          if (pick < 0) {  // rounding inside the thread: its last kept element
-#pragma unroll
-            for (int j = 0; j < kElems; ++j)
-              if (e[j] > 0.f) pick = (int32_t)elem_index<VEC>(base, j);
-          }
-          if (pick >= 0) atomicMin(&sm.chosen, pick);
-        }
-        carry += (double)total;
-        __syncthreads();
+        for (int j = 0; j < kElems; ++j) e[j] = kept_e(x[j], (allow >> j) & 1u);
+        carry += (double)claim_in_tile<VEC>(sm, e, base, carry, target, last_kept);
         return sm.chosen == INT32_MAX;   // stop once a thread claimed the draw
       });
-      int32_t found = sm.chosen == INT32_MAX ? -1 : sm.chosen;
-      if (found < 0) {
-        // target beyond the scanned mass (rounding): the last kept token
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-          last_kept = max(last_kept, __shfl_xor_sync(0xffffffffu, last_kept, off));
-        __syncthreads();
-        if (lane == 0) sm.i_scratch[warp] = last_kept;
-        __syncthreads();
-        int32_t lk = -1;
-        for (int w = 0; w < kWarps; ++w) lk = max(lk, sm.i_scratch[w]);
-        found = lk;
-      }
+      // target beyond the scanned mass (rounding): the last kept token
+      const int32_t found = sm.chosen != INT32_MAX ? sm.chosen : block_last_kept(sm, last_kept);
       if (found >= 0) chosen = found;
     }
   }
