@@ -759,7 +759,8 @@ __device__ bool find_window(SampleShared& sm, const TopPRow& r) {
 // tokens above the window (bins < lo, e >= min_p) into sm.bins as floats [tile][warp]; above /
 // n_above: this thread's weight and count of all tokens above the window; n_below: its allowed
 // tokens under it; the window's tokens (bins lo..hi) appended to the candidate buffer (sm.count
-// reset by the caller; they fit: pass 1 counted them).
+// reset by the caller; pass 1 counted them, and the guarded append would raise sm.overflow if
+// they did not fit).
 template <typename T, bool VEC>
 __device__ void window_pass(SampleShared& sm, const T* __restrict__ row, const int32_t* __restrict__ mask_row,
                             int64_t vocab, const TopPRow& r, int lo, int hi, float& above,
@@ -787,7 +788,7 @@ __device__ void window_pass(SampleShared& sm, const T* __restrict__ row, const i
     }
     kept = warp_sum(kept);
     if (lane == 0) part[(int)(base / kTile) * kWarps + warp] = kept;
-    append_bits<T, VEC>(sm, row, cand, base, false);
+    append_bits<T, VEC>(sm, row, cand, base, true);
     return true;
   });
 }
@@ -835,7 +836,7 @@ __device__ __noinline__ bool window_draw(SampleShared& sm, const T* __restrict__
   const int na = block_sum<int32_t>(n_above, sm.i_scratch);
   const int nb = block_sum<int32_t>(n_below, sm.i_scratch);
   const int n = sm.count;
-  if (n == 0) return false;
+  if (n == 0 || n > kTopKCap || sm.overflow) return false;  // (not expected: pass 1 counted them)
 
   // 3. the exact cut inside the window
   rank_candidates(sm, n);
