@@ -130,13 +130,14 @@ for stage in "$@"; do
       python3 bench/variants/make_variant.py $V nohist sampling.cuh --sub \
         "const bool hist_row = spec && use_p" "const bool hist_row = false && spec && use_p"
       # nohist: the tree without the bins (the refactor alone); diag: the tree with counters of
-      # the two-pass top-p's outcomes per launch: rows that did not bin, no window, n == 0, cut
-      # outside the window, nothing kept in the tile, L == 0, drawn
+      # the two-pass top-p's outcomes per launch: rows that did not bin, no window, a window
+      # that is empty or fuller than counted, cut outside the window, nothing kept in the tile,
+      # L == 0, drawn
       D=/tmp/ssweep-diag; rm -rf $D
       python3 bench/variants/make_variant.py $D diag sampling.cuh \
         --sub "struct TopPRow {" "__device__ unsigned int g_diag[8];\nstruct TopPRow {" \
         --sub "  if (!find_window(sm, r)) return false;" "  if (!find_window(sm, r)) { if (threadIdx.x == 0) atomicAdd(&g_diag[1], 1u); return false; }" \
-        --sub "  if (n == 0) return false;" "  if (n == 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[2], 1u); return false; }" \
+        --sub "  if (n == 0 || n > kTopKCap || sm.overflow) return false;" "  if (n == 0 || n > kTopKCap || sm.overflow) { if (threadIdx.x == 0) atomicAdd(&g_diag[2], 1u); return false; }" \
         --sub "  if (cut_above || cut_below) return false;" "  if (cut_above || cut_below) { if (threadIdx.x == 0) atomicAdd(&g_diag[3], 1u); return false; }" \
         --sub "    if (id < 0) return false;" "    if (id < 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[4], 1u); return false; }\n    if (threadIdx.x == 0) atomicAdd(&g_diag[6], 1u);" \
         --sub "  if (L == 0) return false;" "  if (L == 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[5], 1u); return false; }\n  if (threadIdx.x == 0) atomicAdd(&g_diag[6], 1u);" \
