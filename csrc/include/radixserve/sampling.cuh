@@ -671,21 +671,21 @@ __device__ __forceinline__ void append_bits(SampleShared& sm, const T* __restric
 }
 
 // ----------------------------------------------------------------------------- two-pass top-p
-
 //
 // For a top_p row (no top-k, min_p <= 1) whose nucleus the kSpecK buffer does not hold (flat
 // rows). Pass 1 has counted the allowed tokens per bin (hist_bin, anchor A = the first tile's
 // allowed max) and found M and Z. Then:
-//   1. find_window: the bin where the mass from the top, each token weighed at its bin's
-//      centre, reaches top_p * Z, widened by a bin each side while the window's tokens fit the
-//      rank buffer (kTopKCap).
+//   1. find_window: the bin where the mass from the top (exact over the buffer's kSpecK tokens,
+//      every other token weighed at its bin's centre) reaches top_p * Z, widened by a bin each
+//      side while the window's tokens fit the rank buffer (kTopKCap).
 //   2. window_pass (pass 2): the tokens above the window are kept by top-p: their weights are
 //      summed (all, for the top-p cut; and those with e >= min_p per tile, for the draw); the
 //      window's tokens go to the candidate buffer.
 //   3. the window is ranked (ties by token id, as on the top-k path) and the exact cut is taken
 //      there: rank r is kept iff mass(above) + mass(ranks before r) < top_p * Z (and e >= min_p).
 //      If the cut is not inside the window (the estimate missed, by rounding or a catch-all bin)
-//      the row returns to the streaming search, so the kept set never depends on the estimate.
+//      the row returns to the streaming search: the estimate never decides the kept set, only
+//      which exact method computes it (the streaming search keeps every tie at its threshold).
 //   4. the draw, target = u * mass(kept), over the kept tokens in the order (above the window,
 //      by token id) then (the window's ranks): in the ranks, or in the one tile (tile masses
 //      from pass 2) that holds the target, re-read once.
