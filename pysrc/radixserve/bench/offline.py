@@ -42,6 +42,7 @@ def run_engine(args, prompts):
         overrides["cpu_threads"] = args.cpu_threads
     if args.disable_cuda_graph:
         overrides["disable_cuda_graph"] = True
+    overrides.update(args.engine_args)
     engine = radixserve.Engine(args.model_path, **overrides)
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -136,8 +137,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the shapes of `radixserve bench presets` NAME, dummy weights")
     ap.add_argument("--hf-mode", default="generate", choices=["generate", "generate_batch", "none"],
                     help="none: radixserve only, no ratio (quick A/B runs of the engine)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                    help="an engine setting (a `radixserve serve` flag's name with underscores: "
+                         "enable_mixed_chunk=true, chunked_prefill_size=16384); repeatable, for "
+                         "A/B runs of the engine's settings")
     ap.add_argument("--out", default=None, help="write the result JSON here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    try:
+        args.engine_args = dict(_engine_arg(a) for a in args.engine_arg)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def _engine_arg(text: str):
+    """'name=value' -> (name, value): true/false as bools, integers and floats as numbers, the
+    rest as strings."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"--engine-arg {text!r}: expected NAME=VALUE")
+    low = raw.strip().lower()
+    if low in ("true", "false"):
+        return name.strip(), low == "true"
+    for cast in (int, float):
+        try:
+            return name.strip(), cast(raw)
+        except ValueError:
+            pass
+    return name.strip(), raw
 
 
 def _use_preset(args) -> None:
@@ -150,10 +177,12 @@ def _use_preset(args) -> None:
     args.load_format = "dummy"
 
 
-def write_result(args, argv, model_path: str, eng_s: float, hf_s: float, same) -> None:
-    """The numbers, the machine and the command as JSON at args.out."""
+def write_result(args, argv, model_path: str, eng_s: float, hf_s, same) -> None:
+    """The numbers, the machine and the command as JSON at args.out (hf_s None: --hf-mode none,
+    no HF numbers and no ratio)."""
     num_out = args.num_prompts * args.output_len
-    eng_tps, hf_tps = num_out / eng_s, num_out / hf_s
+    eng_tps = num_out / eng_s
+    hf_tps = num_out / hf_s if hf_s else None
     result = {
         "command": "radixserve bench offline " + shlex.join(argv if argv is not None
                                                            else sys.argv[1:]),
@@ -162,10 +191,11 @@ def write_result(args, argv, model_path: str, eng_s: float, hf_s: float, same) -
         "model_path": os.path.basename(os.path.normpath(model_path)),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.machine(), "cpu_count": os.cpu_count(),
-        "radixserve_tok_per_s": round(eng_tps, 2), "hf_tok_per_s": round(hf_tps, 2),
-        "ratio": round(eng_tps / hf_tps, 3), "radixserve_s": round(eng_s, 3),
-        "hf_s": round(hf_s, 3), "identical_greedy_outputs": same,
-        "hf_mode": args.hf_mode, "preset": args.preset,
+        "radixserve_tok_per_s": round(eng_tps, 2),
+        "hf_tok_per_s": round(hf_tps, 2) if hf_tps else None,
+        "ratio": round(eng_tps / hf_tps, 3) if hf_tps else None, "radixserve_s": round(eng_s, 3),
+        "hf_s": round(hf_s, 3) if hf_s else None, "identical_greedy_outputs": same,
+        "hf_mode": args.hf_mode, "preset": args.preset, "engine_args": args.engine_args,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -193,6 +223,8 @@ def main(argv=None) -> None:
     eng_s, eng_ids, _ = run_engine(args, prompts)
     print(f"radixserve done: {num_out / eng_s:.1f} output tok/s ({eng_s:.2f} s)", flush=True)
     if args.hf_mode == "none":
+        if args.out:
+            write_result(args, argv, model_path, eng_s, None, None)
         return
     hf_run = run_hf_generate_batch if args.hf_mode == "generate_batch" else run_hf
     hf_s, hf_ids = hf_run(args, prompts, model_path)
