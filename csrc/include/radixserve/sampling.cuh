@@ -262,14 +262,13 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ row, const int32
 
 // Streams a row tile by tile, the tile two ahead already on its way to L2 (l2_prefetch_tile):
 // fn(x, allow, base) for each tile in order (block-uniform) from the tile at `begin` (a
-// multiple of kTile) until the tile at `end`; fn returns false to stop early.
+// multiple of kTile); fn returns false to stop early.
 template <typename T, bool VEC, typename F>
 __device__ __forceinline__ void stream_row(const T* __restrict__ row,
                                            const int32_t* __restrict__ mask_row, int64_t vocab,
-                                           F&& fn, int64_t begin = 0, int64_t end = INT64_MAX) {
-  end = min(end, vocab);
+                                           F&& fn, int64_t begin = 0) {
   l2_prefetch_tile<T>(row, vocab, begin + kTile);
-  for (int64_t base = begin; base < end; base += kTile) {
+  for (int64_t base = begin; base < vocab; base += kTile) {
     l2_prefetch_tile<T>(row, vocab, base + 2 * (int64_t)kTile);
     float x[kElems];
     uint32_t allow;
@@ -397,14 +396,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 // f = (A - x) * scale + kHeadBins and scale = kBinsPerNat / t. Rounded operations only (no
 // contraction into an FMA), so both passes bin every token alike; non-increasing in x, so the
 // bins order tokens by value: a lower bin holds only larger values.
-__device__ __forceinline__ float hist_pos(float x, float anchor, float scale) {
-  return __fadd_rn(__fmul_rn(__fsub_rn(anchor, x), scale), (float)kHeadBins);
-}
-__device__ __forceinline__ int hist_bin_of(float f) {  // f < 0 (and -inf): bin 0; NaN: the last
-  return f < (float)(kHistBins - 1) ? __float2int_rz(fmaxf(f, 0.f)) : kHistBins - 1;
-}
 __device__ __forceinline__ int hist_bin(float x, float anchor, float scale) {
-  return hist_bin_of(hist_pos(x, anchor, scale));
+  const float f = __fadd_rn(__fmul_rn(__fsub_rn(anchor, x), scale), (float)kHeadBins);
+  // f < 0 (and x = +inf): bin 0; far below, -inf and NaN: the last bin
+  return f < (float)(kHistBins - 1) ? __float2int_rz(fmaxf(f, 0.f)) : kHistBins - 1;
 }
 
 // Exact block-wide selection: the k-th largest 64-bit candidate key among sm.val/idx[0, n),
@@ -985,12 +980,12 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       compact_candidates(sm, n, theta);
     }
   };
-  // Pass 1 over the tiles [begin, end), compiled twice: with the two-pass top-p bins (kHist) and
+  // Pass 1 from the tile at `begin`, compiled twice: with the two-pass top-p bins (kHist) and
   // without, so that rows without them keep pass 1's registers. A top_p row (hist_row) bins
   // (hist_on) once its first tile gave the anchor; with no finite allowed token there, the rest
   // of the row runs without.
   bool hist_on = false;
-  auto pass1 = [&](auto hist_tag, int64_t begin, int64_t end) {
+  auto pass1 = [&](auto hist_tag, int64_t begin) {
     constexpr bool kHist = decltype(hist_tag)::value;
     stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
       float vm = -INFINITY, bm = -INFINITY;
@@ -1072,10 +1067,10 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
         if (!free_run) settle(false);
       }
       return !kHist || hist_on;  // a top_p row that does not bin goes on without kHist
-    }, begin, end);
+    }, begin);
   };
-  if (hist_row) pass1(std::true_type{}, 0, vocab);
-  if (!hist_on) pass1(std::false_type{}, hist_row ? kTile : 0, vocab);
+  if (hist_row) pass1(std::true_type{}, 0);
+  if (!hist_on) pass1(std::false_type{}, hist_row ? kTile : 0);
   if (buffer_path) {
     __syncthreads();  // every append landed, sm.overflow final
     if (sm.overflow) {
