@@ -47,25 +47,50 @@ def _time_us(fn, iters=50) -> float:
     return 1e3 * a.elapsed_time(b) / iters
 
 
-def linear_bandwidth(model, bw, batch_sizes=(1, 8)):
-    """For each distinct weight shape of the model, torch's GEMM (cuBLAS) at M = batch rows
-    alone: microseconds and the fraction of the copy bandwidth its weight read reaches (the
-    floor's definition). Matrices up to ~50 MB can stay in the H200's L2 across repeats, so
-    fractions near or above 1 for those are L2 effects; the in-model kernel times above are
-    the ones that count."""
+def linear_bandwidth(model, bw, batch_sizes=(1, 2, 4, 8)):
+    """For each distinct weight shape of the model at M = batch rows, alone: cuBLAS (F.linear)
+    and, where it serves M, our skinny GEMM (ops.skinny_linear), in microseconds and as the
+    fraction of the copy bandwidth their weight read reaches (the floor's definition). Each
+    timed call reads a different copy of the weight (enough copies to span 256 MB), so no
+    matrix is served from the H200's 50 MB L2 across repeats. For the gate|up shape the skinny
+    time is the fused projection + activation (ops.skinny_gated_linear) and cuBLAS's includes
+    its silu_and_mul, as in the model."""
     import torch.nn.functional as F
 
+    from radixserve import ops
+
+    gate_up_shape = tuple(model.model.layers[0].mlp.gate_up_proj.weight.shape)
     shapes = sorted({tuple(p.shape) for n, p in model.named_parameters()
                      if p.dim() == 2 and "embed_tokens" not in n}, key=lambda s: -s[0] * s[1])
     rows = []
     for n_out, k in shapes:
-        w = torch.empty(n_out, k, device="cuda", dtype=torch.bfloat16).normal_()
+        nbytes = n_out * k * 2
+        copies = max(1, -(-256 * 2**20 // nbytes))
+        ws = [torch.empty(n_out, k, device="cuda", dtype=torch.bfloat16).normal_()
+              for _ in range(copies)]
+        gated = (n_out, k) == gate_up_shape
         for m in batch_sizes:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            us = _time_us(lambda x=x, w=w: F.linear(x, w))
-            rows.append({"n": n_out, "k": k, "m": m, "us": us,
-                         "bw_fraction": (w.numel() * 2 / (us / 1e6)) / bw})
-        del w
+            it = iter(range(10**9))
+
+            def cublas():
+                y = F.linear(x, ws[next(it) % copies])
+                return ops.silu_and_mul(y) if gated else y
+
+            def skinny():
+                w = ws[next(it) % copies]
+                return ops.skinny_gated_linear(x, w) if gated else ops.skinny_linear(x, w)
+
+            row = {"n": n_out, "k": k, "m": m, "gated": gated}
+            kernels = [("cublas", cublas)]
+            if ops.skinny_linear_fits(x, ws[0]):
+                kernels.append(("skinny", skinny))
+            for name, fn in kernels:
+                us = _time_us(fn, iters=max(50, 2 * copies))
+                row[f"{name}_us"] = us
+                row[f"{name}_bw_fraction"] = (nbytes / (us / 1e6)) / bw
+            rows.append(row)
+        del ws
     return rows
 
 

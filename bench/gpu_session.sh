@@ -144,6 +144,27 @@ for stage in "$@"; do
         --sub "  if (!hist_on) pass1(" "  if (hist_row && !hist_on && tid == 0) atomicAdd(&g_diag[0], 1u);\n  if (!hist_on) pass1("
       bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/ssweep.txt"
       bash bench/variants/run.sh $D sample_sweep.cu -DDIAG 2>&1 | tee -a "$OUT/ssweep.txt" ;;
+    gsweep)
+      # skinny GEMM variants (bench/variants/gemv_sweep.cu): the tree's stream plans against
+      # others (loads in flight per lane, prefetch) and 4 warps per CTA; cuBLAS beside them when
+      # its header and library are found
+      V=/tmp/gsweep; rm -rf $V
+      H=gemv.cuh; S="launch_skinny_planned<T, false, 16, false>"; LR="launch_skinny_planned<T, false, 8, false>"
+      python3 bench/variants/make_variant.py $V tree $H
+      python3 bench/variants/make_variant.py $V short_p8 $H --sub "$S" "launch_skinny_planned<T, false, 8, true>"
+      python3 bench/variants/make_variant.py $V long_p8 $H --sub "$LR" "launch_skinny_planned<T, false, 8, true>"
+      python3 bench/variants/make_variant.py $V long_16 $H --sub "$LR" "launch_skinny_planned<T, false, 16, false>"
+      python3 bench/variants/make_variant.py $V w4 $H --sub "constexpr int kWarps = 8;" "constexpr int kWarps = 4;"
+      CUB=(); NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+      inc=$(find /usr/local/cuda/include $NV -name cublas_v2.h 2>/dev/null | head -1)
+      lib=$(find /usr/local/cuda/lib64 $NV -name "libcublas.so*" 2>/dev/null | head -1)
+      if [ -n "$inc" ] && [ -n "$lib" ]; then
+        CUB=(-DWITH_CUBLAS -I"$(dirname "$inc")" -L"$(dirname "$lib")" -l:"$(basename "$lib")"
+             -Xlinker -rpath -Xlinker "$(dirname "$lib")")
+        lt=$(find "$(dirname "$lib")" -name "libcublasLt.so*" | head -1); [ -n "$lt" ] && CUB+=(-l:"$(basename "$lt")")
+      fi
+      echo "cublas: ${CUB[*]:-not found}" | tee "$OUT/gsweep.txt"
+      bash bench/variants/run.sh $V gemv_sweep.cu "${CUB[@]}" 2>&1 | tee -a "$OUT/gsweep.txt" ;;
     dsweep)
       # decode attention split plans (bench/variants/decode_sweep.cu): the CTAs-per-SM target and
       # the floor of tokens per split, variants of the working tree's headers, one build each

@@ -16,9 +16,13 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("extend_attention_kernel(Tensor q) -> str");
   m.def("bitmask_sample(Tensor logits, Tensor? bitmask, Tensor temperature, Tensor top_k, "
         "Tensor top_p, Tensor min_p, Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, bool gated) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache) -> ()");
+  m.def("rotary_embedding_store_kv(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor v, "
+        "Tensor cos_sin_cache, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_indices) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
@@ -29,9 +33,12 @@ TORCH_LIBRARY_IMPL(radixserve, CUDA, m) {
   m.impl("paged_extend_attention", &radixserve::paged_extend_attention);
   m.impl("extend_attention_kernel", &radixserve::extend_attention_kernel);
   m.impl("bitmask_sample", &radixserve::bitmask_sample);
+  m.impl("argmax_rows", &radixserve::argmax_rows);
+  m.impl("skinny_linear", &radixserve::skinny_linear);
   m.impl("rms_norm", &radixserve::rms_norm);
   m.impl("fused_add_rms_norm", &radixserve::fused_add_rms_norm);
   m.impl("rotary_embedding", &radixserve::rotary_embedding);
+  m.impl("rotary_embedding_store_kv", &radixserve::rotary_embedding_store_kv);
   m.impl("silu_and_mul", &radixserve::silu_and_mul);
 }
 

@@ -114,8 +114,11 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
   rms_norm_impl(x, x, &residual, weight, eps);
 }
 
-void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
-                      const at::Tensor& cos_sin_cache) {
+namespace {
+
+// Checks rotary_embedding's inputs and fills its params; *vec: the 16-byte path applies.
+ew::RotaryParams rotary_params(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& cos_sin_cache, bool* vec) {
   check_on(q, "q", q);
   check_on(k, "k", q);
   check_on(positions, "positions", q);
@@ -137,8 +140,6 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
   RS_CHECK(rotary_dim % 2 == 0 && rotary_dim >= 2 && rotary_dim <= q.size(2),
               "rotary_dim must be even and <= head_dim, got ", rotary_dim);
   RS_CHECK(num_tokens < (1LL << 31), "too many tokens");
-  if (num_tokens == 0) return;
-  const c10::cuda::CUDAGuard guard(q.device());
   ew::RotaryParams p;
   p.positions = positions.data_ptr<int64_t>();
   p.q = q.data_ptr();
@@ -155,11 +156,77 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
   p.max_pos = cos_sin_cache.size(0);
   const int64_t es = q.element_size();
   const int64_t n = 16 / es;
-  const bool vec = (rotary_dim / 2) % n == 0 && p.q_stride_t % n == 0 && p.q_stride_h % n == 0 &&
-                   p.k_stride_t % n == 0 && p.k_stride_h % n == 0 && aligned16(p.q) && aligned16(p.k);
+  *vec = (rotary_dim / 2) % n == 0 && p.q_stride_t % n == 0 && p.q_stride_h % n == 0 &&
+         p.k_stride_t % n == 0 && p.k_stride_h % n == 0 && aligned16(p.q) && aligned16(p.k);
+  return p;
+}
+
+// k or v of rotary_embedding_store_kv: [num_tokens, num_kv_heads, head_dim] like the cache, each
+// token's row contiguous across heads.
+void check_kv_row_view(const at::Tensor& t, const char* name, int64_t num_tokens, const at::Tensor& cache) {
+  check_on(t, name, cache);
+  RS_CHECK(t.dim() == 3 && t.size(0) == num_tokens && t.size(1) == cache.size(1) &&
+               t.size(2) == cache.size(2),
+           name, " must be [num_tokens, num_kv_heads, head_dim] = [", num_tokens, ", ",
+           cache.size(1), ", ", cache.size(2), "]");
+  RS_CHECK(t.stride(2) == 1 && (t.size(1) == 1 || t.stride(1) == t.size(2)), name,
+           " rows ([num_kv_heads, head_dim]) must be contiguous");
+  RS_CHECK(t.scalar_type() == cache.scalar_type(), name, " dtype must equal the cache dtype");
+}
+
+}  // namespace
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
+                      const at::Tensor& cos_sin_cache) {
+  bool vec = false;
+  const ew::RotaryParams p = rotary_params(positions, q, k, cos_sin_cache, &vec);
+  if (p.num_tokens == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err = RS_DISPATCH(q.scalar_type(), [&] { return ew::launch_rotary<T>(p, vec, stream); });
   check_err(err, "rotary_embedding");
+}
+
+void rotary_embedding_store_kv(const at::Tensor& positions, at::Tensor q, at::Tensor k,
+                               const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                               at::Tensor k_cache, at::Tensor v_cache,
+                               const at::Tensor& slot_indices) {
+  bool vec = false;
+  const ew::RotaryParams p = rotary_params(positions, q, k, cos_sin_cache, &vec);
+  check_on(k_cache, "k_cache", q);
+  check_on(v_cache, "v_cache", q);
+  check_on(slot_indices, "slot_indices", q);
+  RS_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+               v_cache.is_contiguous(),
+           "k_cache, v_cache must be contiguous [num_slots, num_kv_heads, head_dim] of one shape");
+  RS_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k_cache and v_cache dtypes differ");
+  const int64_t num_tokens = p.num_tokens;
+  check_kv_row_view(k, "k", num_tokens, k_cache);
+  check_kv_row_view(v, "v", num_tokens, k_cache);
+  RS_CHECK(slot_indices.dim() == 1 && slot_indices.size(0) == num_tokens &&
+               slot_indices.is_contiguous() &&
+               (slot_indices.scalar_type() == at::kInt || slot_indices.scalar_type() == at::kLong),
+           "slot_indices must be a contiguous int32/int64 [num_tokens] tensor");
+  if (num_tokens == 0) return;
+  ew::KvRowTarget kv;
+  kv.k_cache = k_cache.data_ptr();
+  kv.v_cache = v_cache.data_ptr();
+  kv.v = v.data_ptr();
+  kv.v_stride = v.stride(0);
+  kv.slot_indices = slot_indices.data_ptr();
+  kv.num_slots = k_cache.size(0);
+  kv.row_elems = k_cache.size(1) * k_cache.size(2);
+  const int64_t n = 16 / q.element_size();
+  vec = vec && kv.row_elems % n == 0 && kv.v_stride % n == 0 && aligned16(kv.v) &&
+        aligned16(kv.k_cache) && aligned16(kv.v_cache);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool i64 = slot_indices.scalar_type() == at::kLong;
+  cudaError_t err = RS_DISPATCH(q.scalar_type(), [&] {
+    return i64 ? ew::launch_rotary_store_kv<T, int64_t>(p, kv, vec, stream)
+               : ew::launch_rotary_store_kv<T, int32_t>(p, kv, vec, stream);
+  });
+  check_err(err, "rotary_embedding_store_kv");
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {

@@ -34,12 +34,21 @@ std::tuple<at::Tensor, at::Tensor> bitmask_sample(
     const at::Tensor& logits, const std::optional<at::Tensor>& bitmask,
     const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
     const at::Tensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets);
+at::Tensor argmax_rows(const at::Tensor& logits);
+
+// gemv.cu
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, bool gated);
 
 // elementwise.cu
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
 void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
                       const at::Tensor& cos_sin_cache);
+void rotary_embedding_store_kv(const at::Tensor& positions, at::Tensor q, at::Tensor k,
+                               const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                               at::Tensor k_cache, at::Tensor v_cache,
+                               const at::Tensor& slot_indices);
 at::Tensor silu_and_mul(const at::Tensor& x);
 
 }  // namespace radixserve

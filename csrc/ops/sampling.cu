@@ -1,5 +1,6 @@
-// bitmask_sample: input checks, dtype dispatch, launch on the current stream.
-// Kernel and algorithm: csrc/include/radixserve/sampling.cuh. Contract: pysrc/radixserve/ops/__init__.py.
+// bitmask_sample and argmax_rows: input checks, dtype dispatch, launch on the current stream.
+// Kernels and algorithms: csrc/include/radixserve/sampling.cuh, argmax.cuh. Contracts:
+// pysrc/radixserve/ops/__init__.py.
 #include <string>
 
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 
 #include "ops/check.h"
 #include "ops/ops.h"
+#include "radixserve/argmax.cuh"
 #include "radixserve/sampling.cuh"
 
 namespace radixserve {
@@ -85,6 +87,38 @@ std::tuple<at::Tensor, at::Tensor> bitmask_sample(
     err = sampling::launch_bitmask_sample<__nv_bfloat16>(p, vec, stream);
   RS_CHECK(err == cudaSuccess, "bitmask_sample launch failed: ", cudaGetErrorString(err));
   return {ids, logprobs};
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  RS_CHECK(logits.is_cuda(), "logits must be a CUDA tensor");
+  RS_CHECK(logits.dim() == 2, "logits must be [rows, vocab], got ", logits.sizes());
+  RS_CHECK(logits.scalar_type() == at::kFloat, "argmax_rows takes float32 logits, got ",
+           logits.scalar_type());
+  RS_CHECK(logits.stride(1) == 1, "logits rows must be contiguous");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  RS_CHECK(vocab >= 1 && vocab < (1LL << 31), "vocab must be in [1, 2^31)");
+  RS_CHECK(rows < 65536, "argmax_rows takes at most 65535 rows, got ", rows);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));  // [rows]
+  if (rows == 0) return out;
+  argmax::ArgmaxParams p;
+  p.logits = logits.data_ptr<float>();
+  p.stride = logits.stride(0);
+  p.rows = rows;
+  p.vocab = vocab;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  p.splits = argmax::choose_splits(rows, vocab, sms);
+  const int64_t per = (vocab + p.splits - 1) / p.splits;
+  p.split_len = (per + 3) / 4 * 4;
+  p.splits = static_cast<int>((vocab + p.split_len - 1) / p.split_len);  // no empty split
+  at::Tensor keys;
+  if (p.splits > 1) keys = at::empty({rows, p.splits}, logits.options().dtype(at::kLong));  // [rows, splits]
+  p.keys = p.splits > 1 ? reinterpret_cast<uint64_t*>(keys.data_ptr<int64_t>()) : nullptr;
+  p.out = out.data_ptr<int64_t>();
+  const bool vec4 = (reinterpret_cast<uintptr_t>(p.logits) & 15) == 0 && p.stride % 4 == 0;
+  const cudaError_t err = argmax::launch_argmax(p, vec4, at::cuda::getCurrentCUDAStream());
+  RS_CHECK(err == cudaSuccess, "argmax_rows launch failed: ", cudaGetErrorString(err));
+  return out;
 }
 
 }  // namespace radixserve

@@ -148,3 +148,47 @@ def test_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="int64"):
         torch.ops.radixserve.rotary_embedding(torch.zeros(4, device="cuda", dtype=torch.int32), q, q.clone(),
                                               _cos_sin_cache(10, 64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 17, 99])
+@pytest.mark.parametrize("hq,hk,head_dim,rotary_dim", [(32, 8, 128, 128), (8, 1, 64, 64), (4, 4, 128, 64),
+                                                       (6, 2, 10, 6)])
+def test_rotary_store_kv_equals_the_two_ops(dtype, num_tokens, hq, hk, head_dim, rotary_dim):
+    qkv = torch.randn(num_tokens, (hq + 2 * hk) * head_dim, device="cuda").to(dtype)
+    q = qkv[:, :hq * head_dim].view(num_tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hk) * head_dim].view(num_tokens, hk, head_dim)
+    v = qkv[:, (hq + hk) * head_dim:].view(num_tokens, hk, head_dim)
+    cache = _cos_sin_cache(4097, rotary_dim)
+    positions = torch.randint(0, 4097, (num_tokens,), device="cuda")
+    num_slots = 2 * num_tokens + 3
+    slots = (torch.randperm(num_slots - 1, device="cuda")[:num_tokens] + 1).to(torch.int32)
+    k_cache = torch.full((num_slots, hk, head_dim), float("nan"), device="cuda").to(dtype)
+    v_cache = k_cache.clone()
+    want_q, want_k, want_kc, want_vc = q.clone(), k.clone(), k_cache.clone(), v_cache.clone()
+    ref.rotary_embedding(positions, want_q, want_k, cache)
+    ref.store_kv(want_kc, want_vc, want_k, v, slots)
+    torch.ops.radixserve.rotary_embedding_store_kv(positions, q, k, v, cache, k_cache, v_cache, slots)
+    _close(q, want_q)
+    _close(k, want_k)
+    # the pool holds exactly the kernel's own rotated k (bit for bit) and v; other slots untouched
+    assert torch.equal(k_cache[slots.long()], k) and torch.equal(v_cache[slots.long()], v)
+    untouched = torch.ones(num_slots, dtype=torch.bool, device="cuda")
+    untouched[slots.long()] = False
+    assert k_cache[untouched].isnan().all() and v_cache[untouched].isnan().all()
+    _close(k_cache[slots.long()], want_kc[slots.long()])
+
+
+def test_rotary_store_kv_rejects_bad_inputs():
+    q = torch.randn(4, 2, 64, device="cuda")
+    k = torch.randn(4, 2, 64, device="cuda")
+    cache = torch.zeros(10, 2, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="slot_indices"):
+        torch.ops.radixserve.rotary_embedding_store_kv(torch.zeros(4, device="cuda", dtype=torch.long), q, k,
+                                                       k.clone(), _cos_sin_cache(10, 64), cache, cache.clone(),
+                                                       torch.zeros(3, device="cuda", dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.radixserve.rotary_embedding_store_kv(torch.zeros(4, device="cuda", dtype=torch.long), q, k,
+                                                       k.transpose(1, 2).contiguous().transpose(1, 2),
+                                                       _cos_sin_cache(10, 64), cache, cache.clone(),
+                                                       torch.zeros(4, device="cuda", dtype=torch.int32))

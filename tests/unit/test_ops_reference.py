@@ -9,7 +9,8 @@ import torch
 from radixserve.ops import reference as ref
 
 ALL_OPS = ["store_kv", "build_kv_indices", "paged_decode_attention", "paged_extend_attention",
-           "bitmask_sample", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"]
+           "bitmask_sample", "argmax_rows", "skinny_linear", "rms_norm", "fused_add_rms_norm",
+           "rotary_embedding", "rotary_embedding_store_kv", "silu_and_mul"]
 
 
 def _paged_case(lens, num_kv_heads, head_dim, seed):
@@ -248,3 +249,56 @@ def test_extension_registers_every_op():
 
     for name in ALL_OPS:
         assert hasattr(torch.ops.radixserve, name), f"torch.ops.radixserve.{name} missing"
+
+
+def test_argmax_rows_takes_the_first_maximum():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0], [-1.0, -1.0, -5.0, -1.0],
+                           [0.0, float("nan"), 9.0, float("nan")]])
+    assert ref.argmax_rows(logits).tolist() == [1, 0, 1]
+
+
+def test_skinny_gated_linear_is_the_mlp_projection_and_activation():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 16, generator=g)
+    w = torch.randn(2 * 6, 16, generator=g)   # [gate rows | up rows]
+    b = torch.randn(12, generator=g)
+    gate, up = x @ w[:6].t() + b[:6], x @ w[6:].t() + b[6:]
+    want = gate * torch.sigmoid(gate) * up
+    torch.testing.assert_close(ref.skinny_gated_linear(x, w, b), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref.skinny_linear(x, w, b), x @ w.t() + b, atol=1e-5, rtol=1e-5)
+
+
+def test_skinny_linear_never_fits_off_the_kernel_path():
+    # the op seam sends CPU tensors (and fp32) to the reference: the model keeps its CPU GEMMs
+    from radixserve import ops
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    assert not ops.skinny_linear_fits(x, w)
+    torch.testing.assert_close(ops.skinny_linear(x, w), F_linear(x, w))
+
+
+def F_linear(x, w):
+    return torch.nn.functional.linear(x, w)
+
+
+def test_rotary_embedding_store_kv_equals_the_two_ops():
+    from radixserve import ops
+    g = torch.Generator().manual_seed(6)
+    hq, hk, d, n = 4, 2, 8, 3
+    qkv = torch.randn(n, (hq + 2 * hk) * d, generator=g)
+    q = qkv[:, :hq * d].view(n, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(n, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(n, hk, d)
+    ang = torch.arange(64, dtype=torch.float64)[:, None] / (100 ** (torch.arange(0, d, 2) / d))
+    cache = torch.cat([ang.cos(), ang.sin()], -1).float()
+    positions = torch.tensor([5, 0, 63])
+    slots = torch.tensor([4, 1, 7], dtype=torch.int32)
+    k_cache, v_cache = torch.zeros(9, hk, d), torch.zeros(9, hk, d)
+    want_q, want_k = q.clone(), k.clone()
+    want_kc, want_vc = k_cache.clone(), v_cache.clone()
+    ref.rotary_embedding(positions, want_q, want_k, cache)
+    ref.store_kv(want_kc, want_vc, want_k, v, slots)
+    ops.rotary_embedding_store_kv(positions, q, k, v, cache, k_cache, v_cache, slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
+    assert not torch.equal(k_cache[4], v[0].clone().zero_()), "nothing was stored"

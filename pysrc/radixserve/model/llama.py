@@ -87,12 +87,28 @@ def cpu_transposed_gemm_ok(x: torch.Tensor) -> bool:
             and x.shape[0] in CPU_GEMM_T_ROWS)
 
 
+# GPU decode GEMMs of up to this many rows run ops.skinny_linear, a weight stream launched with
+# programmatic dependent launch. Same-run sweep on the H200 (bench/variants/gemv_sweep.cu, the
+# 8B projections): at 1 row 13.4 / 9.9 / 53.9 / 30.9 us for q|k|v, o, gate|up (+ activation)
+# and down against cuBLAS's 15.8 / 12.4 / 56.1 (+ silu) / 31.0; at 2 and 4 rows cuBLAS was as
+# fast or faster on most of them.
+SKINNY_GEMM_ROWS = 1
+
+
+def skinny_gemm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear() (and the MLP's gate|up) take the skinny GEMM for x [M, K]."""
+    return x.shape[0] <= SKINNY_GEMM_ROWS and ops.skinny_linear_fits(x, weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            contiguous: bool = True) -> torch.Tensor:
     """F.linear(x, weight, bias): x [M, in], weight [out, in] -> [M, out], with the same values;
     computed as (weight x^T)^T where cpu_transposed_gemm_ok(x) (see above). contiguous=False
     may return that as the transposed view of an [out, M] buffer (no copy; elementwise ops keep
-    the layout, and a following linear() reads it without one)."""
+    the layout, and a following linear() reads it without one). On the GPU a batch-1 decode
+    step takes our skinny GEMM instead of cuBLAS (skinny_gemm_ok)."""
+    if skinny_gemm_ok(x, weight):
+        return ops.skinny_linear(x, weight, bias)
     if not cpu_transposed_gemm_ok(x):
         return F.linear(x, weight, bias)
     if bias is None:
@@ -337,12 +353,12 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)       # strided views into qkv
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        ops.rotary_embedding(fb.positions, q, k, cos_sin_cache)
         k_cache = fb.kv_pool.k_buffers[self.layer_id]     # [num_slots + 1, num_kv_heads, head_dim]
         v_cache = fb.kv_pool.v_buffers[self.layer_id]
-        # k, v, q stay strided views into qkv: store_kv and attention read each token's
-        # [heads, head_dim] rows through their strides (no copy kernels on the step path)
-        ops.store_kv(k_cache, v_cache, k, v, fb.out_cache_loc)
+        # k, v, q stay strided views into qkv: the rope + store kernel and attention read each
+        # token's [heads, head_dim] rows through their strides (no copy kernels on the step path)
+        ops.rotary_embedding_store_kv(fb.positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                      fb.out_cache_loc)
         if cpu_attn is not None:
             out = cpu_attn(q, k_cache, v_cache, self.scaling)
         elif fb.mode is ForwardMode.DECODE:
@@ -368,8 +384,13 @@ class LlamaMLP(nn.Module):
                                            tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, contiguous=False)   # [num_tokens, 2 * inter / tp]
-        return self.down_proj(ops.silu_and_mul(gate_up))   # [num_tokens, hidden_size]
+        weight, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
+        if skinny_gemm_ok(x, weight):                      # batch-1 decode on the GPU: one kernel
+            act = ops.skinny_gated_linear(x, weight, bias)  # [num_tokens, inter / tp]
+        else:
+            gate_up = self.gate_up_proj(x, contiguous=False)   # [num_tokens, 2 * inter / tp]
+            act = ops.silu_and_mul(gate_up)                    # [num_tokens, inter / tp]
+        return self.down_proj(act)                         # [num_tokens, hidden_size]
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -148,6 +148,53 @@ def bitmask_sample(logits: torch.Tensor, bitmask: Optional[torch.Tensor],
     return SampleOutput(ids, logprobs)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy choice per row: logits [rows, vocab] float32 -> ids [rows] int64, the first index
+    of each row's maximum (torch.argmax's rule, a NaN counting as the maximum). The kernel splits
+    a row over many CTAs (batch-1 greedy decode reads one 128k-entry row); no host sync."""
+    if _use_kernel(logits) and logits.dtype == torch.float32 and logits.dim() == 2:
+        return torch.ops.radixserve.argmax_rows(logits)
+    return ref.argmax_rows(logits)
+
+
+# The skinny GEMM serves decode batches of up to this many rows (csrc/include/radixserve/gemv.cuh).
+SKINNY_MAX_ROWS = 4
+
+
+def skinny_linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_linear / skinny_gated_linear run the kernel for x [m, k] and weight [n, k]:
+    CUDA bf16/fp16 tensors of one dtype with the extension built, 1 <= m <= SKINNY_MAX_ROWS,
+    k a multiple of 8, weight contiguous, x's rows contiguous and 16-byte aligned. Whether it
+    is also the faster choice is the caller's policy (model/llama.py: skinny_gemm_ok)."""
+    return (x.dtype in _HALF_DTYPES and weight.dtype == x.dtype and x.dim() == 2
+            and weight.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_ROWS
+            and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0 and x.shape[1] > 0
+            and weight.is_contiguous() and x.stride(1) == 1 and x.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and _use_kernel(x) and weight.is_cuda)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for a few rows: x [m, k], weight [n, k], bias None or [n]
+    -> [m, n] in x's dtype, fp32-accumulated (kernel: see skinny_linear_fits; values agree with
+    F.linear to fp32 rounding of the sum, not bit for bit)."""
+    if skinny_linear_fits(x, weight):
+        return torch.ops.radixserve.skinny_linear(x, weight, bias, False)
+    return ref.skinny_linear(x, weight, bias)
+
+
+def skinny_gated_linear(x: torch.Tensor, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The MLP's gate|up projection and activation in one: silu_and_mul(F.linear(x, weight, bias)).
+    x [m, k]; weight [2 * inter, k] = [gate rows | up rows]; bias None or [2 * inter]
+    -> [m, inter]. The kernel rounds each projection to x's dtype before the activation, as
+    the two separate ops do, and never writes the [m, 2 * inter] projection."""
+    if skinny_linear_fits(x, weight) and weight.shape[0] % 2 == 0:
+        return torch.ops.radixserve.skinny_linear(x, weight, bias, True)
+    return ref.skinny_gated_linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [num_tokens, hidden], weight: [hidden] -> [num_tokens, hidden] (new tensor)."""
     if _use_kernel(x):
@@ -187,6 +234,22 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         torch.ops.radixserve.rotary_embedding(positions, q, k, cos_sin_cache)
     else:
         ref.rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def rotary_embedding_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, cos_sin_cache: torch.Tensor,
+                              k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_indices: torch.Tensor) -> None:
+    """rotary_embedding(positions, q, k, cos_sin_cache) then store_kv(k_cache, v_cache, k, v,
+    slot_indices), in one kernel launch: the rotated k (and v) rows land in the pool.
+    Arguments and mutation as for those two ops; k and v must have each token's
+    [num_kv_heads, head_dim] row contiguous (views into a fused qkv buffer do)."""
+    if _use_kernel(q):
+        torch.ops.radixserve.rotary_embedding_store_kv(positions, q, k, v, cos_sin_cache,
+                                                       k_cache, v_cache, slot_indices)
+    else:
+        ref.rotary_embedding(positions, q, k, cos_sin_cache)
+        ref.store_kv(k_cache, v_cache, k, v, slot_indices)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

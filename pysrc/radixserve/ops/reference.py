@@ -236,3 +236,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # x: [num_tokens, 2 * inter] -> [num_tokens, inter]
     d = x.shape[-1] // 2
     return (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    # logits: [rows, vocab] -> [rows] int64
+    return logits.argmax(dim=-1)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # x: [m, k], weight: [n, k] -> [m, n]
+    return F.linear(x, weight, bias)
+
+
+def skinny_gated_linear(x: torch.Tensor, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # x: [m, k], weight: [2 * inter, k] -> [m, inter]
+    return silu_and_mul(F.linear(x, weight, bias))

@@ -87,7 +87,7 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs, st: SamplingTensors,
         if inputs.banned_rows:
             ban_tokens(work, st.banned_rows, st.banned_cols)
     if inputs.all_greedy and bitmask is None:
-        ids = work.argmax(dim=-1)
+        ids = ops.argmax_rows(work)                                          # [S] int64
         logprobs = None
     else:
         ids, logprobs = ops.bitmask_sample(work, bitmask, st.temperature, st.top_k, st.top_p,
