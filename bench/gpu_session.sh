@@ -184,6 +184,33 @@ for stage in "$@"; do
         python3 bench/decode_profile.py --batch-size 1 --prompt-len $len \
           --out "$OUT/decode-profile-h200-bs1-ctx$len.json" 2>&1 | tail -40 | tee "$OUT/profile-$len.txt"
       done ;;
+    offline8b_ab)
+      # offline8b's engine alone under each setting of $OFFLINE_AB (';'-separated, each a
+      # space-separated list of NAME=VALUE engine args; the defaults first), then the full
+      # same-process comparison with HF under the fastest of them
+      common=(--device cuda --preset llama-3.1-8b --num-prompts 256 --input-len 1024 --output-len 256)
+      IFS=';' read -ra settings <<< ";${OFFLINE_AB:-}"
+      i=0
+      for setting in "${settings[@]}"; do
+        eargs=(); for a in $setting; do eargs+=(--engine-arg "$a"); done
+        python3 bench/offline.py "${common[@]}" --hf-mode none "${eargs[@]}" \
+          --out "$OUT/offline-ab-$i.json" 2>&1 | grep -v "it/s" | tail -3 | tee -a "$OUT/offline_ab.txt"
+        echo "setting $i: '${setting}'" | tee -a "$OUT/offline_ab.txt"; i=$((i + 1))
+      done
+      best=$(python3 -c "
+import json, sys
+runs = []
+for i in range($i):
+    try:
+        runs.append((json.load(open('$OUT/offline-ab-%d.json' % i))['radixserve_tok_per_s'], i))
+    except (OSError, KeyError, ValueError):
+        pass
+print(max(runs)[1] if runs else 0)")
+      setting=${settings[$best]}; eargs=(); for a in $setting; do eargs+=(--engine-arg "$a"); done
+      echo "fastest: setting $best '${setting}'; with HF:" | tee -a "$OUT/offline_ab.txt"
+      python3 bench/offline.py "${common[@]}" --hf-mode generate_batch "${eargs[@]}" \
+        --out "$OUT/offline-h200-8b-vs-hf-generate-batch.json" 2>&1 | grep -v "it/s" | tail -12 \
+        | tee -a "$OUT/offline_ab.txt" ;;
     offline8b_engine)
       # radixserve's half of offline8b alone (no HF), with the engine's step log
       python3 bench/offline.py --device cuda --preset llama-3.1-8b \

@@ -47,6 +47,7 @@ int main() {
     CK(cudaMalloc(&k, (per_layer * layers + HKV * D) * 2)); CK(cudaMalloc(&v, (per_layer * layers + HKV * D) * 2));
     CK(cudaMalloc(&q, (size_t)B * HQ * D * 2)); CK(cudaMalloc(&o, (size_t)B * HQ * D * 2));
     CK(cudaMalloc(&po, (size_t)B * HQ * 64 * D * 4)); CK(cudaMalloc(&pl, (size_t)B * HQ * 64 * 4));
+    int* ctr; CK(cudaMalloc(&ctr, (size_t)B * HKV * 4)); CK(cudaMemset(ctr, 0, (size_t)B * HKV * 4));
     gen<<<1024, 256, 0, st>>>(k, per_layer * layers + HKV * D, 2); gen<<<1024, 256, 0, st>>>(v, per_layer * layers + HKV * D, 3);
     gen<<<1024, 256, 0, st>>>(q, (int64_t)B * HQ * D, 1);
     std::vector<int32_t> hptr(B + 1), hidx(nnz * layers);
@@ -58,7 +59,7 @@ int main() {
     for (int mode = 0; mode < 2; ++mode) {
       const int64_t plan_nnz = mode == 0 ? nnz : (int64_t)B * 8192;
       DecodeParams p{};
-      p.q = q; p.k = k; p.v = v; p.out = o; p.part_o = po; p.part_lse = pl; p.kv_indptr = ptr;
+      p.q = q; p.k = k; p.v = v; p.out = o; p.part_o = po; p.part_lse = pl; p.split_counters = ctr; p.kv_indptr = ptr;
       p.q_stride_b = HQ * D; p.q_stride_h = D; p.kv_stride_slot = HKV * D; p.kv_stride_h = D;
       p.num_q_heads = HQ; p.num_kv_heads = HKV; p.group = HQ / HKV; p.num_sub = 1;
       p.num_splits = decode_num_splits(B, HKV, 1, plan_nnz, sms);
@@ -82,7 +83,7 @@ int main() {
              mode == 0 ? "eager" : "graph", p.num_splits, us, bytes / (us * 1e-6) / copy_bw, cs);
       CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
     }
-    CK(cudaFree(k)); CK(cudaFree(v)); CK(cudaFree(q)); CK(cudaFree(o)); CK(cudaFree(po)); CK(cudaFree(pl));
+    CK(cudaFree(k)); CK(cudaFree(v)); CK(cudaFree(q)); CK(cudaFree(o)); CK(cudaFree(po)); CK(cudaFree(pl)); CK(cudaFree(ctr));
     CK(cudaFree(ptr)); CK(cudaFree(idx));
   }
   return 0;

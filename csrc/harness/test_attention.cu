@@ -7,7 +7,8 @@
 // bf16 and fp16, head_dim 64 and 128, GQA groups 1 and 4, variable lengths (1 token up to a few
 // hundred, crossing the kernels' tile sizes), KV slots scattered through a larger pool, q as a
 // strided view of a fused qkv buffer (group 4), outputs poisoned with NaN and followed by a
-// guard region that must stay untouched. Tolerances are tests/gpu/test_attention.py's.
+// guard region that must stay untouched. Tolerances are tests/gpu/test_attention.py's. Decode
+// also runs twice per split count: the same bits, and the split counters left zero.
 //
 // Launch: through radixserve/attention_launch.cuh, the same launchers (split count, kernel choice,
 // grids) csrc/ops/attention.cu uses.
@@ -183,6 +184,10 @@ void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
   std::vector<int> split_counts = {heuristic};
   for (int s : {1, 5, 64})
     if (s != heuristic) split_counts.push_back(s);
+  // the last-CTA merge's arrival counters: zero once, and every launch must leave them zero
+  const size_t num_counters = (size_t)batch * hkv * num_sub;
+  hx::DeviceBuffer<int32_t> counters(num_counters);
+  HX_CHECK(cudaMemset(counters.ptr, 0, num_counters * sizeof(int32_t)));
   for (int splits : split_counts) {
     hx::DeviceBuffer<float> part_o((size_t)batch * hq * splits * D), part_lse((size_t)batch * hq * splits);
     part_o.poison(0xFF);
@@ -195,6 +200,7 @@ void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
     p.out = dout.ptr;
     p.part_o = splits > 1 ? part_o.ptr : nullptr;
     p.part_lse = splits > 1 ? part_lse.ptr : nullptr;
+    p.split_counters = splits > 1 ? counters.ptr : nullptr;
     p.kv_indptr = dindptr.ptr;
     p.kv_indices = dindices.ptr;
     p.q_stride_b = pr.q_stride_t;
@@ -213,7 +219,15 @@ void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
     char what[128];
     std::snprintf(what, sizeof what, "decode %s d%d hq%d/hkv%d%s splits=%d%s", H::kName, D, hq, hkv,
                   strided_q ? " strided-q" : "", splits, splits == heuristic ? " (ops' choice)" : "");
-    expect_close<H>(dout.download(), ref, what);
+    const std::vector<uint16_t> first = dout.download();
+    expect_close<H>(first, ref, what);
+    for (int32_t c : counters.download())
+      HX_EXPECT(c == 0, "%s: a split counter left at %d", what, c);
+    // again over the same counters: the same bits
+    dout.poison(0xFF);
+    HX_CHECK((attn::launch_paged_decode<T, D>(p, batch, nullptr)));
+    HX_CHECK(cudaDeviceSynchronize());
+    HX_EXPECT(dout.download() == first, "%s: a second launch wrote other bits", what);
   }
 }
 

@@ -1,15 +1,20 @@
 // paged_decode_attention and paged_extend_attention: input checks, dtype / head_dim dispatch,
 // launch on the current stream. Kernels live in include/radixserve/{decode,extend}_attention.cuh;
 // contracts in pysrc/radixserve/ops/__init__.py.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "ops/check.h"
 #include "ops/ops.h"
 #include "radixserve/attention_launch.cuh"
 
@@ -72,6 +77,38 @@ void dispatch_dtype_dim(at::ScalarType st, int64_t d, F&& f) {
   }
 }
 
+// Arrival counters of the split decode's last-CTA merge (DecodeParams::split_counters): int32,
+// one buffer per device, zero-initialised once (at::zeros) and left zero by every launch, so it
+// is reused without a memset, by eager launches and CUDA-graph replays alike. Grown (a new zeroed
+// buffer) when a launch needs more than it holds, but only outside a CUDA-graph capture: a
+// capture would record the growth's memset and bake in a pointer of its own. The eager warm-up
+// that precedes every capture (model/cuda_graph_runner.py runs each bucket twice on the capture
+// stream, largest bucket first; torch.cuda.graphs' recipe) grows it first; a capture that finds it
+// too small fails. An outgrown buffer is kept alive, not freed: graphs captured with its pointer
+// still replay into it. Launches of one device share the buffer: they must not run concurrently
+// (the decode path runs on one stream). The tensors are never destroyed (no teardown-order issue
+// with the caching allocator at exit).
+int* decode_split_counters(const at::Tensor& q, int64_t needed) {
+  static std::mutex mu;
+  static auto* buffers = new std::vector<at::Tensor>();  // [device index]
+  static auto* outgrown = new std::vector<at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mu);
+  const int dev = q.get_device();
+  if ((int)buffers->size() <= dev) buffers->resize(dev + 1);
+  at::Tensor& buf = (*buffers)[dev];
+  if (!buf.defined() || buf.numel() < needed) {
+    RS_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
+             "paged_decode_attention: the split counters of device ", (int64_t)dev, " hold ",
+             buf.defined() ? buf.numel() : (int64_t)0, " entries but this launch needs ", needed,
+             " (batch * num_kv_heads * q-head subgroups), and they cannot grow during CUDA graph "
+             "capture: run the same call eagerly once before capturing it");
+    if (buf.defined()) outgrown->push_back(buf);
+    const int64_t size = std::max<int64_t>(needed, buf.defined() ? 2 * buf.numel() : 1024);
+    buf = at::zeros({size}, q.options().dtype(at::kInt));
+  }
+  return buf.data_ptr<int32_t>();
+}
+
 // The wgmma extend kernel where attention_launch.cuh says it can run, unless
 // RADIXSERVE_EXTEND_KERNEL=mma forces the mma.sync kernel (for comparisons and tests).
 template <typename T, int D>
@@ -115,13 +152,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     part_lse = at::empty({batch, hq, num_splits}, q.options().dtype(at::kFloat));
   }
 
-  attn::DecodeParams p;
+  attn::DecodeParams p{};
   p.q = q.data_ptr();
   p.k = k_cache.data_ptr();
   p.v = v_cache.data_ptr();
   p.out = out.data_ptr();
   p.part_o = num_splits > 1 ? part_o.data_ptr<float>() : nullptr;
   p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
+  p.split_counters = num_splits > 1 ? decode_split_counters(q, batch * hkv * num_sub) : nullptr;
   p.kv_indptr = kv_indptr.data_ptr<int32_t>();
   p.kv_indices = kv_indices.data_ptr<int32_t>();
   p.q_stride_b = q.stride(0);

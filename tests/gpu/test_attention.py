@@ -343,3 +343,58 @@ def test_input_checks(which):
             torch.ops.radixserve.paged_extend_attention(q[:, :3], kc, kc, indptr, indptr, idx, 0.1)
         else:
             dec(q, kc, kc, indptr[:2], idx, 0.1)
+
+
+# ----------------------------------------------------------------------------- decode split merge
+
+
+@pytest.mark.parametrize("kv_lens", [[1000], [3000], [1000, 3000, 17]],
+                         ids=["b1_1000", "b1_3000", "b3"])
+@pytest.mark.parametrize("gqa", [(32, 8), (24, 2)], ids=lambda g: f"hq{g[0]}_hkv{g[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_split_merge_repeats(dtype, gqa, kv_lens):
+    """The split path merges in the kernel (the last CTA of a request's splits combines their
+    partials, through arrival counters every launch must leave zero): several splits per request
+    (64-token floor: 1000 and 3000 tokens), beside a one-split request (17 tokens) and, for
+    hq24/hkv2, two q-head subgroups per kv head. Two eager calls in a row give the same bits; a
+    captured graph replayed with new q gives the bits of a fresh eager call each time."""
+    hq, hkv = gqa
+    d = 128
+    batch = len(kv_lens)
+    gen = torch.Generator(device="cuda").manual_seed(41 + batch + hq)
+    k_cache, v_cache, kv_indptr, kv_indices = _pool(kv_lens, hkv, d, dtype, gen)
+    q = torch.randn(batch, hq, d, generator=gen, device="cuda").to(dtype)
+    scale = 1.0 / math.sqrt(d)
+
+    def call():
+        return ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, scale)
+
+    def reference():
+        return ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), kv_indptr,
+                                          kv_indices, scale)
+
+    _poison((batch, hq, d), dtype)
+    first = call()
+    _check(first, reference(), dtype)
+    _poison((batch, hq, d), dtype)
+    second = call()
+    torch.cuda.synchronize()
+    assert torch.equal(first, second), "a second launch wrote other bits (counters not reset?)"
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(3):
+        q.copy_(torch.randn(batch, hq, d, generator=gen, device="cuda").to(dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = call()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), "a replay differs from an eager call"
+        _check(out, reference(), dtype)

@@ -31,11 +31,16 @@ inline int decode_num_splits(int64_t batch, int hkv, int num_sub, int64_t nnz, i
   return decode_plan_splits(batch * hkv * num_sub, avg_len, sms, kDecodeMaxSplits);
 }
 
-// Launches decode (plus the merge of splits when p.num_splits > 1; then p.part_o
+// Launches decode: one kernel, which also merges the splits when p.num_splits > 1 (the last CTA
+// of each (request, kv head, q-head subgroup) to finish; decode_attention.cuh). Then p.part_o
 // [batch, num_q_heads, num_splits, D] and p.part_lse [batch, num_q_heads, num_splits] (float)
-// must be set). Grid: (num_splits * num_sub, num_kv_heads, batch).
+// and p.split_counters [batch * num_kv_heads * num_sub] (int32, zero; left zero) must be set.
+// Grid: (num_splits * num_sub, num_kv_heads, batch).
 template <typename T, int D>
 cudaError_t launch_paged_decode(const DecodeParams& p, int batch, cudaStream_t stream) {
+  if (p.num_splits > 1 &&
+      (p.part_o == nullptr || p.part_lse == nullptr || p.split_counters == nullptr))
+    return cudaErrorInvalidValue;
   const dim3 grid((unsigned)(p.num_splits * p.num_sub), (unsigned)p.num_kv_heads, (unsigned)batch);
   auto launch = [&](auto gm) -> cudaError_t {
     constexpr int G = decltype(gm)::value;
@@ -46,8 +51,6 @@ cudaError_t launch_paged_decode(const DecodeParams& p, int batch, cudaStream_t s
       err = set_max_dynamic_smem<kernel>(smem);
       if (err != cudaSuccess) return err;
       kernel<<<grid, kDecodeThreads, smem, stream>>>(p);
-      if ((err = cudaGetLastError()) != cudaSuccess) return err;
-      decode_merge_kernel<T, D><<<(unsigned)(batch * p.num_q_heads), kMergeThreads, 0, stream>>>(p);
     } else {
       constexpr auto kernel = paged_decode_kernel<T, D, G, false>;
       err = set_max_dynamic_smem<kernel>(smem);

@@ -14,15 +14,28 @@
 // Split plan (decode_active_splits): the grid has num_splits splits per (request, kv head), from
 // host-known shapes only, so the launch is graph-safe (under a CUDA graph num_splits comes from
 // the capture's upper bound of the lengths). Each request then uses only as many of them as its
-// real length and the batch's CTA count call for, computed on the device from kv_indptr by the
-// decode and the merge kernel alike. A request with one active split writes its output
-// directly; with more, every active split writes a normalised partial output and its
-// log2-sum-exp, and decode_merge_kernel combines the active ones. Inactive splits exit.
+// real length and the batch's CTA count call for, computed on the device from kv_indptr by every
+// CTA alike. A request with one active split writes its output directly; with more, every active
+// split writes a normalised partial output and its log2-sum-exp, and the last of them to finish
+// combines them all (below). Inactive splits exit.
+// Merge of the splits, in the kernel ("last CTA merges", the CUDA programming guide's
+// threadFenceReduction pattern): after writing its partials a CTA fences and bumps an arrival
+// counter of its (request, kv head, q-head subgroup) in p.split_counters; the CTA that sees all
+// the others arrived reads every active split's partials (L2 loads: they were written during this
+// kernel), combines them and writes the output, then resets the counter to zero, so every launch
+// (and every CUDA-graph replay) finds the counters zero without a memset. This replaced a second
+// kernel (decode_merge_kernel, one CTA per (request, q head)): its launch cost ~2.6-3 us per layer
+// at batch 1 on the H200 (2.0 us of kernel time per layer in
+// bench/results/decode-profile-h200-bs1.json, plus the launch gap), 32 launches per decode step.
+// The combine is the one that kernel did, with the same summation order, so outputs are unchanged.
+// No CTA waits for another: a CTA that is not the last exits, so nothing depends on which CTAs
+// are resident together.
 #pragma once
 
 #include <cstdint>
 
 #include "radixserve/attention_common.cuh"
+#include "radixserve/pdl.cuh"
 
 namespace radixserve {
 namespace attn {
@@ -32,8 +45,12 @@ struct DecodeParams {
   const void* k;      // [num_slots, num_kv_heads, D]
   const void* v;      // [num_slots, num_kv_heads, D]
   void* out;          // [batch, num_q_heads, D] contiguous
-  float* part_o;      // [batch, num_q_heads, num_splits, D] (num_splits > 1 only)
+  float* part_o;      // [batch, num_q_heads, num_splits, D] (num_splits > 1 only), 16-byte aligned
   float* part_lse;    // [batch, num_q_heads, num_splits], log2 domain
+  // [batch * num_kv_heads * num_sub] (num_splits > 1 only): arrival counters of the last-CTA
+  // merge. Zero before the first launch; every launch leaves it zero. Launches sharing it must
+  // not run concurrently (one stream, or otherwise ordered).
+  int* split_counters;
   const int32_t* kv_indptr;   // [batch + 1]
   const int32_t* kv_indices;  // [nnz]
   int64_t q_stride_b, q_stride_h;      // elements
@@ -68,7 +85,8 @@ __host__ __device__ __forceinline__ int decode_plan_splits(int64_t base_ctas, in
 }
 
 // The active splits of a request on the device: chunk tokens each (the last may be shorter);
-// n = ceil(kv_len / chunk) <= p.num_splits. Both kernels derive the same plan from kv_len.
+// n = ceil(kv_len / chunk) <= p.num_splits. Every CTA of a request derives the same plan from
+// kv_len: the last-CTA merge counts arrivals up to n.
 struct SplitPlan {
   int n, chunk;
 };
@@ -82,9 +100,102 @@ __device__ __forceinline__ SplitPlan decode_active_splits(const DecodeParams& p,
 // dynamic shared memory of paged_decode_kernel: [stages][unroll][k|v][threads] 16-byte vectors
 constexpr int kDecodeSmemBytes = kDecodeStages * kDecodeUnroll * 2 * kDecodeThreads * 16;
 
+// Combine the n > 1 active splits (decode_active_splits) of q heads qh0 .. qh0 + gcount - 1 of
+// request b, run by the last CTA to arrive (paged_decode_kernel): out = sum_s 2^(lse_s - M) o_s /
+// sum_s 2^(lse_s - M), M = max_s lse_s. A warp per q head computes the split weights, lane l
+// taking splits l, l + 32, ...: each group of 32 is summed by a butterfly and the groups in order,
+// then every thread sums 4 dims over the splits in split order (one fma chain per dim). This is
+// the order of the former decode_merge_kernel (a CTA per row, thread s holding split s's weight,
+// warp butterflies summed in warp order), so the outputs are bit for bit what it wrote.
+// The partials were written by other CTAs during this launch: they are read through L2 (__ldcg),
+// never the non-coherent path. smem: >= kGroupMax * (kDecodeMaxSplits + 1) floats, free to use
+// (a barrier separates the caller's last use of it from this).
+template <typename T, int D, int kGroupMax>
+__device__ __forceinline__ void decode_merge_splits(const DecodeParams& p, int b, int qh0,
+                                                    int gcount, int n, unsigned char* smem) {
+  constexpr int kWarps = kDecodeThreads / 32;
+  constexpr int kPerLane = kDecodeMaxSplits / 32;        // splits per lane
+  constexpr int kHeadsPerWarp = (kGroupMax + kWarps - 1) / kWarps;
+  constexpr int kVecs = D / 4;                            // float4 per row
+  constexpr int kBatch = 16;                              // part_o loads in flight per thread
+  static_assert(kDecodeMaxSplits % 32 == 0, "whole warps of split weights");
+  static_assert(kGroupMax * (kDecodeMaxSplits + 1) * 4 <= kDecodeSmemBytes, "merge smem");
+  auto w = reinterpret_cast<float (*)[kDecodeMaxSplits]>(smem);  // [kGroupMax][kDecodeMaxSplits]
+  float* inv = reinterpret_cast<float*>(smem) + kGroupMax * kDecodeMaxSplits;  // [kGroupMax]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t row0 = (int64_t)b * p.num_q_heads + qh0;  // row of head g: row0 + g
+
+  // split weights w[g][s] = 2^(lse_s - M) (0 past n and for lse_s = -inf), inv[g] = 1 / their sum
+  float l[kHeadsPerWarp][kPerLane];
+#pragma unroll
+  for (int i = 0; i < kHeadsPerWarp; ++i) {
+    const int g = warp + i * kWarps;
+    const float* lse = p.part_lse + (row0 + g) * p.num_splits;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int s = j * 32 + lane;
+      l[i][j] = g < gcount && s < n ? __ldcg(lse + s) : -INFINITY;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kHeadsPerWarp; ++i) {
+    const int g = warp + i * kWarps;
+    if (g >= gcount) break;  // warp-uniform; g only grows with i
+    float M = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) M = fmaxf(M, l[i][j]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    float den = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int s = j * 32 + lane;
+      // M = -inf: all 0
+      const float wt = (s < n && l[i][j] != -INFINITY) ? fast_exp2(l[i][j] - M) : 0.f;
+      w[g][s] = wt;
+      float r = wt;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) r += __shfl_xor_sync(0xffffffffu, r, off);
+      den += r;
+    }
+    if (lane == 0) inv[g] = den > 0.f ? 1.f / den : 0.f;
+  }
+  __syncthreads();
+
+  T* out = static_cast<T*>(p.out);
+  for (int e = tid; e < gcount * kVecs; e += kDecodeThreads) {
+    const int g = e / kVecs;
+    const int d = (e % kVecs) * 4;
+    const float4* po =
+        reinterpret_cast<const float4*>(p.part_o + (row0 + g) * p.num_splits * D + d);
+    float num[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s0 = 0; s0 < n; s0 += kBatch) {
+      float4 o[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i)
+        o[i] = s0 + i < n ? __ldcg(po + (int64_t)(s0 + i) * kVecs)
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (s0 + i < n) {
+          const float ws = w[g][s0 + i];
+          num[0] = fmaf(ws, o[i].x, num[0]);
+          num[1] = fmaf(ws, o[i].y, num[1]);
+          num[2] = fmaf(ws, o[i].z, num[2]);
+          num[3] = fmaf(ws, o[i].w, num[3]);
+        }
+      }
+    }
+    T* dst = out + (row0 + g) * D + d;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = TypeTraits<T>::from_float(num[i] * inv[g]);
+  }
+}
+
 template <typename T, int D, int kGroupMax, bool kSplit>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode_kernel(const DecodeParams p) {
+  pdl_launch_dependents();  // the o projection after attention may start streaming its weights
   constexpr int kLanes = D / 8;
   constexpr int kRows = kDecodeThreads / kLanes;
   constexpr int kUnroll = kDecodeUnroll;
@@ -116,6 +227,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   // capture, sized for the longest requests): splits past the request's plan exit here, and a
   // request planned as one split writes its output directly, as the unsplit kernel does.
   int lo = 0, hi = kv_len;
+  int n_active = 1;  // active splits of the request
   bool partial = false;
   if constexpr (kSplit) {
     const SplitPlan plan = decode_active_splits(p, gridDim.z, kv_len);
@@ -124,6 +236,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (split >= max(plan.n, 1)) return;
     lo = split * plan.chunk;
     hi = min(kv_len, lo + plan.chunk);
+    n_active = plan.n;
     partial = plan.n > 1;
   }
 
@@ -310,55 +423,26 @@ __global__ void __launch_bounds__(kDecodeThreads)
       out[((int64_t)b * p.num_q_heads + qh) * D + d] = TypeTraits<T>::from_float(o);
     }
   }
-}
 
-// Combine the active splits of a request (decode_active_splits; requests with one wrote their
-// output already): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M). The split weights are
-// computed once per row, in parallel, then every thread sums its dims over the splits.
-// grid: batch * num_q_heads, block: kMergeThreads (>= kDecodeMaxSplits).
-constexpr int kMergeThreads = 128;
-static_assert(kMergeThreads >= kDecodeMaxSplits, "one thread per split weight");
-
-template <typename T, int D>
-__global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(const DecodeParams p) {
-  __shared__ float w[kDecodeMaxSplits];
-  __shared__ float red[kMergeThreads / 32];
-  const int64_t row = blockIdx.x;  // b * num_q_heads + h
-  const int b = (int)(row / p.num_q_heads);
-  const int batch = (int)(gridDim.x / p.num_q_heads);
-  const int kv_len = p.kv_indptr[b + 1] - p.kv_indptr[b];
-  const int n = decode_active_splits(p, batch, kv_len).n;
-  if (n <= 1) return;  // block-uniform: written by the decode kernel
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float* lse = p.part_lse + row * p.num_splits;
-  const float l = tid < n ? lse[tid] : -INFINITY;
-  float M = l;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-  if (lane == 0) red[warp] = M;
-  __syncthreads();
-  M = red[0];
-#pragma unroll
-  for (int i = 1; i < kMergeThreads / 32; ++i) M = fmaxf(M, red[i]);
-  const float wt = (tid < n && l != -INFINITY) ? fast_exp2(l - M) : 0.f;  // M = -inf: all 0
-  if (tid < kDecodeMaxSplits) w[tid] = wt;
-  float den = wt;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
-  __syncthreads();  // red[] read above before it is reused
-  if (lane == 0) red[warp] = den;
-  __syncthreads();
-  den = 0.f;
-#pragma unroll
-  for (int i = 0; i < kMergeThreads / 32; ++i) den += red[i];
-  const float inv = den > 0.f ? 1.f / den : 0.f;
-  const float* po = p.part_o + row * p.num_splits * D;
-  T* out = static_cast<T*>(p.out) + row * D;
-  for (int d = tid; d < D; d += kMergeThreads) {
-    float num = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < n; ++s) num = fmaf(w[s], po[(int64_t)s * D + d], num);
-    out[d] = TypeTraits<T>::from_float(num * inv);
+  // ---- arrival: the last of the active splits of (b, kvh, sg) to get here merges them all
+  if constexpr (kSplit) {
+    if (!partial) return;  // uniform over the CTA
+    // every thread's partial writes (and sm_acc reads) before thread 0's release fence and the
+    // arrival; then thread 0's acquire fence and the barrier order the last CTA's reads of the
+    // other splits' partials after their writes (as in the threadFenceReduction sample)
+    __syncthreads();
+    bool last = false;
+    if (tid == 0) {
+      int* counter = p.split_counters + ((int64_t)b * p.num_kv_heads + kvh) * p.num_sub + sg;
+      __threadfence();
+      last = atomicAdd(counter, 1) == n_active - 1;
+      if (last) {
+        *counter = 0;  // all n_active arrived: no CTA of this launch touches it again
+        __threadfence();
+      }
+    }
+    if (!__syncthreads_or(last)) return;  // uniform: broadcasts thread 0's answer
+    decode_merge_splits<T, D, kGroupMax>(p, b, qh0, gcount, n_active, decode_smem);
   }
 }
 

@@ -127,6 +127,9 @@ __device__ __forceinline__ float block_sum(float x, float* red /* [32] shared */
 // to bf16/fp16; only x (the normalised output, a GEMM input) is. A thread handles the same N
 // elements of x and of the residual (N = 16 bytes of T), i.e. 16 * sizeof(R) / sizeof(T) bytes
 // of the residual on the vector path.
+//
+// The norm itself is launched plainly: launched with PDL (its weight loaded before waiting for
+// x's producer) a batch-1 decode step took 4.63 ms instead of 4.43 on the H200.
 
 template <typename T, bool VEC, int THREADS, bool FUSED_ADD, typename R>
 __global__ void __launch_bounds__(THREADS) rms_norm_kernel(T* out, int64_t out_stride,
