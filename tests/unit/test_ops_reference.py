@@ -274,11 +274,7 @@ def test_skinny_linear_never_fits_off_the_kernel_path():
     x = torch.randn(1, 64, dtype=torch.bfloat16)
     w = torch.randn(32, 64, dtype=torch.bfloat16)
     assert not ops.skinny_linear_fits(x, w)
-    torch.testing.assert_close(ops.skinny_linear(x, w), F_linear(x, w))
-
-
-def F_linear(x, w):
-    return torch.nn.functional.linear(x, w)
+    torch.testing.assert_close(ops.skinny_linear(x, w), torch.nn.functional.linear(x, w))
 
 
 def test_rotary_embedding_store_kv_equals_the_two_ops():
@@ -301,4 +297,4 @@ def test_rotary_embedding_store_kv_equals_the_two_ops():
     ops.rotary_embedding_store_kv(positions, q, k, v, cache, k_cache, v_cache, slots)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
-    assert not torch.equal(k_cache[4], v[0].clone().zero_()), "nothing was stored"
+    assert k_cache[4].abs().sum() > 0 and v_cache[7].abs().sum() > 0, "nothing was stored"
