@@ -55,6 +55,14 @@ def streamed_weight_bytes(model) -> int:
     return total
 
 
+def unfuse_norms():
+    """Every decoder block runs its pre-norms as separate kernels (the A/B of the batch-1
+    fusion, model/llama.py: LlamaDecoderLayer.norms_fuse)."""
+    from radixserve.model import llama
+
+    llama.LlamaDecoderLayer.norms_fuse = lambda self, hidden, residual: False
+
+
 def make_scheduler(model_dir, args, serial, model=None):
     from radixserve.config import ModelConfig, ServerArgs
     from radixserve.engine.scheduler import Scheduler
@@ -64,7 +72,9 @@ def make_scheduler(model_dir, args, serial, model=None):
     sa = ServerArgs(model_path=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
                     max_total_tokens=max_bs * (args.prompt_len + args.steps + 64) + 1024,
                     max_running_requests=max_bs, context_length=args.prompt_len + 4096,
-                    disable_overlap_schedule=serial, chunked_prefill_size=8192)
+                    disable_overlap_schedule=serial,
+                    chunked_prefill_size=getattr(args, "chunked_prefill_size", 8192),
+                    max_prefill_tokens=getattr(args, "max_prefill_tokens", 16384))
     runner = ModelRunner(sa, ModelConfig.from_path(model_dir), model_dir,
                          context_len=sa.context_length, model=model)
     return Scheduler(sa, runner)
@@ -113,9 +123,15 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--modes", default="overlap,no-overlap",
+                   help="comma-separated: overlap (the default loop), no-overlap (serial)")
+    p.add_argument("--no-fused-norms", action="store_true",
+                   help="A/B: batch-1 blocks run their norms as separate kernels")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    if args.no_fused_norms:
+        unfuse_norms()
     from presets import build_preset
 
     model_dir = build_preset(args.preset, os.path.join(tempfile.gettempdir(),
@@ -123,7 +139,7 @@ def main(argv=None):
     bw = copy_bandwidth(torch.device("cuda"))
     results = {}
     first = None
-    for serial in (False, True):
+    for serial in [m == "no-overlap" for m in args.modes.split(",")]:
         name = "no-overlap" if serial else "overlap"
         sched = make_scheduler(model_dir, args, serial, model=first)
         first = sched.runner.model if first is None else first

@@ -184,6 +184,13 @@ for stage in "$@"; do
         python3 bench/decode_profile.py --batch-size 1 --prompt-len $len \
           --out "$OUT/decode-profile-h200-bs1-ctx$len.json" 2>&1 | tail -40 | tee "$OUT/profile-$len.txt"
       done ;;
+    profile8b)
+      # offline8b's two phases, kernel by kernel: a prefill of 32 x 1024 and decode at 256 x 1024
+      python3 bench/decode_profile.py --phase prefill --batch-size 32 --prompt-len 1024 \
+        --out "$OUT/prefill-profile-h200-bs32-len1024.json" 2>&1 | tail -60 | tee "$OUT/profile-prefill.txt"
+      python3 bench/decode_profile.py --batch-size 256 --prompt-len 1024 --steps 5 --warmup 2 \
+        --no-linear-bandwidth --out "$OUT/decode-profile-h200-bs256-ctx1024.json" 2>&1 | tail -60 \
+        | tee "$OUT/profile-bs256.txt" ;;
     offline8b_ab)
       # offline8b's engine alone under each setting of $OFFLINE_AB (';'-separated, each a
       # space-separated list of NAME=VALUE engine args; the defaults first), then the full
