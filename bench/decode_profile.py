@@ -21,8 +21,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_steps import (copy_bandwidth, make_scheduler, streamed_weight_bytes,  # noqa: E402
-                          unfuse_norms)
+from decode_steps import copy_bandwidth, make_scheduler, streamed_weight_bytes  # noqa: E402
 
 GROUPS = [("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitk", "cublas")),
           ("attention", ("decode_attention", "paged_decode", "extend", "attn", "flash")),
@@ -166,7 +165,10 @@ def profile_prefill(sched, args):
 
 
 def profile_decode(sched, args, bw):
-    n_new = args.steps + args.warmup + 8
+    # decode steps run between the prefill chunks too: the first requests must not finish
+    # before the last one is in (the loop below waits for all of them)
+    prefill_steps = -(-args.batch_size * args.prompt_len // args.chunked_prefill_size) + 2
+    n_new = args.steps + args.warmup + 8 + prefill_steps
     add_prompts(sched, args, n_new)
     while len(sched.running) < args.batch_size:
         sched.step()
@@ -208,13 +210,10 @@ def main(argv=None):
     p.add_argument("--max-prefill-tokens", type=int, default=16384)
     p.add_argument("--no-linear-bandwidth", dest="linear_bandwidth", action="store_false",
                    help="decode: skip the per-shape cuBLAS / skinny GEMM timings")
-    p.add_argument("--no-fused-norms", action="store_true",
-                   help="batch-1 blocks run their norms as separate kernels (A/B)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.batch_sizes = [args.batch_size]
-    if args.no_fused_norms:
-        unfuse_norms()
+
     from radixserve.bench.presets import build_preset
 
     model_dir = build_preset(args.preset, os.path.join(tempfile.gettempdir(), f"preset-{args.preset}"))

@@ -55,14 +55,6 @@ def streamed_weight_bytes(model) -> int:
     return total
 
 
-def unfuse_norms():
-    """Every decoder block runs its pre-norms as separate kernels (the A/B of the batch-1
-    fusion, model/llama.py: LlamaDecoderLayer.norms_fuse)."""
-    from radixserve.model import llama
-
-    llama.LlamaDecoderLayer.norms_fuse = lambda self, hidden, residual: False
-
-
 def make_scheduler(model_dir, args, serial, model=None):
     from radixserve.config import ModelConfig, ServerArgs
     from radixserve.engine.scheduler import Scheduler
@@ -125,13 +117,10 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--modes", default="overlap,no-overlap",
                    help="comma-separated: overlap (the default loop), no-overlap (serial)")
-    p.add_argument("--no-fused-norms", action="store_true",
-                   help="A/B: batch-1 blocks run their norms as separate kernels")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    if args.no_fused_norms:
-        unfuse_norms()
+
     from presets import build_preset
 
     model_dir = build_preset(args.preset, os.path.join(tempfile.gettempdir(),

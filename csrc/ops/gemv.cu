@@ -2,7 +2,6 @@
 // Kernel: csrc/include/radixserve/gemv.cuh. Contract: pysrc/radixserve/ops/__init__.py.
 #include <optional>
 #include <string>
-#include <tuple>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -43,58 +42,6 @@ void check_skinny_inputs(const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-gemv::SkinnyParams skinny_params(const at::Tensor& x, const at::Tensor& weight,
-                                 const std::optional<at::Tensor>& bias, bool gated,
-                                 const at::Tensor& out) {
-  gemv::SkinnyParams p{};
-  p.x = x.data_ptr();
-  p.x_stride = x.stride(0);
-  p.w = weight.data_ptr();
-  p.bias = bias ? bias->data_ptr() : nullptr;
-  p.out = out.data_ptr();
-  p.out_stride = out.stride(0);
-  p.m = static_cast<int>(x.size(0));
-  p.n = gated ? weight.size(0) / 2 : weight.size(0);
-  p.k = x.size(1);
-  p.pdl = at::cuda::getCurrentDeviceProperties()->major >= 9;
-  return p;
-}
-
-template <bool NORM>
-void launch_skinny(const at::Tensor& x, bool gated, const gemv::SkinnyParams& p, const char* what) {
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  cudaError_t err;
-  if (x.scalar_type() == at::kBFloat16)
-    err = gated ? gemv::launch_skinny_gemm<__nv_bfloat16, true, NORM>(p, stream)
-                : gemv::launch_skinny_gemm<__nv_bfloat16, false, NORM>(p, stream);
-  else
-    err = gated ? gemv::launch_skinny_gemm<__half, true, NORM>(p, stream)
-                : gemv::launch_skinny_gemm<__half, false, NORM>(p, stream);
-  RS_CHECK(err == cudaSuccess, what, " launch failed: ", cudaGetErrorString(err));
-}
-
-void check_norm_inputs(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                       const at::Tensor& norm_weight) {
-  const int64_t m = x.size(0), k = x.size(1);
-  RS_CHECK(k <= 8 * gemv::kNormMaxChunks, "skinny_norm_linear takes rows of at most ",
-           8 * gemv::kNormMaxChunks, " elements, got ", k);
-  RS_CHECK(norm_weight.is_cuda() && norm_weight.device() == x.device() &&
-               norm_weight.scalar_type() == x.scalar_type(),
-           "norm_weight must be a CUDA tensor of x's device and dtype");
-  RS_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == k && norm_weight.is_contiguous() &&
-               aligned16(norm_weight.data_ptr()),
-           "norm_weight must be contiguous [", k, "] and 16-byte aligned");
-  if (residual) {
-    RS_CHECK(residual->is_cuda() && residual->device() == x.device() &&
-                 residual->scalar_type() == at::kFloat,
-             "residual must be a float32 CUDA tensor on x's device");
-    RS_CHECK(residual->dim() == 2 && residual->size(0) == m && residual->size(1) == k,
-             "residual must be [", m, ", ", k, "], got ", residual->sizes());
-    RS_CHECK(residual->stride(1) == 1 && residual->stride(0) % 4 == 0 && aligned16(residual->data_ptr()),
-             "residual rows must be contiguous and start at 16-byte boundaries");
-  }
-}
-
 }  // namespace
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -103,28 +50,27 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = gated ? weight.size(0) / 2 : weight.size(0);
   auto out = at::empty({x.size(0), n}, x.options());  // [m, n]
-  launch_skinny<false>(x, gated, skinny_params(x, weight, bias, gated, out), "skinny_linear");
+  gemv::SkinnyParams p;
+  p.x = x.data_ptr();
+  p.x_stride = x.stride(0);
+  p.w = weight.data_ptr();
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.out_stride = out.stride(0);
+  p.m = static_cast<int>(x.size(0));
+  p.n = n;
+  p.k = x.size(1);
+  p.pdl = at::cuda::getCurrentDeviceProperties()->major >= 9;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  if (x.scalar_type() == at::kBFloat16)
+    err = gated ? gemv::launch_skinny_gemm<__nv_bfloat16, true>(p, stream)
+                : gemv::launch_skinny_gemm<__nv_bfloat16, false>(p, stream);
+  else
+    err = gated ? gemv::launch_skinny_gemm<__half, true>(p, stream)
+                : gemv::launch_skinny_gemm<__half, false>(p, stream);
+  RS_CHECK(err == cudaSuccess, "skinny_linear launch failed: ", cudaGetErrorString(err));
   return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> skinny_norm_linear(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& norm_weight,
-    double eps, const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool gated) {
-  check_skinny_inputs(x, weight, bias, gated);
-  check_norm_inputs(x, residual, norm_weight);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t n = gated ? weight.size(0) / 2 : weight.size(0);
-  auto out = at::empty({x.size(0), n}, x.options());                       // [m, n]
-  auto residual_out = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));  // [m, k]
-  gemv::SkinnyParams p = skinny_params(x, weight, bias, gated, out);
-  p.residual = residual ? residual->data_ptr<float>() : nullptr;
-  p.res_stride = residual ? residual->stride(0) : 0;
-  p.residual_out = residual_out.data_ptr<float>();
-  p.norm_weight = norm_weight.data_ptr();
-  p.eps = static_cast<float>(eps);
-  p.norm_threads = gemv::norm_reduce_threads(p.k / 8);
-  launch_skinny<true>(x, gated, p, "skinny_norm_linear");
-  return {out, residual_out};
 }
 
 }  // namespace radixserve

@@ -9,8 +9,7 @@ import torch
 from radixserve.ops import reference as ref
 
 ALL_OPS = ["store_kv", "build_kv_indices", "paged_decode_attention", "paged_extend_attention",
-           "bitmask_sample", "argmax_rows", "skinny_linear", "skinny_norm_linear", "rms_norm",
-           "fused_add_rms_norm",
+           "bitmask_sample", "argmax_rows", "skinny_linear", "rms_norm", "fused_add_rms_norm",
            "rotary_embedding", "rotary_embedding_store_kv", "silu_and_mul"]
 
 
@@ -276,32 +275,6 @@ def test_skinny_linear_never_fits_off_the_kernel_path():
     w = torch.randn(32, 64, dtype=torch.bfloat16)
     assert not ops.skinny_linear_fits(x, w)
     torch.testing.assert_close(ops.skinny_linear(x, w), torch.nn.functional.linear(x, w))
-
-
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_skinny_norm_linear_is_the_pre_norm_then_the_projection(with_residual):
-    # the decoder block's pre-norm (fused_add_rms_norm; rms_norm without a residual) then the
-    # projection, computed from scratch here; nothing modified in place
-    g = torch.Generator().manual_seed(8)
-    h = torch.randn(2, 16, generator=g).bfloat16()
-    residual = 3 * torch.randn(2, 16, generator=g) if with_residual else None
-    gamma = (torch.rand(16, generator=g) + 0.5).bfloat16()
-    w = torch.randn(12, 16, generator=g).bfloat16()
-    h_before = h.clone()
-    s_want = h.float() + (residual if with_residual else 0.0)
-    normed = (s_want * torch.rsqrt(s_want.pow(2).mean(-1, keepdim=True) + 1e-5)
-              * gamma.float()).bfloat16()
-    for gated in (False, True):
-        out, s = ref.skinny_norm_linear(h, residual, gamma, 1e-5, w, None, gated)
-        proj = torch.nn.functional.linear(normed, w)
-        want = ref.silu_and_mul(proj) if gated else proj
-        assert s.dtype == torch.float32 and torch.equal(s, s_want)
-        torch.testing.assert_close(out, want, atol=0, rtol=0)
-    assert torch.equal(h, h_before)
-    from radixserve import ops                    # the seam takes the reference on the CPU
-    assert not ops.skinny_norm_linear_fits(h, residual, gamma, w)
-    out, s = ops.skinny_norm_linear(h, residual, gamma, 1e-5, w)
-    assert torch.equal(out, torch.nn.functional.linear(normed, w)) and torch.equal(s, s_want)
 
 
 def test_rotary_embedding_store_kv_equals_the_two_ops():

@@ -10,7 +10,7 @@ int32 or int64. Naming: *_indptr has length batch + 1; *_indices are KV pool slo
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -193,48 +193,6 @@ def skinny_gated_linear(x: torch.Tensor, weight: torch.Tensor,
     if skinny_linear_fits(x, weight) and weight.shape[0] % 2 == 0:
         return torch.ops.radixserve.skinny_linear(x, weight, bias, True)
     return ref.skinny_gated_linear(x, weight, bias)
-
-
-# The normalised row of skinny_norm_linear lives in each CTA's shared memory: 1024 chunks of 8.
-SKINNY_NORM_MAX_K = 8192
-
-
-def skinny_norm_linear_fits(x: torch.Tensor, residual: Optional[torch.Tensor],
-                            norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether skinny_norm_linear runs the kernel: skinny_linear_fits(x, weight), k at most
-    SKINNY_NORM_MAX_K, norm_weight [k] contiguous, 16-byte aligned, of x's dtype and device, and
-    residual None or float32 [m, k] with contiguous, 16-byte aligned rows."""
-    k = x.shape[-1]
-    return (skinny_linear_fits(x, weight) and k <= SKINNY_NORM_MAX_K
-            and norm_weight.is_cuda and norm_weight.device == x.device
-            and norm_weight.dtype == x.dtype and tuple(norm_weight.shape) == (k,)
-            and norm_weight.is_contiguous() and norm_weight.data_ptr() % 16 == 0
-            and (residual is None
-                 or (residual.is_cuda and residual.device == x.device
-                     and residual.dtype == torch.float32 and residual.shape == x.shape
-                     and residual.stride(1) == 1 and residual.stride(0) % 4 == 0
-                     and residual.data_ptr() % 16 == 0)))
-
-
-def skinny_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
-                       eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                       gated: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A decoder block's pre-norm and the projection after it, for a few rows, in one kernel:
-
-        s   = x + residual in float32 (x alone when residual is None)        [m, k] float32
-        out = skinny_linear(rms_norm(s) * norm_weight in x's dtype, weight, bias)
-              (gated: skinny_gated_linear of it)                             [m, n]
-    -> (out, s). x [m, k] is the block output (bf16/fp16), residual [m, k] float32 or None,
-    norm_weight [k]. Nothing is modified in place: s is a new tensor, the next block's residual.
-    On the kernel path (skinny_norm_linear_fits) the normalised rows are bit-identical to what
-    fused_add_rms_norm (rms_norm when residual is None) writes, so out equals that op followed
-    by skinny_linear / skinny_gated_linear bit for bit."""
-    if skinny_norm_linear_fits(x, residual, norm_weight, weight) and (
-            not gated or weight.shape[0] % 2 == 0):
-        out, s = torch.ops.radixserve.skinny_norm_linear(x, residual, norm_weight, eps, weight,
-                                                         bias, gated)
-        return out, s
-    return ref.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias, gated)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

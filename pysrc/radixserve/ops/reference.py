@@ -6,7 +6,7 @@ contracts are documented once, in radixserve/ops/__init__.py.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -253,13 +253,3 @@ def skinny_gated_linear(x: torch.Tensor, weight: torch.Tensor,
                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     # x: [m, k], weight: [2 * inter, k] -> [m, inter]
     return silu_and_mul(F.linear(x, weight, bias))
-
-
-def skinny_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
-                       eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                       gated: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    # x: [m, k] block output, residual: [m, k] float32 or None -> (out [m, n], s [m, k] float32)
-    s = x.float() if residual is None else x.float() + residual.float()
-    normed = rms_norm(s, norm_weight, eps).to(x.dtype)
-    out = skinny_gated_linear(normed, weight, bias) if gated else skinny_linear(normed, weight, bias)
-    return out, s
