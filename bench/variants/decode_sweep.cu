@@ -8,32 +8,14 @@
 #include <cstring>
 #include <vector>
 #include "radixserve/attention_launch.cuh"
+#include "sweep_common.cuh"
 using namespace radixserve::attn;
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(2);} } while (0)
-
-__global__ void gen(__nv_bfloat16* x, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed; h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
-    x[i] = __float2bfloat16(((h & 0xffff) / 65536.f - 0.5f) * 3.f);
-  }
-}
-__global__ void copy_kernel(const float4* a, float4* b, int64_t n) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) b[i] = a[i];
-}
-
 int main() {
   const int HQ = 32, HKV = 8, D = 128, kLayers = 32;
   int sms = 0; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-  // copy bandwidth (read + write) of 2 x 1 GiB
-  float4 *ca, *cb; const int64_t cn = (1ll << 30) / 16;
-  CK(cudaMalloc(&ca, cn * 16)); CK(cudaMalloc(&cb, cn * 16));
-  copy_kernel<<<sms * 8, 512, 0, st>>>(ca, cb, cn);
-  CK(cudaEventRecord(e0, st)); for (int i = 0; i < 10; ++i) copy_kernel<<<sms * 8, 512, 0, st>>>(ca, cb, cn);
-  CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
-  float cms; cudaEventElapsedTime(&cms, e0, e1); const double copy_bw = 2.0 * cn * 16 * 10 / (cms * 1e-3);
-  CK(cudaFree(ca)); CK(cudaFree(cb));
+  const double copy_bw = copy_bandwidth(st);
   printf("%-10s copy %.2f TB/s\n", VARIANT, copy_bw / 1e12);
 
   const int shapes[][2] = {{1, 128}, {1, 512}, {1, 1024}, {1, 2048}, {4, 1024}, {8, 128}, {8, 1024},

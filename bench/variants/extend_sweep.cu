@@ -4,11 +4,12 @@
 #include <cstdio>
 #include <vector>
 #include "radixserve/attention_launch.cuh"
+#include "sweep_common.cuh"
 using namespace radixserve::attn;
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(2);} } while (0)
-__global__ void gen(__nv_bfloat16* x, int64_t n, uint32_t seed) {
+// the inputs: sweep_common.cuh's uniform values, or standard normal ones with -DNORMAL
+__global__ void gen_input(__nv_bfloat16* x, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed; h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
+    const uint32_t h = sweep_hash(i, seed);
 #ifdef NORMAL
     uint32_t h2 = h * 0x9E3779B1u ^ 0x85EBCA6Bu; h2 ^= h2 >> 16;
     const float u1 = ((h >> 8) + 1) * (1.f / 16777217.f), u2 = (h2 >> 8) * (1.f / 16777216.f);
@@ -23,7 +24,7 @@ int main() {
   __nv_bfloat16 *q, *k, *v, *o; int32_t *qo, *kv, *idx;
   CK(cudaMalloc(&q, (size_t)S * H * D * 2)); CK(cudaMalloc(&k, (size_t)(S + 1) * H * D * 2));
   CK(cudaMalloc(&v, (size_t)(S + 1) * H * D * 2)); CK(cudaMalloc(&o, (size_t)S * H * D * 2));
-  gen<<<1024, 256>>>(q, (int64_t)S * H * D, 1); gen<<<1024, 256>>>(k, (int64_t)(S + 1) * H * D, 2); gen<<<1024, 256>>>(v, (int64_t)(S + 1) * H * D, 3);
+  gen_input<<<1024, 256>>>(q, (int64_t)S * H * D, 1); gen_input<<<1024, 256>>>(k, (int64_t)(S + 1) * H * D, 2); gen_input<<<1024, 256>>>(v, (int64_t)(S + 1) * H * D, 3);
   std::vector<int32_t> hind(S); for (int i = 0; i < S; ++i) hind[i] = i + 1;
   int32_t hptr[2] = {0, S};
   CK(cudaMalloc(&qo, 8)); CK(cudaMalloc(&kv, 8)); CK(cudaMalloc(&idx, S * 4));

@@ -4,10 +4,10 @@
 #include <vector>
 #include <random>
 #include "radixserve/sampling.cuh"
+#include "sweep_common.cuh"
 using namespace radixserve::sampling;
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(2);} } while (0)
 
-__global__ void gen(float* x, int64_t n, uint32_t seed) {
+__global__ void gen_logits(float* x, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     uint32_t c[4] = {(uint32_t)i, (uint32_t)(i >> 32), 1u, 2u};
     philox4x32_10(seed, 7u, c);
@@ -41,7 +41,7 @@ int main() {
   CK(cudaMalloc(&logits, B * V * 4)); CK(cudaMalloc(&mask, B * W * 4));
   CK(cudaMalloc(&temp, B * 4)); CK(cudaMalloc(&topp, B * 4)); CK(cudaMalloc(&minp, B * 4)); CK(cudaMalloc(&topk, B * 4));
   CK(cudaMalloc(&seeds, B * 8)); CK(cudaMalloc(&offs, B * 8)); CK(cudaMalloc(&ids, B * 8)); CK(cudaMalloc(&outlp, B * 4)); CK(cudaMalloc(&acc, 4));
-  gen<<<1024, 256>>>(logits, B * V, 1234u); genmask<<<256, 256>>>(mask, B * W);
+  gen_logits<<<1024, 256>>>(logits, B * V, 1234u); genmask<<<256, 256>>>(mask, B * W);
   std::vector<int64_t> hs(B), ho(B, 0); for (int i = 0; i < B; ++i) hs[i] = i;
   CK(cudaMemcpy(seeds, hs.data(), B * 8, cudaMemcpyHostToDevice)); CK(cudaMemcpy(offs, ho.data(), B * 8, cudaMemcpyHostToDevice));
   cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);

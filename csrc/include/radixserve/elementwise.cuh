@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "radixserve/kv.cuh"
 #include "radixserve/pdl.cuh"
 
 namespace radixserve {
@@ -329,22 +330,10 @@ __global__ void rotary_store_kv_kernel(RotaryParams p, KvRowTarget kv) {
   __syncthreads();  // the rotated k rows of this token are visible to every thread of the CTA
   const int64_t slot = static_cast<int64_t>(static_cast<const IdxT*>(kv.slot_indices)[t]);
   if (slot < 0 || slot >= kv.num_slots) return;
-  const T* ks = static_cast<const T*>(p.k) + t * p.k_stride_t;
-  const T* vs = static_cast<const T*>(kv.v) + t * kv.v_stride;
-  T* kd = static_cast<T*>(kv.k_cache) + slot * kv.row_elems;
-  T* vd = static_cast<T*>(kv.v_cache) + slot * kv.row_elems;
-  if constexpr (VEC) {
-    const int64_t words = kv.row_elems * (int64_t)sizeof(T) / 16;
-    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) {
-      reinterpret_cast<uint4*>(kd)[i] = reinterpret_cast<const uint4*>(ks)[i];
-      reinterpret_cast<uint4*>(vd)[i] = reinterpret_cast<const uint4*>(vs)[i];
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < kv.row_elems; i += blockDim.x) {
-      kd[i] = ks[i];
-      vd[i] = vs[i];
-    }
-  }
+  kv::copy_kv_row<T, VEC>(static_cast<T*>(kv.k_cache) + slot * kv.row_elems,
+                          static_cast<T*>(kv.v_cache) + slot * kv.row_elems,
+                          static_cast<const T*>(p.k) + t * p.k_stride_t,
+                          static_cast<const T*>(kv.v) + t * kv.v_stride, kv.row_elems);
 }
 
 template <typename T>

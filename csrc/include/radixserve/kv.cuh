@@ -31,18 +31,14 @@ struct StoreKvParams {
   int64_t v_stride;
 };
 
-template <typename T, typename IdxT, bool VEC16>
-__global__ void store_kv_kernel(StoreKvParams p) {
-  const int64_t t = blockIdx.x * (int64_t)blockDim.y + threadIdx.y;
-  if (t >= p.num_tokens) return;
-  const int64_t slot = static_cast<int64_t>(static_cast<const IdxT*>(p.slot_indices)[t]);
-  if (slot < 0 || slot >= p.num_slots) return;
-  const T* ks = static_cast<const T*>(p.k) + t * p.k_stride;
-  const T* vs = static_cast<const T*>(p.v) + t * p.v_stride;
-  T* kd = static_cast<T*>(p.k_cache) + slot * p.row_elems;
-  T* vd = static_cast<T*>(p.v_cache) + slot * p.row_elems;
+// One token's k row and v row into their pool rows kd / vd, thread threadIdx.x of blockDim.x
+// taking every blockDim.x-th 16-byte word (VEC16: every row start 16-byte aligned) or element.
+// Shared by store_kv_kernel and rotary_store_kv_kernel (elementwise.cuh).
+template <typename T, bool VEC16>
+__device__ __forceinline__ void copy_kv_row(T* kd, T* vd, const T* ks, const T* vs,
+                                            int64_t row_elems) {
   if constexpr (VEC16) {
-    const int64_t words = p.row_elems * (int64_t)sizeof(T) / 16;
+    const int64_t words = row_elems * (int64_t)sizeof(T) / 16;
     const uint4* ks4 = reinterpret_cast<const uint4*>(ks);
     const uint4* vs4 = reinterpret_cast<const uint4*>(vs);
     uint4* kd4 = reinterpret_cast<uint4*>(kd);
@@ -54,11 +50,23 @@ __global__ void store_kv_kernel(StoreKvParams p) {
       vd4[i] = b;
     }
   } else {
-    for (int64_t i = threadIdx.x; i < p.row_elems; i += blockDim.x) {
+    for (int64_t i = threadIdx.x; i < row_elems; i += blockDim.x) {
       kd[i] = ks[i];
       vd[i] = vs[i];
     }
   }
+}
+
+template <typename T, typename IdxT, bool VEC16>
+__global__ void store_kv_kernel(StoreKvParams p) {
+  const int64_t t = blockIdx.x * (int64_t)blockDim.y + threadIdx.y;
+  if (t >= p.num_tokens) return;
+  const int64_t slot = static_cast<int64_t>(static_cast<const IdxT*>(p.slot_indices)[t]);
+  if (slot < 0 || slot >= p.num_slots) return;
+  copy_kv_row<T, VEC16>(static_cast<T*>(p.k_cache) + slot * p.row_elems,
+                        static_cast<T*>(p.v_cache) + slot * p.row_elems,
+                        static_cast<const T*>(p.k) + t * p.k_stride,
+                        static_cast<const T*>(p.v) + t * p.v_stride, p.row_elems);
 }
 
 // Threads along a row (x) and tokens per CTA (y), chosen so that one CTA moves >= ~4 KB.
