@@ -36,6 +36,11 @@ def test_engine_only_run_records_its_engine_args(tmp_path):
     assert r["engine_args"] == {"enable_mixed_chunk": True, "chunked_prefill_size": 4}
     assert r["radixserve_tok_per_s"] > 0 and r["radixserve_s"] > 0
     assert r["hf_tok_per_s"] is None and r["ratio"] is None
+    # where the time went: 16 prompt tokens in chunks of at most 4 are at least 4 extend steps,
+    # and the steps' device seconds (the worker thread's, on the CPU) fit inside the wall time
+    steps = r["radixserve_steps"]
+    assert steps["prefill_steps"] >= 4 and steps["extend_device_s"] > 0
+    assert 0 < steps["device_busy"] <= 1.0
 
 
 def test_an_unknown_engine_arg_reaches_the_engine_and_is_refused():

@@ -34,7 +34,18 @@ def make_prompts(num: int, length: int, vocab: int, seed: int):
     return [[rng.randrange(256, vocab) for _ in range(length)] for _ in range(num)]
 
 
+def _step_totals(sched) -> dict:
+    """The scheduler's running totals that say where the engine's time went: device seconds of
+    decode steps and of extend (prefill) steps, and how many of each ran."""
+    return {"decode_device_s": sched.device_time_by_kind["decode"],
+            "extend_device_s": sched.device_time_by_kind["extend"],
+            "decode_steps": sched.counters["num_decode_steps"],
+            "prefill_steps": sched.counters["num_prefill_steps"]}
+
+
 def run_engine(args, prompts):
+    """The engine's timed generate of every prompt (after a short warm-up) -> (seconds, output
+    ids, model path, the steps' totals over the timed run: _step_totals and device_busy)."""
     total = args.num_prompts * (args.input_len + args.output_len) + 1024
     overrides = dict(device=args.device, load_format=args.load_format, max_total_tokens=total,
                      max_running_requests=max(args.num_prompts, 1))
@@ -50,10 +61,15 @@ def run_engine(args, prompts):
         sp = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
         engine.generate(input_ids=[p[:8] for p in prompts[:2]],
                         sampling_params={**sp, "max_new_tokens": 4})          # warm-up
-        engine.async_engine.scheduler.flush_cache()
+        sched = engine.async_engine.scheduler
+        sched.flush_cache()
+        before = _step_totals(sched)
         start = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=sp)
         elapsed = time.perf_counter() - start
+        steps = {k: round(v - before[k], 3) for k, v in _step_totals(sched).items()}
+        steps["device_busy"] = round((steps["decode_device_s"] + steps["extend_device_s"])
+                                     / elapsed, 4)
         model_path = engine.async_engine.model_path
     finally:
         engine.shutdown()
@@ -63,7 +79,7 @@ def run_engine(args, prompts):
         if args.device == "cuda":
             torch.cuda.empty_cache()       # the HF side sizes its cache from free memory
     assert all(len(o["output_ids"]) == args.output_len for o in outs)
-    return elapsed, [o["output_ids"] for o in outs], model_path
+    return elapsed, [o["output_ids"] for o in outs], model_path, steps
 
 
 def _hf_model(args, model_path, device, dtype, **kw):
@@ -177,7 +193,7 @@ def _use_preset(args) -> None:
     args.load_format = "dummy"
 
 
-def write_result(args, argv, model_path: str, eng_s: float, hf_s, same) -> None:
+def write_result(args, argv, model_path: str, eng_s: float, hf_s, same, steps) -> None:
     """The numbers, the machine and the command as JSON at args.out (hf_s None: --hf-mode none,
     no HF numbers and no ratio)."""
     num_out = args.num_prompts * args.output_len
@@ -196,6 +212,7 @@ def write_result(args, argv, model_path: str, eng_s: float, hf_s, same) -> None:
         "ratio": round(eng_tps / hf_tps, 3) if hf_tps else None, "radixserve_s": round(eng_s, 3),
         "hf_s": round(hf_s, 3) if hf_s else None, "identical_greedy_outputs": same,
         "hf_mode": args.hf_mode, "preset": args.preset, "engine_args": args.engine_args,
+        "radixserve_steps": steps,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -220,11 +237,12 @@ def main(argv=None) -> None:
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     num_out = args.num_prompts * args.output_len
 
-    eng_s, eng_ids, _ = run_engine(args, prompts)
-    print(f"radixserve done: {num_out / eng_s:.1f} output tok/s ({eng_s:.2f} s)", flush=True)
+    eng_s, eng_ids, _, steps = run_engine(args, prompts)
+    print(f"radixserve done: {num_out / eng_s:.1f} output tok/s ({eng_s:.2f} s); steps: {steps}",
+          flush=True)
     if args.hf_mode == "none":
         if args.out:
-            write_result(args, argv, model_path, eng_s, None, None)
+            write_result(args, argv, model_path, eng_s, None, None, steps)
         return
     hf_run = run_hf_generate_batch if args.hf_mode == "generate_batch" else run_hf
     hf_s, hf_ids = hf_run(args, prompts, model_path)
@@ -235,4 +253,4 @@ def main(argv=None) -> None:
     print(f"ratio (radixserve / HF): {hf_s / eng_s:.2f}")
     print(f"identical greedy outputs: {same}/{args.num_prompts}")
     if args.out:
-        write_result(args, argv, model_path, eng_s, hf_s, same)
+        write_result(args, argv, model_path, eng_s, hf_s, same, steps)

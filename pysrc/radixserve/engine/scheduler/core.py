@@ -105,6 +105,8 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
         self._decode_log_time = time.perf_counter()
         self._device_time = 0.0
         self.total_device_time = 0.0        # device seconds of every step processed
+        # the same split by step kind: "decode", and "extend" (prefill chunks, mixed steps)
+        self.device_time_by_kind: Dict[str, float] = {"decode": 0.0, "extend": 0.0}
         self.gen_throughput = 0.0
         self.gpu_busy_fraction = 0.0
         self.counters: Dict[str, int] = {

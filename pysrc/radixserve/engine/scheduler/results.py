@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 from radixserve.engine.io import GenerateOutput, LogprobEntry
 from radixserve.engine.req import Req, ReqStatus
 from radixserve.engine.schedule_batch import ScheduleBatch
+from radixserve.model.forward_batch import ForwardMode
 from radixserve.model.step_io import StepOutput
 
 logger = logging.getLogger("radixserve.engine.scheduler")
@@ -29,6 +30,8 @@ class ResultsMixin:
         generated = 0
         self._device_time += out.device_time
         self.total_device_time += out.device_time
+        kind = "decode" if batch.mode is ForwardMode.DECODE else "extend"
+        self.device_time_by_kind[kind] += out.device_time
         for i, req in enumerate(batch.reqs):
             if batch.sample[i]:
                 row, sample_i = sample_i, sample_i + 1
