@@ -223,6 +223,20 @@ print(max(runs)[1] if runs else 0)")
       python3 bench/offline.py --device cuda --preset llama-3.1-8b \
         --num-prompts 256 --input-len 1024 --output-len 256 --hf-mode none 2>&1 \
         | tee "$OUT/offline8b_engine.txt" | grep -v "it/s" | tail -12 ;;
+    offline8b_diag)
+      # where offline8b's engine time goes: the engine alone under the defaults and under
+      # $OFFLINE_DIAG_ARGS (NAME=VALUE ...), then the latter again with the event-loop thread
+      # under cProfile ($OUT/offline-host-profile.txt; that run's throughput is not a result)
+      common=(--device cuda --preset llama-3.1-8b --num-prompts 256 --input-len 1024
+              --output-len 256 --hf-mode none)
+      eargs=(); for a in ${OFFLINE_DIAG_ARGS:-max_prefill_tokens=32768 chunked_prefill_size=16384}; do
+        eargs+=(--engine-arg "$a"); done
+      python3 bench/offline.py "${common[@]}" --out "$OUT/offline-diag-default.json" 2>&1 \
+        | grep -v "it/s" | tail -2 | tee -a "$OUT/offline_diag.txt"
+      python3 bench/offline.py "${common[@]}" "${eargs[@]}" --out "$OUT/offline-diag-args.json" \
+        2>&1 | grep -v "it/s" | tail -2 | tee -a "$OUT/offline_diag.txt"
+      python3 bench/offline.py "${common[@]}" "${eargs[@]}" --profile-host "$OUT/offline-host-profile.txt" \
+        --out "$OUT/offline-diag-profiled.json" 2>&1 | grep -v "it/s" | tail -2 | tee -a "$OUT/offline_diag.txt" ;;
     flashinfer)
       # FlashInfer alone (bench/flashinfer_peer.py); parts that JIT-compile bounded by FI_TIMEOUT
       (flashinfer_env

@@ -135,3 +135,29 @@ def test_non_finite_row_fails_alone(model_dir):
     for r in reqs:
         if r is not victim:
             assert r.finish_reason["type"] == "length" and len(r.output_ids) == 8
+
+
+def test_idle_before_counts_the_host_pause_between_steps(model_dir):
+    """idle_before is the step stream's gap between one step's end event and the next step's
+    start: a host pause after a step is resolved (its end has passed) shows up in the next
+    step's gap, and the scheduler adds the gaps up by the kind of step that follows."""
+    import time
+
+    from radixserve.engine.req import Req
+    from radixserve.sampling.params import SamplingParams
+
+    sched = _scheduler(model_dir, disable_overlap_schedule=True)
+    runner = sched.runner
+    req = Req("idle", [7] * 16, SamplingParams(max_new_tokens=6, temperature=0.0,
+                                               ignore_eos=True), 6)
+    sched.add_request(req)
+    sched.step()                                  # the prefill, resolved (serial loop)
+    sched.step()                                  # a first decode step, resolved
+    batch = sched.schedule()
+    assert batch is not None and batch.mode.name == "DECODE"
+    time.sleep(0.2)                               # the device has nothing to run meanwhile
+    out = runner.launch(batch.step_input).wait()
+    assert out.idle_before >= 0.15
+    sched.process_batch_result(batch, out)
+    assert sched.device_idle_before_kind["decode"] >= 0.15
+    assert sched.device_idle_before_kind["extend"] < 0.15    # the prefill followed nothing slow

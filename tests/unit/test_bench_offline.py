@@ -41,6 +41,8 @@ def test_engine_only_run_records_its_engine_args(tmp_path):
     steps = r["radixserve_steps"]
     assert steps["prefill_steps"] >= 4 and steps["extend_device_s"] > 0
     assert 0 < steps["device_busy"] <= 1.0
+    # the CPU has no step events: no idle gaps are measured there
+    assert steps["idle_before_decode_s"] == 0 and steps["idle_before_extend_s"] == 0
 
 
 def test_an_unknown_engine_arg_reaches_the_engine_and_is_refused():

@@ -306,7 +306,9 @@ def test_bf16_model_keeps_fp32_residual_and_tracks_fp32(our_default_model, defau
 @pytest.mark.parametrize("n", [1, 5, 16])
 def test_cpu_lm_head_in_row_slices_equals_one_gemm(n):
     """The CPU head's slices (llama.CPU_LM_HEAD_ROWS rows each, the last one partial) give the
-    logits of one F.linear call, on the default model's shape."""
+    logits of one F.linear call, on the default model's shape, up to fp32 reassociation (the
+    BLAS may sum a 576-term dot product in another order per shape; entries are ~24 in size, a
+    misplaced slice would be off by that much)."""
     from radixserve.model import llama
 
     g = torch.Generator().manual_seed(n)
@@ -314,4 +316,4 @@ def test_cpu_lm_head_in_row_slices_equals_one_gemm(n):
     weight = torch.randn(49152 + 77, 576, generator=g)
     got = llama._linear_in_row_slices(hidden, weight, llama.CPU_LM_HEAD_ROWS)
     assert got.shape == (n, weight.shape[0])
-    torch.testing.assert_close(got, torch.nn.functional.linear(hidden, weight), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got, torch.nn.functional.linear(hidden, weight), rtol=1e-5, atol=5e-4)

@@ -36,9 +36,12 @@ def make_prompts(num: int, length: int, vocab: int, seed: int):
 
 def _step_totals(sched) -> dict:
     """The scheduler's running totals that say where the engine's time went: device seconds of
-    decode steps and of extend (prefill) steps, and how many of each ran."""
+    decode steps and of extend (prefill) steps, the device's idle seconds just before each kind
+    (CUDA), and how many of each ran."""
     return {"decode_device_s": sched.device_time_by_kind["decode"],
             "extend_device_s": sched.device_time_by_kind["extend"],
+            "idle_before_decode_s": sched.device_idle_before_kind["decode"],
+            "idle_before_extend_s": sched.device_idle_before_kind["extend"],
             "decode_steps": sched.counters["num_decode_steps"],
             "prefill_steps": sched.counters["num_prefill_steps"]}
 
@@ -64,9 +67,11 @@ def run_engine(args, prompts):
         sched = engine.async_engine.scheduler
         sched.flush_cache()
         before = _step_totals(sched)
+        prof = _LoopProfile(engine, args.profile_host)
         start = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=sp)
         elapsed = time.perf_counter() - start
+        prof.finish()
         steps = {k: round(v - before[k], 3) for k, v in _step_totals(sched).items()}
         steps["device_busy"] = round((steps["decode_device_s"] + steps["extend_device_s"])
                                      / elapsed, 4)
@@ -80,6 +85,40 @@ def run_engine(args, prompts):
             torch.cuda.empty_cache()       # the HF side sizes its cache from free memory
     assert all(len(o["output_ids"]) == args.output_len for o in outs)
     return elapsed, [o["output_ids"] for o in outs], model_path, steps
+
+
+class _LoopProfile:
+    """--profile-host PATH: cProfile of the engine's event-loop thread (scheduling, results,
+    streaming) over the timed run, its top functions written to PATH as text. The profiler is
+    switched on and off from inside that thread (cProfile follows the thread that enables it).
+    It slows the host side, so its run's throughput is not a result."""
+
+    def __init__(self, engine, path):
+        self.engine, self.path, self.prof = engine, path, None
+        if path:
+            import cProfile
+            self.prof = cProfile.Profile()
+            self._in_loop(self.prof.enable)
+
+    def _in_loop(self, fn):
+        import asyncio
+
+        async def call():
+            fn()
+        asyncio.run_coroutine_threadsafe(call(), self.engine._loop).result()
+
+    def finish(self):
+        if self.prof is None:
+            return
+        import io
+        import pstats
+        self._in_loop(self.prof.disable)
+        buf = io.StringIO()
+        stats = pstats.Stats(self.prof, stream=buf)
+        stats.sort_stats("cumulative").print_stats(50)
+        stats.sort_stats("tottime").print_stats(30)
+        with open(self.path, "w") as f:
+            f.write(buf.getvalue())
 
 
 def _hf_model(args, model_path, device, dtype, **kw):
@@ -157,6 +196,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="an engine setting (a `radixserve serve` flag's name with underscores: "
                          "enable_mixed_chunk=true, chunked_prefill_size=16384); repeatable, for "
                          "A/B runs of the engine's settings")
+    ap.add_argument("--profile-host", default=None, metavar="PATH",
+                    help="cProfile the engine's event-loop thread over the timed run; its top "
+                         "functions go to PATH (slows the host side: not a throughput run)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
     try:

@@ -78,6 +78,7 @@ class PendingStep:
         self._uploads = uploads            # keep the staging buffers alive until done
         self._device_time = device_time
         self._prompt = prompt              # (per-request logprobs, tops), computed at launch
+        self.prev_end = None               # the previous step's end event (idle_before)
         self.masked = None                 # (logits, ...) while it waits for its grammar mask
 
     @property
@@ -90,11 +91,14 @@ class PendingStep:
         return self._events is None
 
     def wait(self) -> StepOutput:
-        device_time = self._device_time
+        device_time, idle = self._device_time, 0.0
         if self._events is not None:
             start, end = self._events
             end.synchronize()
             device_time = start.elapsed_time(end) / 1e3
+            if self.prev_end is not None:     # recorded earlier on the same stream: complete
+                idle = max(self.prev_end.elapsed_time(start) / 1e3, 0.0)
+            self.prev_end = None
         self._uploads = ()
         h = self._host
         inputs = self.step.sampling
@@ -105,7 +109,7 @@ class PendingStep:
         lp, tops, finite = sampler.host_result(inputs, ids, logprobs, top_v, top_i)
         per_lp, per_top = self._prompt or ([[] for _ in range(self.step.batch_size)],
                                            [None] * self.step.batch_size)
-        return StepOutput(SampleResult(ids, lp, tops, finite), per_lp, per_top, device_time)
+        return StepOutput(SampleResult(ids, lp, tops, finite), per_lp, per_top, device_time, idle)
 
 
 class ModelRunner:
@@ -147,6 +151,7 @@ class ModelRunner:
         self.next_ids = torch.zeros(self.num_rows + 1, dtype=torch.int64, device=dev)
         self.penalties = PenaltyState(self.num_rows + 1, model_config.vocab_size, dev)
         self.compute_stream = self.copy_stream = None
+        self._last_end = None      # the end event of the last step launched (idle_before)
         if dev.type == "cuda":
             self.compute_stream = torch.cuda.Stream(device=dev)
             self.copy_stream = torch.cuda.Stream(device=dev)
@@ -248,12 +253,14 @@ class ModelRunner:
                 logits, prompt = self._extend_logits(step, ints)    # [S, vocab] float32
                 pool_rows = ints["sample_rows"]
             pending = PendingStep(step, {}, events, (ints, floats), 0.0, prompt)
+            pending.prev_end = self._last_end
             if step.sampling.grammar_rows and logits is not None:
                 pending.masked = (logits, pool_rows, ints, floats)
             else:
                 pending._host = self._sample(step, logits, pool_rows, ints, floats)
                 if events is not None:
                     events[1].record()
+                    self._last_end = events[1]
         if events is None:             # CPU: the step's compute time (CUDA: from the events)
             pending._device_time = time.perf_counter() - t0
         return pending
@@ -271,6 +278,7 @@ class ModelRunner:
             pending._uploads = (ints, floats, bitmask)
             if pending._events is not None:
                 pending._events[1].record()
+                self._last_end = pending._events[1]
         if pending._events is None:    # CPU: the forward's time plus the sampling's
             pending._device_time += time.perf_counter() - t1
         return pending

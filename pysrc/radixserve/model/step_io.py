@@ -104,8 +104,11 @@ class SampleResult(NamedTuple):
 
 class StepOutput(NamedTuple):
     """Host values of one step: the sampled rows (batch order), prompt logprobs per request
-    (empty / None for requests without), and the step's device time in seconds."""
+    (empty / None for requests without), the step's device time in seconds, and idle_before:
+    seconds the device's step stream sat idle between the previous step's end and this step's
+    start (CUDA events; 0.0 on the CPU and for the first step)."""
     sample: SampleResult
     prompt_logprobs: List[List[float]]
     prompt_top_logprobs: List[Optional[List[List[Tuple[float, int]]]]]
     device_time: float
+    idle_before: float = 0.0

@@ -32,6 +32,7 @@ class ResultsMixin:
         self.total_device_time += out.device_time
         kind = "decode" if batch.mode is ForwardMode.DECODE else "extend"
         self.device_time_by_kind[kind] += out.device_time
+        self.device_idle_before_kind[kind] += out.idle_before
         for i, req in enumerate(batch.reqs):
             if batch.sample[i]:
                 row, sample_i = sample_i, sample_i + 1
