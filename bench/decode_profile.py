@@ -1,5 +1,6 @@
 """Where a decode step's device time goes: the kernels of --steps decode steps at one batch
-size, from the torch profiler (CUDA graphs off, so every kernel is its own record), grouped by
+size, from the torch profiler (CUDA graphs off, so every kernel is its own record; --cuda-graph
+keeps them: the kernels replayed inside the graphs, as CUPTI reports them), grouped by
 what they do, each group's time per step and, for the weight GEMMs, the bandwidth they reach
 against the device-to-device copy bandwidth measured in the same process.
 
@@ -210,6 +211,8 @@ def main(argv=None):
     p.add_argument("--max-prefill-tokens", type=int, default=16384)
     p.add_argument("--no-linear-bandwidth", dest="linear_bandwidth", action="store_false",
                    help="decode: skip the per-shape cuBLAS / skinny GEMM timings")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="decode: profile the steps as the engine runs them, as CUDA graph replays")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.batch_sizes = [args.batch_size]
@@ -219,7 +222,8 @@ def main(argv=None):
     model_dir = build_preset(args.preset, os.path.join(tempfile.gettempdir(), f"preset-{args.preset}"))
     bw = copy_bandwidth(torch.device("cuda"))
     sched = make_scheduler(model_dir, args, serial=True)
-    sched.runner.graph_runner = None        # eager: one profiler record per kernel
+    if not args.cuda_graph:
+        sched.runner.graph_runner = None    # eager: one profiler record per kernel
     out = profile_prefill(sched, args) if args.phase == "prefill" else profile_decode(sched, args, bw)
     print(json.dumps(out, indent=1))
     if args.out:

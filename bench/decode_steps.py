@@ -116,7 +116,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--modes", default="overlap,no-overlap",
-                   help="comma-separated: overlap (the default loop), no-overlap (serial)")
+                   help="comma-separated: overlap (the default loop), no-overlap (serial), "
+                        "eager (overlap with CUDA graphs off)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -128,9 +129,11 @@ def main(argv=None):
     bw = copy_bandwidth(torch.device("cuda"))
     results = {}
     first = None
-    for serial in [m == "no-overlap" for m in args.modes.split(",")]:
-        name = "no-overlap" if serial else "overlap"
+    for name in args.modes.split(","):
+        serial = name == "no-overlap"
         sched = make_scheduler(model_dir, args, serial, model=first)
+        if name == "eager":
+            sched.runner.graph_runner = None
         first = sched.runner.model if first is None else first
         results[name] = {str(b): measure(sched, b, args, seed=b) for b in args.batch_sizes}
         for b in args.batch_sizes:

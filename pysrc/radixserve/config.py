@@ -313,11 +313,6 @@ class ServerArgs:
         "events)", metavar="TOKENS")
     enable_mixed_chunk: bool = _flag(
         False, "a prefill chunk and the running decodes share one forward")
-    prefill_first: bool = _flag(
-        False, "prefill steps run back to back while admitted prompts wait, decodes only when no "
-        "prefill can start (SGLang's order: the most throughput for offline batches; running "
-        "streams wait for the whole burst). Default: prefill and decode steps alternate while "
-        "requests are decoding, so a burst of prompts costs running streams one chunk per token")
     debug_integrity: bool = _flag(
         False, "each time the step loop runs out of work, check that every KV slot is free, "
         "cached or owned by one request (slow; for debugging)")

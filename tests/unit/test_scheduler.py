@@ -66,42 +66,6 @@ def test_chunked_prefill_matches_unchunked(make_scheduler, radix):
     assert outs[16] == outs[-1]
 
 
-def _step_modes(sched):
-    """Record the mode of every batch sched.schedule() returns (in order)."""
-    modes, schedule = [], sched.schedule
-
-    def recording():
-        batch = schedule()
-        if batch is not None:
-            modes.append(batch.mode.name)
-        return batch
-    sched.schedule = recording
-    return modes
-
-
-def test_prefill_first_runs_every_prefill_before_decoding(make_scheduler):
-    """--prefill-first: chunked prefills run back to back while prompts wait, so no decode step
-    comes before the last prefill; by default decodes alternate with the chunks once a request
-    is running. The tokens are the same either way."""
-    rng = random.Random(11)
-    prompts = [random_prompt(rng, 60) for _ in range(3)]
-    outs = {}
-    for first in (False, True):
-        sched = make_scheduler(chunked_prefill_size=16, prefill_first=first)
-        modes = _step_modes(sched)
-        reqs = [greedy_req(f"f{i}", p, 5) for i, p in enumerate(prompts)]
-        run_to_completion(sched, reqs)
-        outs[first] = [r.output_ids for r in reqs]
-        last_prefill = max(i for i, m in enumerate(modes) if m == "EXTEND")
-        decodes_before = modes[:last_prefill].count("DECODE")
-        if first:
-            assert decodes_before == 0, modes
-        else:
-            assert decodes_before > 0, modes
-        assert_all_slots_home(sched)
-    assert outs[True] == outs[False]
-
-
 def test_retraction_under_tiny_pool(make_scheduler, text_prompts, caplog):
     prompts = text_prompts[:8]
     ref_sched = make_scheduler()

@@ -14,7 +14,7 @@ host ReqToToken rows and the prefix cache; the device sees only StepInputs.
 Per step (schedule()):
   1. finish requests marked for abort;
   2. prefill (unless the previous step was a prefill and requests are decoding: prefill and decode
-     steps alternate under load so neither starves; --prefill-first: always), else
+     steps alternate under load so neither starves), else
   3. a decode step over the running requests that still need tokens.
 Slot ownership follows cache/base.py and engine/req.py; check_integrity() verifies it.
 """
@@ -84,7 +84,6 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
         self.chunk_size = server_args.resolved_chunked_prefill_size()
         self.max_prefill_tokens = server_args.max_prefill_tokens
         self.mixed_chunk = server_args.enable_mixed_chunk
-        self.prefill_first = server_args.prefill_first
         self.jump_forward = not server_args.disable_jump_forward
         self.eos_ids = self._eos_ids(runner, tokenizer)
         cons = server_args.schedule_conservativeness
@@ -182,7 +181,7 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
         """Pick this step's batch, allocate its slots and build its StepInput. Loop thread."""
         self.handle_aborts()
         batch = None
-        if self.prefill_first or not (self._last_was_prefill and self.running):
+        if not (self._last_was_prefill and self.running):
             batch = self._prefill_batch()
             if batch is not None and self.mixed_chunk:
                 self._add_decode_rows(batch)
