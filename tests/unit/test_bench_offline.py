@@ -43,6 +43,7 @@ def test_engine_only_run_records_its_engine_args(tmp_path):
     assert 0 < steps["device_busy"] <= 1.0
     # the CPU has no step events: no idle gaps are measured there
     assert steps["idle_before_decode_s"] == 0 and steps["idle_before_extend_s"] == 0
+    assert steps["gc_pause_s"] >= 0 and steps["gc_full_collections"] >= 0
 
 
 def test_an_unknown_engine_arg_reaches_the_engine_and_is_refused():

@@ -212,3 +212,23 @@ def test_merge_outputs_keeps_every_delta_in_order():
     assert [e[1] for e in m.output_token_logprobs_delta] == [1, 2, 3]
     assert m.completion_tokens == 3 and m.finish_reason["type"] == "length"
     assert m.input_token_logprobs == [(None, 9, None)] and m.queue_time_s == 0.5
+
+
+def test_startup_objects_are_frozen_until_shutdown(default_model_path):
+    """An engine's start-up objects leave the collector's scans (gc.freeze) while it serves;
+    shutdown unfreezes them, so a process that builds engine after engine can free the old
+    ones (the model here)."""
+    import gc
+    import weakref
+
+    import radixserve
+
+    engine = radixserve.Engine(default_model_path, device="cpu", max_total_tokens=256,
+                               max_running_requests=2)
+    model = weakref.ref(engine.async_engine.runner.model)
+    assert gc.get_freeze_count() > 0
+    engine.shutdown()
+    assert gc.get_freeze_count() == 0
+    del engine
+    gc.collect()
+    assert model() is None

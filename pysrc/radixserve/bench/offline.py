@@ -16,6 +16,7 @@ with random weights on both sides (each side its own: their greedy outputs are n
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -68,23 +69,46 @@ def run_engine(args, prompts):
         sched.flush_cache()
         before = _step_totals(sched)
         prof = _LoopProfile(engine, args.profile_host)
+        pauses = _GcPauses()
         start = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=sp)
         elapsed = time.perf_counter() - start
+        pauses.stop()
         prof.finish()
         steps = {k: round(v - before[k], 3) for k, v in _step_totals(sched).items()}
         steps["device_busy"] = round((steps["decode_device_s"] + steps["extend_device_s"])
                                      / elapsed, 4)
+        steps["gc_pause_s"], steps["gc_full_collections"] = round(pauses.total, 4), pauses.full
         model_path = engine.async_engine.model_path
     finally:
         engine.shutdown()
         del engine
-        import gc
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()       # the HF side sizes its cache from free memory
     assert all(len(o["output_ids"]) == args.output_len for o in outs)
     return elapsed, [o["output_ids"] for o in outs], model_path, steps
+
+
+class _GcPauses:
+    """Seconds the process spent in garbage collections (any thread) from now until stop(),
+    and how many of them were full (generation 2) collections."""
+
+    def __init__(self):
+        self.total, self.full, self._t0 = 0.0, 0, None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.total += time.perf_counter() - self._t0
+            self.full += info.get("generation") == 2
+            self._t0 = None
+
+    def stop(self):
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
 
 
 class _LoopProfile:
@@ -138,8 +162,8 @@ def run_hf_generate_batch(args, prompts, model_path):
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = _hf_model(args, model_path, device, dtype, attn_implementation="sdpa")
-    gc = GenerationConfig(max_new_tokens=args.output_len, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
+    gen_cfg = GenerationConfig(max_new_tokens=args.output_len, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
     with torch.no_grad():     # not inference_mode: HF's batching thread updates its tensors
         model.generate_batch(inputs=[p[:8] for p in prompts[:2]],
                              generation_config=GenerationConfig(max_new_tokens=4,
@@ -147,7 +171,7 @@ def run_hf_generate_batch(args, prompts, model_path):
                                                                 eos_token_id=None,
                                                                 pad_token_id=0))
         start = time.perf_counter()
-        out = model.generate_batch(inputs=prompts, generation_config=gc)
+        out = model.generate_batch(inputs=prompts, generation_config=gen_cfg)
         elapsed = time.perf_counter() - start
     ids = [list(out[k].generated_tokens) for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
     assert all(len(t) == args.output_len for t in ids), "HF stopped a sequence early"

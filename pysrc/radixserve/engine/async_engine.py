@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import os
 from typing import Any, AsyncIterator, Callable, Dict, Optional
@@ -47,6 +48,17 @@ def merge_outputs(a: GenerateOutput, b: GenerateOutput) -> GenerateOutput:
         input_top_logprobs=a.input_top_logprobs if a.input_top_logprobs is not None
         else b.input_top_logprobs,
         queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s)
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now (the model's modules and parameters, the tokenizer, the CUDA
+    graphs: start-up's objects, which live as long as the engine) out of the garbage
+    collector's scans (gc.freeze), so that the full collections serving triggers walk only
+    what serving allocates. Shutdown unfreezes them. Measured on the H200 (offline 256 x
+    1k/256, bench/results/logs/offline-gc-h200.txt): GC pauses 0.41-0.58 s of an ~11.7 s run
+    -> 0.19-0.23 s, device idle before decode steps 0.38-0.53 s -> 0.15-0.18 s."""
+    gc.collect()
+    gc.freeze()
 
 
 class AsyncEngine:
@@ -105,6 +117,7 @@ class AsyncEngine:
         self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run_loop(),
                                                             name="radixserve-scheduler")
+        freeze_startup_objects()
 
     async def drain(self, timeout_s: float) -> None:
         """Graceful stop, part one: refuse new requests (check_capacity raises), let the live
@@ -140,6 +153,7 @@ class AsyncEngine:
         self._executor.shutdown(wait=True)
         self._waiter.shutdown(wait=True)
         self._executor = self._waiter = None
+        gc.unfreeze()      # this engine's start-up objects may be collected again
 
     async def _launch(self, step_input):
         """Hand the step to the forward worker; the handle is that worker's (concurrent) future."""
