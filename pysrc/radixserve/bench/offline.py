@@ -125,11 +125,9 @@ class _LoopProfile:
             self._in_loop(self.prof.enable)
 
     def _in_loop(self, fn):
-        import asyncio
-
         async def call():
             fn()
-        asyncio.run_coroutine_threadsafe(call(), self.engine._loop).result()
+        self.engine._submit(call()).result()
 
     def finish(self):
         if self.prof is None:
