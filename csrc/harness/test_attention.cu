@@ -260,23 +260,38 @@ void check_extend(int hq, int hkv, bool strided_q, std::mt19937& rng) {
   p.num_q_heads = hq;
   p.group = hq / hkv;
   p.scale_log2 = (float)scale * kLog2e;
+  hx::DeviceBuffer<int32_t> work(std::vector<int32_t>(2, 0));   // the wgmma kernel's item queue
+  p.work_counters = work.ptr;
   std::vector<bool> kernels = {false};
   if (attn::extend_wgmma_available<T, D>()) kernels.push_back(true);
   for (bool wgmma : kernels) {
-    dout.poison(0xFF);
-    HX_CHECK((attn::launch_paged_extend<T, D>(p, pr.num_q(), wgmma, nullptr)));
-    HX_CHECK(cudaDeviceSynchronize());
     char what[128];
     std::snprintf(what, sizeof what, "extend %s d%d hq%d/hkv%d%s %s", H::kName, D, hq, hkv,
                   strided_q ? " strided-q" : "", wgmma ? "wgmma" : "mma.sync");
-    expect_close<H>(dout.download(), ref, what);
+    std::vector<uint16_t> first;
+    for (int run = 0; run < 2; ++run) {   // twice: the same bits (CTAs take items in any order)
+      dout.poison(0xFF);
+      HX_CHECK((attn::launch_paged_extend<T, D>(p, pr.num_q(), wgmma, nullptr)));
+      HX_CHECK(cudaDeviceSynchronize());
+      std::vector<uint16_t> got = dout.download();
+      if (run == 0) {
+        expect_close<H>(got, ref, what);
+        first = std::move(got);
+      } else {
+        HX_EXPECT(got == first, "%s: a second launch gave other bits", what);
+      }
+      const std::vector<int32_t> left = work.download();
+      HX_EXPECT(left[0] == 0 && left[1] == 0, "%s: work counters left at %d, %d", what, left[0],
+                left[1]);
+    }
   }
 }
 
 template <typename H, int D>
 void check_family(int sms, std::mt19937& rng) {
-  // group 1 with contiguous q; group 4 with q a view of a fused qkv buffer
-  for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{8, 2}}) {
+  // group 1 with contiguous q; group 4 with q a view of a fused qkv buffer; 32 q heads: more
+  // extend work items than multiprocessors, so the persistent wgmma kernel's CTAs take several
+  for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{8, 2}, std::pair{32, 8}}) {
     const bool strided_q = hq != hkv;
     check_decode<H, D>(hq, hkv, strided_q, sms, rng);
     check_extend<H, D>(hq, hkv, strided_q, rng);

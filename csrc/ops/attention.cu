@@ -77,36 +77,46 @@ void dispatch_dtype_dim(at::ScalarType st, int64_t d, F&& f) {
   }
 }
 
-// Arrival counters of the split decode's last-CTA merge (DecodeParams::split_counters): int32,
-// one buffer per device, zero-initialised once (at::zeros) and left zero by every launch, so it
-// is reused without a memset, by eager launches and CUDA-graph replays alike. Grown (a new zeroed
-// buffer) when a launch needs more than it holds, but only outside a CUDA-graph capture: a
-// capture would record the growth's memset and bake in a pointer of its own. The eager warm-up
-// that precedes every capture (model/cuda_graph_runner.py runs each bucket twice on the capture
-// stream, largest bucket first; torch.cuda.graphs' recipe) grows it first; a capture that finds it
-// too small fails. An outgrown buffer is kept alive, not freed: graphs captured with its pointer
-// still replay into it. Launches of one device share the buffer: they must not run concurrently
-// (the decode path runs on one stream). The tensors are never destroyed (no teardown-order issue
-// with the caching allocator at exit).
-int* decode_split_counters(const at::Tensor& q, int64_t needed) {
+// Counters a kernel finds zero and leaves zero (the split decode's last-CTA merge,
+// DecodeParams::split_counters; the extend kernel's item queue, ExtendParams::work_counters):
+// int32, one buffer per device and pool, zero-initialised once (at::zeros) and left zero by every
+// launch, so it is reused without a memset, by eager launches and CUDA-graph replays alike. Grown
+// (a new zeroed buffer) when a launch needs more than it holds, but only outside a CUDA-graph
+// capture: a capture would record the growth's memset and bake in a pointer of its own. The eager
+// warm-up that precedes every capture (model/cuda_graph_runner.py runs each bucket twice on the
+// capture stream, largest bucket first; torch.cuda.graphs' recipe) grows it first; a capture that
+// finds it too small fails. An outgrown buffer is kept alive, not freed: graphs captured with its
+// pointer still replay into it. Launches of one device share a pool's buffer: they must not run
+// concurrently (the attention ops run on one stream). The tensors are never destroyed (no
+// teardown-order issue with the caching allocator at exit).
+enum CounterPool { kDecodeSplits = 0, kExtendItems = 1, kCounterPools = 2 };
+
+int* left_zero_counters(const at::Tensor& q, CounterPool pool, int64_t needed, const char* what) {
   static std::mutex mu;
-  static auto* buffers = new std::vector<at::Tensor>();  // [device index]
+  static auto* buffers = new std::vector<at::Tensor>();  // [device index * kCounterPools + pool]
   static auto* outgrown = new std::vector<at::Tensor>();
   const std::lock_guard<std::mutex> lock(mu);
   const int dev = q.get_device();
-  if ((int)buffers->size() <= dev) buffers->resize(dev + 1);
-  at::Tensor& buf = (*buffers)[dev];
+  const size_t slot = (size_t)dev * kCounterPools + pool;
+  if (buffers->size() <= slot) buffers->resize(slot + 1);
+  at::Tensor& buf = (*buffers)[slot];
   if (!buf.defined() || buf.numel() < needed) {
     RS_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
-             "paged_decode_attention: the split counters of device ", (int64_t)dev, " hold ",
-             buf.defined() ? buf.numel() : (int64_t)0, " entries but this launch needs ", needed,
-             " (batch * num_kv_heads * q-head subgroups), and they cannot grow during CUDA graph "
-             "capture: run the same call eagerly once before capturing it");
+             what, " of device ", (int64_t)dev, " hold ", buf.defined() ? buf.numel() : (int64_t)0,
+             " entries but this launch needs ", needed,
+             ", and they cannot grow during CUDA graph capture: run the same call eagerly once "
+             "before capturing it");
     if (buf.defined()) outgrown->push_back(buf);
     const int64_t size = std::max<int64_t>(needed, buf.defined() ? 2 * buf.numel() : 1024);
     buf = at::zeros({size}, q.options().dtype(at::kInt));
   }
   return buf.data_ptr<int32_t>();
+}
+
+int* decode_split_counters(const at::Tensor& q, int64_t needed) {
+  return left_zero_counters(q, kDecodeSplits, needed,
+                            "paged_decode_attention: the split counters (batch * num_kv_heads * "
+                            "q-head subgroups)");
 }
 
 // The wgmma extend kernel where attention_launch.cuh says it can run, unless
@@ -220,13 +230,17 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.num_q_heads = hq;
   p.group = hq / hkv;
   p.scale_log2 = (float)sm_scale * kLog2e;
+  p.work_counters = nullptr;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    const cudaError_t err =
-        attn::launch_paged_extend<T, D>(p, q.size(0), use_wgmma_kernel<T, D>(), stream);
+    const bool wgmma = use_wgmma_kernel<T, D>();
+    if (wgmma)
+      p.work_counters = left_zero_counters(q, kExtendItems, 2,
+                                           "paged_extend_attention: the work-item counters");
+    const cudaError_t err = attn::launch_paged_extend<T, D>(p, q.size(0), wgmma, stream);
     C10_CUDA_CHECK(err);
   });
   return out;

@@ -99,24 +99,49 @@ bool extend_wgmma_available() {
   return ok;
 }
 
+// Multiprocessors of the current device, asked once per device.
+inline int device_sm_count() {
+  static std::atomic<int> counts[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  if (dev < 64 && counts[dev].load(std::memory_order_relaxed) > 0)
+    return counts[dev].load(std::memory_order_relaxed);
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) {
+    (void)cudaGetLastError();
+    n = 1;
+  }
+  if (dev < 64) counts[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+
 // Launches extend with the wgmma kernel (wgmma = true; only where extend_wgmma_available) or the
-// mma.sync kernel. Grid: (an upper bound of sum_b ceil(qo_len_b / 128) from host-known shapes,
-// num_q_heads); spare CTAs exit.
+// mma.sync kernel. Both take tiles = an upper bound of sum_b ceil(qo_len_b / 128) from host-known
+// shapes; spare tiles are skipped. mma.sync grid: (tiles, num_q_heads). wgmma: persistent, one
+// CTA per multiprocessor (at most one per work item: tiles x num_q_heads), which needs
+// p.work_counters (2 int32, zero; left zero).
 template <typename T, int D>
 cudaError_t launch_paged_extend(const ExtendParams& p, int64_t num_q_tokens, bool wgmma,
                                 cudaStream_t stream) {
   static_assert(sm90::kBM == kExtendBlockM, "both kernels share the tile grid");
   const int64_t tiles = (num_q_tokens + kExtendBlockM - 1) / kExtendBlockM + p.batch;
-  if (tiles >= (int64_t(1) << 31) || p.num_q_heads > 65535) return cudaErrorInvalidValue;
-  const dim3 grid((unsigned)tiles, (unsigned)p.num_q_heads);
+  if (tiles * p.num_q_heads >= (int64_t(1) << 31) || p.num_q_heads > 65535)
+    return cudaErrorInvalidValue;
   cudaError_t err;
   if (wgmma) {
+    if (p.work_counters == nullptr) return cudaErrorInvalidValue;
     constexpr int smem = sm90::extend_smem_bytes<D>();
     constexpr auto kernel = sm90::paged_extend_kernel<T, D>;
     err = set_max_dynamic_smem<kernel>(smem);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, sm90::kThreads, smem, stream>>>(p);
+    const int64_t items = tiles * p.num_q_heads;
+    const int64_t ctas = sm90::kPersistent ? std::min<int64_t>(items, device_sm_count()) : items;
+    kernel<<<(unsigned)ctas, sm90::kThreads, smem, stream>>>(p, (int)tiles);
   } else {
+    const dim3 grid((unsigned)tiles, (unsigned)p.num_q_heads);
     constexpr int smem = extend_smem_bytes<D>();
     constexpr auto kernel = paged_extend_kernel<T, D>;
     err = set_max_dynamic_smem<kernel>(smem);

@@ -35,18 +35,20 @@ struct ExtendParams {
   int64_t kv_stride_slot, kv_stride_h;
   int batch, num_q_heads, group;
   float scale_log2;
+  // the sm_90a kernel's queue of work items: 2 int32, zero before the launch and left zero by it
+  // (the last CTA resets them); unused by the mma.sync kernel
+  int* work_counters;
 };
 
-// Variable lengths in one launch: CTA blockIdx.x takes query tile (gridDim.x - 1 - blockIdx.x)
-// of the concatenation of all requests' tiles of BM rows (last-first: causal tiles at the end
-// of a request carry the most work). One warp scans qo_indptr; lane 0 writes the request
-// (-1 for a spare CTA) and the tile within it.
+// Variable lengths in one launch: query tile `tile_id` of the concatenation of all requests'
+// tiles of BM rows. One warp scans qo_indptr; every lane gets the request (-1 past the last
+// tile) and the tile within it.
 template <int BM>
-__device__ __forceinline__ void find_extend_tile(const ExtendParams& p, int lane, int* s_req,
-                                                 int* s_tile) {
-  const int tile_id = (int)gridDim.x - 1 - (int)blockIdx.x;
+__device__ __forceinline__ void locate_extend_tile(const ExtendParams& p, int lane, int tile_id,
+                                                   int& req, int& tile) {
   int seen = 0;
-  int req = -1, tile = 0;
+  req = -1;
+  tile = 0;
   for (int base = 0; base < p.batch; base += 32) {
     const int bb = base + lane;
     int n = 0;
@@ -69,6 +71,16 @@ __device__ __forceinline__ void find_extend_tile(const ExtendParams& p, int lane
     seen += __shfl_sync(0xffffffffu, incl, 31);
     if (seen > tile_id) break;
   }
+}
+
+// One CTA per query tile: CTA blockIdx.x takes tile (gridDim.x - 1 - blockIdx.x), last-first
+// (causal tiles at the end of a request carry the most work); lane 0 writes the request (-1 for
+// a spare CTA) and the tile within it.
+template <int BM>
+__device__ __forceinline__ void find_extend_tile(const ExtendParams& p, int lane, int* s_req,
+                                                 int* s_tile) {
+  int req, tile;
+  locate_extend_tile<BM>(p, lane, (int)gridDim.x - 1 - (int)blockIdx.x, req, tile);
   if (lane == 0) {
     *s_req = req;
     *s_tile = tile;

@@ -1,307 +1,536 @@
-// Paged extend (prefill) attention for Hopper (sm_90a) on warpgroup MMA (wgmma).
+// Paged extend (prefill) attention for Hopper (sm_90a): warp-specialised, on warpgroup MMA.
 //
-// Same contract and grid as paged_extend_kernel (extend_attention.cuh): one CTA = one tile of
-// kBM query rows of one request and one q head; tiles handed out last-first by
-// find_extend_tile. Differences:
-//   * 2 warpgroups of 4 warps; warpgroup w owns query rows [64 w, 64 w + 64) of the tile.
-//   * S = Q K^T is one wgmma chain per KV tile: A = Q and B = K straight from shared memory
-//     (K-major descriptors), m64 n128 k16, fp32 accumulators in registers (64 per thread).
-//   * P = softmax numerators stay in registers, repacked as the A operand of O += P V (the
-//     accumulator and A-fragment layouts match), B = V from shared memory read MN-major. P is
-//     rounded to T before it enters the row sum as well (see the softmax).
-//   * Q, K and V tiles use the SW128 layout of wgmma.cuh; K/V rows are gathered by slot index
-//     with cp.async (zero-filled past the request's KV), two stages, the next tile's slot
-//     indices fetched one tile ahead, exactly as the mma.sync kernel does.
-// Per KV tile: barrier (tile n landed, tile n - 1 fully consumed) -> issue loads of tile n + 1
-// -> S wgmmas -> mask + online softmax (fp32, log2 domain) -> PV wgmmas -> wait, with the two
-// warpgroups taking turns on the tensor cores (ping-pong, named barriers 1 and 2) so that one's
-// softmax runs under the other's products.
-// Measured (H200, 4k causal, 32 heads, d128, bench/variants sweep in one run): lockstep 330 TFLOP/s,
-// ping-pong 344, + skipping the O rescale when no row max moved 350. ncu at 344: tensor pipe
-// 37% busy, 2 warps per scheduler, 37% of warp stalls at barriers (turns and the per-tile
-// __syncthreads) and 17% on fixed-latency dependencies: the softmax of one warp per scheduler
-// is latency-bound. The next step is a producer warp and an S(n + 1) / softmax(n) overlap inside
-// each warpgroup (FA3), which needs registers freed by setmaxnreg.
+// Same contract as paged_extend_kernel (extend_attention.cuh). A work item is one tile of
+// kBM = 128 query rows of one request and one q head; items are numbered last tile first (causal
+// tiles at the end of a request carry the most work), the q heads of one tile side by side (a
+// GQA group's CTAs read the same K/V through L2). The grid is persistent, one CTA per
+// multiprocessor: the producer takes the next item from a global counter
+// (ExtendParams::work_counters) as soon as it has issued the current one's loads and hands it
+// to the consumers through shared memory, so the next item's Q and first K/V tiles load under
+// the consumers' last products and epilogue, and the CTAs balance themselves the way the
+// hardware's block scheduler would (a static round-robin of items left them 12% apart at 4k).
+// Three warpgroups, in FlashAttention-3's structure:
+//   * warpgroup 0, the producer (setmaxnreg down to kProducerRegs): gathers the Q tile and then
+//     K and V tiles of kBN rows by slot index (page size 1) with cp.async into a ring of
+//     kStages shared-memory stages, zero-filled past the request's KV. Each of its warps owns
+//     32 rows of a tile: lane l reads the slot of row l once per tile, the rows' loads take it
+//     by shuffle. Completion is signalled on the stage's "full" mbarrier
+//     (cp.async.mbarrier.arrive); a stage is refilled once both consumers have arrived on its
+//     "empty" mbarrier. K and V have rings of their own: K(n) is free when S(n) is done, V(n)
+//     only after P(n) V(n).
+//   * warpgroups 1 and 2, the consumers (setmaxnreg up to kConsumerRegs): 64 query rows each.
+//     KV tiles are visited from the last (the causal diagonal, masked) to the first, so the
+//     masked tiles come first and the rest run unmasked. Per tile n (after the first):
+//       issue S(n) = Q K(n)^T -> issue O += P(n+1) V(n+1) -> wait for S(n) -> mask, online
+//       softmax of S(n) (under the P V product) -> wait for P V -> P(n) to T, rescale O.
+//     so each warpgroup's softmax overlaps its own tensor-core work. S is m64 n128 k16 from
+//     shared memory (K-major), P V takes P from registers (the accumulator and A-fragment
+//     layouts match) and V MN-major. P is rounded to T before it enters the row sum too.
+//     With kPingPong the two consumers also take turns issuing their products (named barriers
+//     1 and 2), so that one's softmax runs under the other's products.
+//   * Q, K and V tiles use the SW128 layout of wgmma.cuh.
 #pragma once
 
 #include <cstdint>
 
 #include "radixserve/attention_common.cuh"
 #include "radixserve/extend_attention.cuh"
+#include "radixserve/mbarrier.cuh"
 #include "radixserve/wgmma.cuh"
 
 namespace radixserve {
 namespace attn {
 namespace sm90 {
 
-constexpr int kBM = 128;       // query rows per CTA: 2 warpgroups x 64
-constexpr int kBN = 128;       // KV rows per tile
-constexpr int kThreads = 256;
-// Named barriers 1 and 2 (0 is __syncthreads) hand the tensor cores from one warpgroup to the
-// other: barrier 1 + w is warpgroup w's turn. One warpgroup arrives, the other syncs.
-template <int kId>
-__device__ __forceinline__ void bar_sync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
-}
-template <int kId>
-__device__ __forceinline__ void bar_arrive() {
-  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
-}
-__device__ __forceinline__ void turn_wait(int wg) {   // until it is warpgroup wg's turn
-  if (wg == 0) bar_sync<1>(); else bar_sync<2>();
-}
-__device__ __forceinline__ void turn_pass(int wg) {   // to the other warpgroup
-  if (wg == 0) bar_arrive<2>(); else bar_arrive<1>();
-}
+constexpr int kBM = 128;         // query rows per CTA: 2 consumer warpgroups x 64
+constexpr int kBN = 128;         // KV rows per tile
+constexpr int kStages = 2;       // ring depth, for K and for V each
+constexpr int kConsumers = 2;    // consumer warpgroups
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;   // 128 x 40 + 256 x 232 <= 65,536
+constexpr bool kPingPong = true;
+constexpr bool kQInRegs = false;     // Q as the A operand of S from registers (else from smem)
+constexpr bool kPersistent = true;   // one CTA per SM looping over items (else one per item)
+static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
 
 template <int D>
 constexpr int extend_smem_bytes() {
-  // Q tile + 2 stages of K + 2 stages of V, 2-byte elements, + slack to align to 1024 bytes
-  return (kBM * D + 4 * kBN * D) * 2 + 1024;
+  // Q tile + kStages stages of K and of V, 2-byte elements, + slack to align to 1024 bytes
+  return (kBM * D + 2 * kStages * kBN * D) * 2 + 1024;
 }
 
+// The CTA's shared memory: tiles (SW128, 1024-byte aligned) and the ring's barriers.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendParams p) {
+struct ExtendSmem {
+  T* q;   // [kBM rows]
+  T* k;   // [kStages][kBN rows]
+  T* v;   // [kStages][kBN rows]
+  int* item;                                        // [2]: the items handed to consumers
+  uint32_t item_full;                               // + 8 * (k & 1)
+  uint32_t q_full, q_empty;                         // mbarrier addresses
+  uint32_t k_full, k_empty, v_full, v_empty;        // + 8 * stage
+  __device__ uint32_t at(uint32_t bar, int stage) const { return bar + 8u * stage; }
+};
+
+// Stage and parity of the j-th tile in visiting order (j = 0, 1, ...): the ring's slot and the
+// phase of its barriers that this use completes.
+__device__ __forceinline__ int ring_stage(int j) { return j % kStages; }
+__device__ __forceinline__ uint32_t ring_parity(int j) { return (uint32_t)(j / kStages) & 1u; }
+
+// Work item w: tile rank w / H (0 = the last tile of the concatenation), q head w % H.
+struct ExtendItem {
+  int req, qh;
+  ExtendTile tl;
+};
+
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
-  constexpr int BM = kBM;
-  constexpr int BN = kBN;
-  constexpr int kChunks = D / 8;                       // 16-byte chunks per row
-  constexpr int kRowsPerPass = kThreads / kChunks;     // rows one pass of loads covers
-  constexpr int kKvPasses = BN / kRowsPerPass;
-  constexpr int kQPasses = BM / kRowsPerPass;
-  constexpr int kSN = BN / 2;                          // S accumulators per thread (m64 nBN)
-  constexpr int kON = D / 2;                           // O accumulators per thread (m64 nD)
-  constexpr int kTileBytesK = BN * D * 2;
 
-  extern __shared__ unsigned char smem_raw[];
-  // 1024-byte alignment: the swizzle pattern of every tile starts on a 1024-byte boundary
-  const uint32_t raw_addr = smem_u32(smem_raw);
-  T* sQ = reinterpret_cast<T*>(smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr));
-  T* sK = sQ + BM * D;          // [2][BN rows, SW128]
-  T* sV = sK + 2 * BN * D;      // [2][BN rows, SW128]
+// Every warp locates its items itself (a warp-uniform scan of qo_indptr): no cross-warp
+// hand-off is needed. req < 0: a spare item (past the last tile), which everyone skips.
+__device__ __forceinline__ ExtendItem locate_item(const ExtendParams& p, int num_tiles, int w,
+                                                  int lane) {
+  ExtendItem it;
+  it.qh = w % p.num_q_heads;
+  int tile;
+  locate_extend_tile<kBM>(p, lane, num_tiles - 1 - w / p.num_q_heads, it.req, tile);
+  if (it.req >= 0) it.tl = extend_tile<kBM, kBN>(p, it.req, tile);
+  return it;
+}
 
-  __shared__ int s_req, s_tile;
-
-  const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int lane = tid % 32;
-  const int wg = warp / 4;          // warpgroup: query rows [64 wg, 64 wg + 64)
-  const int qh = blockIdx.y;
-  const int kvh = qh / p.group;
-
-  if (warp == 0) find_extend_tile<BM>(p, lane, &s_req, &s_tile);
-  __syncthreads();
-  const int b = s_req;
-  if (b < 0) return;
-  const ExtendTile tl = extend_tile<BM, BN>(p, b, s_tile);
-  const int m0 = tl.m0, qo_start = tl.qo_start, qo_len = tl.qo_len, kv_start = tl.kv_start;
-  const int kv_len = tl.kv_len, prefix = tl.prefix, n_tiles = tl.n_tiles;
-  const int first_masked = tl.first_masked;
-
-  const T* qg = static_cast<const T*>(p.q);
-  const T* kg = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_h;
-  const T* vg = static_cast<const T*>(p.v) + (int64_t)kvh * p.kv_stride_h;
-  const int32_t* idx = p.kv_indices + kv_start;
-
-  const int ld_chunk = tid % kChunks;
-  const int ld_row = tid / kChunks;
-
-  // ---- Q tile -> shared memory (rows past the request's queries are zero)
-#pragma unroll
-  for (int i = 0; i < kQPasses; ++i) {
-    const int r = ld_row + i * kRowsPerPass;
-    const bool ok = m0 + r < qo_len;
-    const T* src = qg + (ok ? ((int64_t)(qo_start + m0 + r) * p.q_stride_t +
-                               (int64_t)qh * p.q_stride_h + ld_chunk * 8)
-                            : 0);
-    cp_async_16(smem_u32(sQ + wgmma::sw128_offset(BM, r, ld_chunk)), src, ok);
-  }
-
-  int slots[kKvPasses];
-  auto fetch_slots = [&](int tile_n) {
-#pragma unroll
-    for (int i = 0; i < kKvPasses; ++i) {
-      const int pos = tile_n * BN + ld_row + i * kRowsPerPass;
-      slots[i] = pos < kv_len ? __ldg(idx + pos) : -1;
+// The producer's k-th item: thread 0 takes item numbers from the queue until one is not spare
+// (or the queue is empty: then it also counts this CTA out, and the last CTA out resets the
+// queue), publishes it in item[k & 1] for the consumers (item_full) and, through a named
+// barrier, for the other producer warps. A slot is rewritten two items later, when the
+// consumers have released the Q tile of the item in between, so long after they read it.
+__device__ __forceinline__ ExtendItem next_item(const ExtendParams& p, int num_tiles,
+                                                int num_items, const int* item,
+                                                uint32_t item_full, int k, int ptid) {
+  const int lane = ptid % 32;
+  if (ptid < 32) {
+    ExtendItem it;
+    int w;
+    for (;;) {
+      w = 0;
+      if (lane == 0) w = atomicAdd(p.work_counters, 1);
+      w = __shfl_sync(0xffffffffu, w, 0);
+      if (w >= num_items) break;
+      it = locate_item(p, num_tiles, w, lane);
+      if (it.req >= 0) break;
     }
-  };
-  auto load_kv = [&](int stage) {
-    T* dk = sK + stage * BN * D;
-    T* dv = sV + stage * BN * D;
-#pragma unroll
-    for (int i = 0; i < kKvPasses; ++i) {
-      const int r = ld_row + i * kRowsPerPass;
-      const bool ok = slots[i] >= 0;
-      const int64_t off = ok ? (int64_t)slots[i] * p.kv_stride_slot + ld_chunk * 8 : 0;
-      const int so = wgmma::sw128_offset(BN, r, ld_chunk);
-      cp_async_16(smem_u32(dk + so), kg + off, ok);
-      cp_async_16(smem_u32(dv + so), vg + off, ok);
-    }
-  };
-
-  fetch_slots(0);
-  load_kv(0);
-  cp_async_commit();
-  if (n_tiles > 1) fetch_slots(1);
-
-  float o[kON];
-#pragma unroll
-  for (int j = 0; j < kON; ++j) o[j] = 0.f;
-  float row_m[2] = {-INFINITY, -INFINITY};
-  float row_l[2] = {0.f, 0.f};
-
-  // accumulator layout (per warp, as mma.sync m16n8): element 4 i + e holds
-  // row 16 (warp % 4) + g4 + 8 (e >> 1), column 8 i + 2 t4 + (e & 1)
-  const int g4 = lane / 4;
-  const int t4 = lane % 4;
-  const int q_row0 = wg * 64 + (warp % 4) * 16 + g4;    // tile-local rows q_row0, q_row0 + 8
-  const int qpos0 = prefix + m0 + q_row0;
-  const float sl2 = p.scale_log2;
-
-  const uint32_t sQ_addr = smem_u32(sQ) + wg * 64 * 128;   // this warpgroup's 64 rows
-  const uint32_t sK_addr = smem_u32(sK);
-  const uint32_t sV_addr = smem_u32(sV);
-
-  for (int n = 0; n < n_tiles; ++n) {
-    const int stage = n & 1;
-    cp_async_wait<0>();
-    wgmma::fence_proxy_async();
-    __syncthreads();   // tile n landed for everyone; everyone finished tile n - 1 (other stage)
-    if (n + 1 < n_tiles) {
-      load_kv(stage ^ 1);
-      cp_async_commit();
-      if (n + 2 < n_tiles) fetch_slots(n + 2);
-    }
-
-    // Ping-pong: the tensor cores run S(wg 0), S(wg 1), PV(wg 0), PV(wg 1) in turn, so each
-    // warpgroup's softmax overlaps the other's products. A turn passes when a product has
-    // finished: warpgroup 1 waits before both of its products, warpgroup 0 before its PV.
-    if (wg == 1) turn_wait(1);
-
-    // ---- S = Q K^T: D / 16 k-steps, each 32 bytes into a 128-byte row of one column block
-    float s[kSN];
-    const uint32_t k_addr = sK_addr + stage * kTileBytesK;
-    wgmma::fence_operand(s);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t blk = (kk / 4), in_row = (kk % 4) * 32;
-      const uint64_t da = wgmma::make_desc(sQ_addr + blk * (BM * 128) + in_row, 16, 1024);
-      const uint64_t db = wgmma::make_desc(k_addr + blk * (BN * 128) + in_row, 16, 1024);
-      wgmma::wgmma_ss_m64n128k16<T>(s, da, db, kk > 0 ? 1 : 0);
-    }
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operand(s);
-    turn_pass(wg);
-
-    // ---- mask (causal and kv length), only on tiles that can need it
-    if (n >= first_masked) {
-#pragma unroll
-      for (int i = 0; i < kSN / 4; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int kpos = n * BN + i * 8 + 2 * t4 + (e & 1);
-          const int qpos = qpos0 + (e >> 1) * 8;
-          if (kpos > qpos || kpos >= kv_len) s[4 * i + e] = -INFINITY;
+    if (lane == 0) {
+      const_cast<int*>(item)[k & 1] = w;
+      mbar::arrive(item_full + 8u * (k & 1));
+      if (w >= num_items) {
+        __threadfence();   // this CTA's last take, before it counts itself out
+        if (atomicAdd(p.work_counters + 1, 1) == (int)gridDim.x - 1) {
+          p.work_counters[0] = 0;
+          p.work_counters[1] = 0;
         }
       }
     }
-
-    // ---- online softmax, rows q_row0 (e = 0, 1) and q_row0 + 8 (e = 2, 3)
-    float alpha[2];
-    uint32_t pa[BN / 16][4];   // P as the A operand of O += P V, k-step kk = KV rows 16 kk..
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kSN / 4; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(row_m[h], mx * sl2);
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[h] = fast_exp2(row_m[h] - base);
-      row_m[h] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < kSN / 4; ++i) {
-        // P is rounded to T once, here: the PV product's A operand and the row sum both use
-        // the rounded weights, so the output row is an exactly normalised combination of V rows
-        const float e0 = fast_exp2(fmaf(s[4 * i + 2 * h], sl2, -base));
-        const float e1 = fast_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -base));
-        const uint32_t pk = TypeTraits<T>::pack(e0, e1);
-        const float2 r = TypeTraits<T>::to_float2(pk);
-        pa[i / 2][(i % 2) * 2 + h] = pk;   // A fragment: k-step i / 2, rows g4 + 8 h
-        sum += r.x + r.y;
-      }
-      row_l[h] = row_l[h] * alpha[h] + sum;
-    }
-    // Rescale O only where a row's max moved (alpha != 1; after the first tiles rarely): the
-    // softmax is on the critical path, and multiplying by 1 is exact, so skipping changes nothing.
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int j = 0; j < kON / 4; ++j) {
-        o[4 * j + 0] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
-      }
-    }
-
-    // ---- O += P V: BN / 16 k-steps of 16 KV rows (2048 bytes of the MN-major V tile)
-    turn_wait(wg);
-    const uint32_t v_addr = sV_addr + stage * kTileBytesK;
-    wgmma::fence_operand(o);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint64_t db = wgmma::make_desc(v_addr + kk * 2048, BN * 128, 1024);
-      if constexpr (D == 128) {
-        wgmma::wgmma_rs_tb_m64n128k16<T>(o, pa[kk], db, 1);
-      } else {
-        wgmma::wgmma_rs_tb_m64n64k16<T>(o, pa[kk], db, 1);
-      }
-    }
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operand(o);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma::fence_operand(pa[kk]);
-    if (wg == 0) turn_pass(0);   // warpgroup 1's PV
   }
+  mbar::named_sync<3, 128>();
+  const int w = item[k & 1];
+  ExtendItem it;
+  it.req = -1;
+  if (w < num_items) it = locate_item(p, num_tiles, w, lane);
+  return it;
+}
 
-  // ---- normalise, stage through this warp's own rows of sQ, 16-byte stores
-  float inv[2];
+// ---------------------------------------------------------------------------------- producer
+// 128 threads (ptid 0..127). Per item: K(last), Q (once the consumers are done with the
+// previous item's), then {K(n - 1), V(n)} for n from the last tile down, then V(0): the order
+// the consumers need them in. Ring positions continue across items.
+template <typename T, int D>
+__device__ __forceinline__ void produce(const ExtendParams& p, int num_tiles, int num_items,
+                                        const ExtendSmem<T, D>& sm, int ptid) {
+  constexpr int kChunks = D / 8;               // 16-byte chunks per row
+  constexpr int kRowsPerLoad = 32 / kChunks;   // rows one warp-wide cp.async covers
+  constexpr int kLoads = 32 / kRowsPerLoad;    // per warp and tile: 32 rows
+  const int warp = ptid / 32, lane = ptid % 32;
+  const int chunk = lane % kChunks, sub = lane / kChunks;
+  const int row0 = 32 * warp;   // this warp's rows of every tile
+
+  int j0 = 0;   // ring position of the item's first tile
+  for (int k = 0;; ++k) {   // k: items of this CTA so far
+    const ExtendItem it = next_item(p, num_tiles, num_items, sm.item, sm.item_full, k, ptid);
+    if (it.req < 0) return;
+    const ExtendTile& tl = it.tl;
+    const int32_t* idx = p.kv_indices + tl.kv_start;
+    auto slot_of = [&](int n) {   // this lane's row of tile n (-1 past the request's KV)
+      const int pos = n * kBN + row0 + lane;
+      return pos < tl.kv_len ? __ldg(idx + pos) : -1;
+    };
+    const int64_t kv_head = (int64_t)(it.qh / p.group) * p.kv_stride_h + chunk * 8;
+    const T* kg = static_cast<const T*>(p.k) + kv_head;
+    const T* vg = static_cast<const T*>(p.v) + kv_head;
+    auto load = [&](const T* src, T* dst, int my_slot) {   // this warp's 32 rows of a tile
+#pragma unroll 4
+      for (int i = 0; i < kLoads; ++i) {
+        const int r = i * kRowsPerLoad + sub;
+        const int slot = __shfl_sync(0xffffffffu, my_slot, r);
+        const bool ok = slot >= 0;
+        cp_async_16(smem_u32(dst + wgmma::sw128_offset(kBN, row0 + r, chunk)),
+                    src + (ok ? (int64_t)slot * p.kv_stride_slot : 0), ok);
+      }
+    };
+    auto load_k = [&](int j, int my_slot) {
+      const int st = ring_stage(j0 + j);
+      mbar::wait(sm.at(sm.k_empty, st), ring_parity(j0 + j) ^ 1u);
+      load(kg, sm.k + st * kBN * D, my_slot);
+      mbar::cp_async_arrive(sm.at(sm.k_full, st));
+    };
+    auto load_v = [&](int j, int my_slot) {
+      const int st = ring_stage(j0 + j);
+      mbar::wait(sm.at(sm.v_empty, st), ring_parity(j0 + j) ^ 1u);
+      load(vg, sm.v + st * kBN * D, my_slot);
+      mbar::cp_async_arrive(sm.at(sm.v_full, st));
+    };
+
+    const int last = tl.n_tiles - 1;
+    int slot_v = slot_of(last);   // tile j's slots serve K(j) and, one tile later, V(j)
+    load_k(0, slot_v);
+
+    // ---- Q rows [row0, row0 + 32) of the tile; rows past the request's queries are zero
+    mbar::wait(sm.q_empty, (uint32_t)(k & 1) ^ 1u);
+    const T* qg = static_cast<const T*>(p.q) + (int64_t)it.qh * p.q_stride_h + chunk * 8;
+#pragma unroll 4
+    for (int i = 0; i < kLoads; ++i) {
+      const int r = row0 + i * kRowsPerLoad + sub;
+      const bool ok = tl.m0 + r < tl.qo_len;
+      const T* src = qg + (ok ? (int64_t)(tl.qo_start + tl.m0 + r) * p.q_stride_t : 0);
+      cp_async_16(smem_u32(sm.q + wgmma::sw128_offset(kBM, r, chunk)), src, ok);
+    }
+    mbar::cp_async_arrive(sm.q_full);
+
+    for (int j = 1; j <= last; ++j) {
+      const int slot_k = slot_of(last - j);
+      load_k(j, slot_k);
+      load_v(j - 1, slot_v);
+      slot_v = slot_k;
+    }
+    load_v(last, slot_v);
+    j0 += tl.n_tiles;
+  }
+}
+
+// ---------------------------------------------------------------------------------- consumer
+// Online softmax of one S tile (rows q_row0 and q_row0 + 8 of this thread, e = 0, 1 and 2, 3
+// of each 4-group), after the causal / length mask where the tile can need it. Leaves in s the
+// softmax numerators rounded to T (as floats) and returns each row's rescale factor.
+template <typename T, int kSN>
+__device__ __forceinline__ void online_softmax(float (&s)[kSN], float (&row_m)[2],
+                                               float (&row_l)[2], float (&alpha)[2], float sl2) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kSN / 4; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(row_m[h], mx * sl2);
+    const float base = m_new == -INFINITY ? 0.f : m_new;
+    alpha[h] = fast_exp2(row_m[h] - base);
+    row_m[h] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kSN / 4; ++i) {
+      // rounded to T once, here: the P V product's A operand and the row sum use the same
+      // weights, so each output row is an exactly normalised combination of V rows
+      const float e0 = fast_exp2(fmaf(s[4 * i + 2 * h], sl2, -base));
+      const float e1 = fast_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -base));
+      const float2 r = TypeTraits<T>::to_float2(TypeTraits<T>::pack(e0, e1));
+      s[4 * i + 2 * h] = r.x;
+      s[4 * i + 2 * h + 1] = r.y;
+      sum += r.x + r.y;
+    }
+    row_l[h] = row_l[h] * alpha[h] + sum;
+  }
+}
+
+// s (rounded numerators) -> the A fragments of O += P V: k-step kk = KV rows 16 kk..
+template <typename T, int kSN>
+__device__ __forceinline__ void to_a_fragments(const float (&s)[kSN], uint32_t (&pa)[kSN / 8][4]) {
+#pragma unroll
+  for (int i = 0; i < kSN / 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      pa[i / 2][(i % 2) * 2 + h] = TypeTraits<T>::pack(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]);
+  }
+}
+
+// S = Q K^T: D / 16 k-steps, each 32 bytes into a 128-byte row of one column block of K (and
+// of Q, when Q is read from shared memory; else qa holds its A fragments)
+template <typename T, int D>
+__device__ __forceinline__ void issue_s(float (&s)[kBN / 2], const uint32_t (&qa)[D / 16][4],
+                                        uint32_t q_addr, uint32_t k_addr) {
+  wgmma::fence_operand(s);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t blk = kk / 4, in_row = (kk % 4) * 32;
+    const uint64_t db = wgmma::make_desc(k_addr + blk * (kBN * 128) + in_row, 16, 1024);
+    if constexpr (kQInRegs) {
+      wgmma::wgmma_rs_m64n128k16<T>(s, qa[kk], db, kk > 0 ? 1 : 0);
+    } else {
+      const uint64_t da = wgmma::make_desc(q_addr + blk * (kBM * 128) + in_row, 16, 1024);
+      wgmma::wgmma_ss_m64n128k16<T>(s, da, db, kk > 0 ? 1 : 0);
+    }
+  }
+}
+
+// This warp's 16 rows of the Q tile as A fragments (m16 k16 per k-step, the mma.sync layout
+// wgmma takes from registers): ldmatrix x4 of the SW128 tile, lanes 0-15 rows 0-15 of the low
+// 8 columns, lanes 16-31 of the high 8.
+template <typename T, int D>
+__device__ __forceinline__ void load_q_fragments(const T* sq, int row0, int lane,
+                                                 uint32_t (&qa)[D / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t addr =
+        smem_u32(sq + wgmma::sw128_offset(kBM, row0 + lane % 16, 2 * kk + lane / 16));
+    ldmatrix_x4(addr, qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3]);
+  }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[kBN / 16][4],
+                                         uint32_t v_addr) {
+#pragma unroll
+  for (int kk = 0; kk < kBN / 16; ++kk) {   // 16 KV rows = 2048 bytes of the MN-major V tile
+    const uint64_t db = wgmma::make_desc(v_addr + kk * 2048, kBN * 128, 1024);
+    if constexpr (D == 128) {
+      wgmma::wgmma_rs_tb_m64n128k16<T>(o, pa[kk], db, 1);
+    } else {
+      wgmma::wgmma_rs_tb_m64n64k16<T>(o, pa[kk], db, 1);
+    }
+  }
+}
+
+// Turns on the tensor cores between the two consumers (kPingPong): barrier 1 + w is consumer
+// w's turn; consumer 1 opens with an arrive on consumer 0's.
+__device__ __forceinline__ void turn_wait(int cw) {
+  if (!kPingPong) return;
+  if (cw == 0) mbar::named_sync<1, 256>(); else mbar::named_sync<2, 256>();
+}
+__device__ __forceinline__ void turn_pass(int cw) {
+  if (!kPingPong) return;
+  if (cw == 0) mbar::named_arrive<2, 256>(); else mbar::named_arrive<1, 256>();
+}
+
+// lane 0 of each consumer warp arrives: the empty barriers expect 4 * kConsumers arrivals
+__device__ __forceinline__ void release(uint32_t bar, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar::arrive(bar);
+}
+
+// Normalises this thread's O rows (q_row0, q_row0 + 8) and stores them: each quad of lanes
+// writes 16 contiguous bytes per row and column block (the Q tile, the staging buffer of a
+// one-item CTA, may already hold the next item's queries).
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(const ExtendParams& p, const ExtendTile& tl, int qh,
+                                           const float (&o)[D / 2], const float (&row_l)[2],
+                                           int q_row0, int t4) {
+  T* og = static_cast<T*>(p.out);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = row_l[h];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[h] = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int r = q_row0 + h * 8;
+    if (tl.m0 + r >= tl.qo_len) continue;
+    T* row = og + ((int64_t)(tl.qo_start + tl.m0 + r) * p.num_q_heads + qh) * D + 2 * t4;
+#pragma unroll
+    for (int q = 0; q < D / 8; ++q)   // 8 output columns per quad
+      *reinterpret_cast<uint32_t*>(row + 8 * q) =
+          TypeTraits<T>::pack(o[4 * q + 2 * h] * inv, o[4 * q + 2 * h + 1] * inv);
   }
+}
+
+// 128 threads (ctid 0..127) of consumer warpgroup cw: query rows [64 cw, 64 cw + 64) of every
+// item. Ring positions continue across items, as the producer's.
+template <typename T, int D>
+__device__ __forceinline__ void consume(const ExtendParams& p, int num_tiles, int num_items,
+                                        const ExtendSmem<T, D>& sm, int cw, int ctid) {
+  constexpr int kSN = kBN / 2;   // S accumulators per thread (m64 n128)
+  constexpr int kON = D / 2;     // O accumulators per thread (m64 nD)
+  const int warp = ctid / 32, lane = ctid % 32;
+  // accumulator layout (per warp, as mma.sync m16n8): element 4 i + e holds
+  // row 16 warp + g4 + 8 (e >> 1), column 8 i + 2 t4 + (e & 1) of the warpgroup's 64 rows
+  const int g4 = lane / 4, t4 = lane % 4;
+  const int q_row0 = cw * 64 + warp * 16 + g4;   // tile-local rows q_row0, q_row0 + 8
+  const float sl2 = p.scale_log2;
+  const uint32_t q_addr = smem_u32(sm.q) + cw * 64 * 128;   // this warpgroup's 64 rows
+  const uint32_t k_addr = smem_u32(sm.k), v_addr = smem_u32(sm.v);
+  constexpr uint32_t kTileBytes = kBN * D * 2;
+
+  if (cw == 1) turn_pass(1);   // consumer 0 issues first
+  int j0 = 0;
+  for (int k = 0;; ++k) {   // k: items of this CTA so far
+    mbar::wait(sm.item_full + 8u * (k & 1), (uint32_t)(k >> 1) & 1u);
+    const int w = sm.item[k & 1];
+    if (w >= num_items) break;
+    const ExtendItem it = locate_item(p, num_tiles, w, lane);
+    const ExtendTile& tl = it.tl;
+    const int qpos0 = tl.prefix + tl.m0 + q_row0;
+    auto mask = [&](float (&s)[kSN], int n) {
+      if (n < tl.first_masked) return;
 #pragma unroll
-  for (int j = 0; j < kON / 4; ++j) {   // 8 output columns = one 16-byte chunk
+      for (int i = 0; i < kSN / 4; ++i) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = q_row0 + h * 8;
-      const uint32_t v = TypeTraits<T>::pack(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
-      *reinterpret_cast<uint32_t*>(sQ + wgmma::sw128_offset(BM, r, j) + 2 * t4) = v;
+        for (int e = 0; e < 4; ++e) {
+          const int kpos = n * kBN + i * 8 + 2 * t4 + (e & 1);
+          const int qpos = qpos0 + (e >> 1) * 8;
+          if (kpos > qpos || kpos >= tl.kv_len) s[4 * i + e] = -INFINITY;
+        }
+      }
+    };
+
+    float o[kON];
+#pragma unroll
+    for (int q = 0; q < kON; ++q) o[q] = 0.f;
+    float row_m[2] = {-INFINITY, -INFINITY};
+    float row_l[2] = {0.f, 0.f};
+    float alpha[2];
+    float s[kSN];
+    uint32_t pa[kBN / 16][4];
+    const int last = tl.n_tiles - 1;
+
+    // ---- tile `last` (j = 0): S, then its softmax with nothing to overlap
+    mbar::wait(sm.q_full, (uint32_t)(k & 1));
+    uint32_t qa[D / 16][4];
+    if constexpr (kQInRegs) {
+      load_q_fragments<T, D>(sm.q, cw * 64 + warp * 16, lane, qa);
+      release(sm.q_empty, lane);   // Q lives in registers now: the next item's may load
     }
+    {
+      const int st = ring_stage(j0);
+      mbar::wait(sm.at(sm.k_full, st), ring_parity(j0));
+      turn_wait(cw);
+      wgmma::fence();
+      issue_s<T, D>(s, qa, q_addr, k_addr + st * kTileBytes);
+      wgmma::commit();
+      turn_pass(cw);
+      wgmma::wait<0>();
+      wgmma::fence_operand(s);
+      release(sm.at(sm.k_empty, st), lane);
+      if (!kQInRegs && last == 0) release(sm.q_empty, lane);
+    }
+    mask(s, last);
+    online_softmax<T, kSN>(s, row_m, row_l, alpha, sl2);
+    to_a_fragments<T, kSN>(s, pa);
+
+    // ---- tiles last - 1 .. 0: S(n) and P(n + 1) V(n + 1) in flight, then softmax(n)
+    for (int j = 1; j <= last; ++j) {
+      const int n = last - j;
+      const int st = ring_stage(j0 + j), pst = ring_stage(j0 + j - 1);
+      mbar::wait(sm.at(sm.k_full, st), ring_parity(j0 + j));
+      turn_wait(cw);
+      wgmma::fence();
+      issue_s<T, D>(s, qa, q_addr, k_addr + st * kTileBytes);
+      wgmma::commit();
+      mbar::wait(sm.at(sm.v_full, pst), ring_parity(j0 + j - 1));
+      wgmma::fence();   // the wait's loop lies between the first fence and this product
+      issue_pv<T, D>(o, pa, v_addr + pst * kTileBytes);
+      wgmma::commit();
+      turn_pass(cw);
+      wgmma::wait<1>();   // S(n) is in
+      wgmma::fence_operand(s);
+      release(sm.at(sm.k_empty, st), lane);
+      if (!kQInRegs && j == last) release(sm.q_empty, lane);   // the item's last read of Q
+      mask(s, n);
+      online_softmax<T, kSN>(s, row_m, row_l, alpha, sl2);
+      wgmma::wait<0>();   // P V is in: O and P may be touched again
+      wgmma::fence_operand(o);
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk) wgmma::fence_operand(pa[kk]);
+      release(sm.at(sm.v_empty, pst), lane);
+      to_a_fragments<T, kSN>(s, pa);
+      // rescale only where a row's max moved (multiplying by 1 is exact: skipping changes nothing)
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int q = 0; q < kON / 4; ++q) {
+          o[4 * q + 0] *= alpha[0];
+          o[4 * q + 1] *= alpha[0];
+          o[4 * q + 2] *= alpha[1];
+          o[4 * q + 3] *= alpha[1];
+        }
+      }
+    }
+
+    // ---- P(0) V(0)
+    {
+      const int pst = ring_stage(j0 + last);
+      mbar::wait(sm.at(sm.v_full, pst), ring_parity(j0 + last));
+      turn_wait(cw);
+      wgmma::fence();
+      issue_pv<T, D>(o, pa, v_addr + pst * kTileBytes);
+      wgmma::commit();
+      turn_pass(cw);
+      wgmma::wait<0>();
+      wgmma::fence_operand(o);
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk) wgmma::fence_operand(pa[kk]);
+      release(sm.at(sm.v_empty, pst), lane);
+    }
+    store_rows<T, D>(p, tl, it.qh, o, row_l, q_row0, t4);
+    j0 += tl.n_tiles;
   }
-  __syncwarp();
-  T* og = static_cast<T*>(p.out);
-  const int warp_row0 = wg * 64 + (warp % 4) * 16;
-#pragma unroll
-  for (int i = 0; i < 16 * kChunks / 32; ++i) {
-    const int e = lane + i * 32;
-    const int r = warp_row0 + e / kChunks;
-    const int c = e % kChunks;
-    if (m0 + r < qo_len) {
-      const uint4 v = *reinterpret_cast<const uint4*>(sQ + wgmma::sw128_offset(BM, r, c));
-      *reinterpret_cast<uint4*>(og + ((int64_t)(qo_start + m0 + r) * p.num_q_heads + qh) * D +
-                                c * 8) = v;
+  if (cw == 0) turn_wait(0);   // consumer 1's last pass: every arrive is matched
+}
+
+#endif  // sm_90a
+
+// num_tiles: the launch's upper bound of query tiles (see launch_paged_extend); items =
+// num_tiles x num_q_heads.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1)
+    paged_extend_kernel(const ExtendParams p, int num_tiles) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t bars[4 + 4 * kStages];
+  __shared__ int items[2];
+
+  // 1024-byte alignment: the swizzle pattern of every tile starts on a 1024-byte boundary
+  const uint32_t raw_addr = smem_u32(smem_raw);
+  ExtendSmem<T, D> sm;
+  sm.q = reinterpret_cast<T*>(smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr));
+  sm.k = sm.q + kBM * D;
+  sm.v = sm.k + kStages * kBN * D;
+  sm.item = items;
+  sm.item_full = smem_u32(bars);
+  sm.q_full = sm.item_full + 16;
+  sm.q_empty = sm.q_full + 8;
+  sm.k_full = sm.q_empty + 8;
+  sm.k_empty = sm.k_full + 8 * kStages;
+  sm.v_full = sm.k_empty + 8 * kStages;
+  sm.v_empty = sm.v_full + 8 * kStages;
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    mbar::init(sm.item_full, 1);                // the producer's thread 0
+    mbar::init(sm.item_full + 8, 1);
+    mbar::init(sm.q_full, 128);                 // every producer thread, on its cp.async
+    mbar::init(sm.q_empty, 4 * kConsumers);     // lane 0 of every consumer warp
+    for (int st = 0; st < kStages; ++st) {
+      mbar::init(sm.at(sm.k_full, st), 128);
+      mbar::init(sm.at(sm.v_full, st), 128);
+      mbar::init(sm.at(sm.k_empty, st), 4 * kConsumers);
+      mbar::init(sm.at(sm.v_empty, st), 4 * kConsumers);
     }
+    mbar::fence_init();
+  }
+  __syncthreads();
+  const int num_items = num_tiles * p.num_q_heads;
+  const int wg = tid / 128;
+  if (wg == 0) {
+    mbar::reg_dealloc<kProducerRegs>();
+    produce<T, D>(p, num_tiles, num_items, sm, tid);
+  } else {
+    mbar::reg_alloc<kConsumerRegs>();
+    consume<T, D>(p, num_tiles, num_items, sm, wg - 1, tid % 128);
   }
 #else
   __trap();  // built without sm_90a: the host never launches this kernel then

@@ -78,6 +78,10 @@ __device__ __forceinline__ void wgmma_rs_tb_m64n128k16(float (&d)[64], const uin
 template <typename T>
 __device__ __forceinline__ void wgmma_rs_tb_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
                                       int scale_d);
+// D[64 x 128] (+)= A[64 x 16] (registers) * B[16 x 128] (smem, K-major)
+template <typename T>
+__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t b,
+                                    int scale_d);
 
 // ---- operand lists and one specialisation per shape and input type
 // the accumulator registers of one thread: 64 (n128) or 32 (n64) fp32 values of d
@@ -150,6 +154,20 @@ __device__ __forceinline__ void wgmma_rs_tb_m64n64k16(float (&d)[32], const uint
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));            \
   }
 
+// RS, n128, B K-major: %64..%67 = a, %68 = b, %69 = scale_d
+#define RS_WGMMA_RS_N128(CT, TS)                                                                  \
+  template <>                                                                                    \
+  __device__ __forceinline__ void wgmma_rs_m64n128k16<CT>(                                       \
+      float (&d)[64], const uint32_t (&a)[4], uint64_t b, int scale_d) {                         \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                    \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TS "." TS " " RS_WGMMA_REGS64     \
+                 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                  \
+                 : RS_WGMMA_ACC64(d)                                                             \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));            \
+  }
+
+RS_WGMMA_RS_N128(__nv_bfloat16, "bf16")
+RS_WGMMA_RS_N128(__half, "f16")
 RS_WGMMA_SS_N128(__nv_bfloat16, "bf16")
 RS_WGMMA_SS_N128(__half, "f16")
 RS_WGMMA_RS_TB_N128(__nv_bfloat16, "bf16")
