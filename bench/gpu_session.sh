@@ -165,6 +165,25 @@ for stage in "$@"; do
       fi
       echo "cublas: ${CUB[*]:-not found}" | tee "$OUT/gsweep.txt"
       bash bench/variants/run.sh $V gemv_sweep.cu "${CUB[@]}" 2>&1 | tee -a "$OUT/gsweep.txt" ;;
+    esweep)
+      # extend attention A/B (bench/variants/extend_sweep.cu: 4k causal, 32 heads, d128): the
+      # sm_90a kernel and its launcher at git revision $ESWEEP_BASE (default HEAD) against the
+      # working tree's, and the tree's with one design choice flipped each; then the harness
+      # (csrc/harness/test_attention.cu) against the tree
+      V=/tmp/esweep; rm -rf $V; H=extend_attention_sm90.cuh
+      M="python3 bench/variants/make_variant.py $V"
+      $M base $H --rev "${ESWEEP_BASE:-HEAD}"; $M base attention_launch.cuh --rev "${ESWEEP_BASE:-HEAD}"
+      $M tree $H
+      flip() { local name=$1 key=$2 from=$3 to=$4; $M "$name" $H --sub "$key = $from;" "$key = $to;"; }
+      flip no_pingpong "constexpr bool kPingPong" true false
+      flip q_regs "constexpr bool kQInRegs" false true
+      flip one_item_per_cta "constexpr bool kPersistent" true false
+      flip stages3 "constexpr int kStages" 2 3
+      nvcc -O2 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc/harness csrc/harness/test_attention.cu \
+        -o $V/test_attention > $V/harness_build.txt 2>&1 &
+      bash bench/variants/run.sh $V extend_sweep.cu 2>&1 | tee "$OUT/esweep.txt"
+      wait
+      timeout 200 $V/test_attention 2>&1 | tail -30 | tee -a "$OUT/esweep.txt" ;;
     dsweep)
       # decode attention split plans (bench/variants/decode_sweep.cu): the CTAs-per-SM target and
       # the floor of tokens per split, variants of the working tree's headers, one build each

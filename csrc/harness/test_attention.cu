@@ -67,7 +67,8 @@ struct Problem {
 
 template <typename H>
 Problem<H> make_problem(int hq, int hkv, int d, const std::vector<int>& qo_lens,
-                        const std::vector<int>& prefix_lens, bool strided_q, std::mt19937& rng) {
+                        const std::vector<int>& prefix_lens, bool strided_q, std::mt19937& rng,
+                        bool consecutive_slots = false) {
   Problem<H> pr;
   pr.hq = hq;
   pr.hkv = hkv;
@@ -84,7 +85,10 @@ Problem<H> make_problem(int hq, int hkv, int d, const std::vector<int>& qo_lens,
   pr.num_slots = nnz + nnz / 3 + 97;
   std::vector<int32_t> perm(pr.num_slots);
   std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
+  // scattered slots, or (consecutive_slots) the requests' KV in one run from slot 5 on, as a
+  // fresh pool hands it out: whole tiles of it take the wgmma kernel's TMA path
+  if (consecutive_slots) std::rotate(perm.begin(), perm.begin() + 5, perm.end());
+  else std::shuffle(perm.begin(), perm.end(), rng);
   pr.kv_indices.assign(perm.begin(), perm.begin() + nnz);
   std::normal_distribution<float> N(0.f, 1.f);
   pr.q.resize((size_t)pr.num_q() * pr.q_stride_t);
@@ -232,13 +236,14 @@ void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
 }
 
 template <typename H, int D>
-void check_extend(int hq, int hkv, bool strided_q, std::mt19937& rng) {
+void check_extend(int hq, int hkv, bool strided_q, bool consecutive_slots, std::mt19937& rng) {
   using T = typename H::Device;
   // new tokens per request and the cached prefix before them: one token with and without a
   // prefix, chunks longer than a 128-row query tile, prefixes off the 64-row KV tile
   const std::vector<int> qo_lens = {1, 17, 130, 3, 64, 40, 1, 129};
   const std::vector<int> prefix_lens = {0, 40, 7, 255, 0, 1, 300, 64};
-  const auto pr = make_problem<H>(hq, hkv, D, qo_lens, prefix_lens, strided_q, rng);
+  const auto pr =
+      make_problem<H>(hq, hkv, D, qo_lens, prefix_lens, strided_q, rng, consecutive_slots);
   const double scale = 1.0 / std::sqrt((double)D);
   const auto ref = reference(pr, scale);
 
@@ -262,12 +267,14 @@ void check_extend(int hq, int hkv, bool strided_q, std::mt19937& rng) {
   p.scale_log2 = (float)scale * kLog2e;
   hx::DeviceBuffer<int32_t> work(std::vector<int32_t>(2, 0));   // the wgmma kernel's item queue
   p.work_counters = work.ptr;
+  p.num_slots = pr.num_slots;
   std::vector<bool> kernels = {false};
   if (attn::extend_wgmma_available<T, D>()) kernels.push_back(true);
   for (bool wgmma : kernels) {
     char what[128];
-    std::snprintf(what, sizeof what, "extend %s d%d hq%d/hkv%d%s %s", H::kName, D, hq, hkv,
-                  strided_q ? " strided-q" : "", wgmma ? "wgmma" : "mma.sync");
+    std::snprintf(what, sizeof what, "extend %s d%d hq%d/hkv%d%s%s %s", H::kName, D, hq, hkv,
+                  strided_q ? " strided-q" : "", consecutive_slots ? " consecutive" : "",
+                  wgmma ? "wgmma" : "mma.sync");
     std::vector<uint16_t> first;
     for (int run = 0; run < 2; ++run) {   // twice: the same bits (CTAs take items in any order)
       dout.poison(0xFF);
@@ -294,7 +301,8 @@ void check_family(int sms, std::mt19937& rng) {
   for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{8, 2}, std::pair{32, 8}}) {
     const bool strided_q = hq != hkv;
     check_decode<H, D>(hq, hkv, strided_q, sms, rng);
-    check_extend<H, D>(hq, hkv, strided_q, rng);
+    check_extend<H, D>(hq, hkv, strided_q, false, rng);
+    check_extend<H, D>(hq, hkv, strided_q, true, rng);
   }
 }
 

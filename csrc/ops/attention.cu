@@ -231,6 +231,7 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.group = hq / hkv;
   p.scale_log2 = (float)sm_scale * kLog2e;
   p.work_counters = nullptr;
+  p.num_slots = k_cache.size(0);
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {

@@ -118,11 +118,51 @@ inline int device_sm_count() {
   return n;
 }
 
+// cuTensorMapEncodeTiled, reached through the runtime's driver entry point (no link against
+// libcuda); null where the driver has none.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+inline EncodeTiledFn encode_tiled_fn() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// The TMA map of one K or V pool ([num_slots, num_kv_heads, d], 2-byte elements, strides in
+// elements) that sm90::KvMaps describes; false where it cannot be made (no driver entry point,
+// strides the TMA cannot take).
+inline bool encode_kv_map(CUtensorMap* map, const void* base, int64_t num_slots, int hkv, int d,
+                          int64_t stride_slot, int64_t stride_h) {
+  const EncodeTiledFn fn = encode_tiled_fn();
+  if (fn == nullptr || num_slots <= 0 || (reinterpret_cast<uintptr_t>(base) & 15) ||
+      (stride_slot * 2) % 16 || (stride_h * 2) % 16)
+    return false;
+  const cuuint64_t dims[3] = {(cuuint64_t)d, (cuuint64_t)hkv, (cuuint64_t)num_slots};
+  const cuuint64_t strides[2] = {(cuuint64_t)stride_h * 2, (cuuint64_t)stride_slot * 2};
+  const cuuint32_t box[3] = {64, 1, (cuuint32_t)sm90::kBN};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box,
+            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // Launches extend with the wgmma kernel (wgmma = true; only where extend_wgmma_available) or the
 // mma.sync kernel. Both take tiles = an upper bound of sum_b ceil(qo_len_b / 128) from host-known
 // shapes; spare tiles are skipped. mma.sync grid: (tiles, num_q_heads). wgmma: persistent, one
 // CTA per multiprocessor (at most one per work item: tiles x num_q_heads), which needs
-// p.work_counters (2 int32, zero; left zero).
+// p.work_counters (2 int32, zero; left zero); its whole, consecutive-slot K/V tiles load by TMA
+// when p.num_slots is set and the pools' strides allow (sm90::KvMaps), the rest by cp.async.
 template <typename T, int D>
 cudaError_t launch_paged_extend(const ExtendParams& p, int64_t num_q_tokens, bool wgmma,
                                 cudaStream_t stream) {
@@ -139,7 +179,11 @@ cudaError_t launch_paged_extend(const ExtendParams& p, int64_t num_q_tokens, boo
     if (err != cudaSuccess) return err;
     const int64_t items = tiles * p.num_q_heads;
     const int64_t ctas = sm90::kPersistent ? std::min<int64_t>(items, device_sm_count()) : items;
-    kernel<<<(unsigned)ctas, sm90::kThreads, smem, stream>>>(p, (int)tiles);
+    sm90::KvMaps maps{};
+    const int hkv = p.num_q_heads / p.group;
+    maps.use = encode_kv_map(&maps.k, p.k, p.num_slots, hkv, D, p.kv_stride_slot, p.kv_stride_h) &&
+               encode_kv_map(&maps.v, p.v, p.num_slots, hkv, D, p.kv_stride_slot, p.kv_stride_h);
+    kernel<<<(unsigned)ctas, sm90::kThreads, smem, stream>>>(p, (int)tiles, maps);
   } else {
     const dim3 grid((unsigned)tiles, (unsigned)p.num_q_heads);
     constexpr int smem = extend_smem_bytes<D>();

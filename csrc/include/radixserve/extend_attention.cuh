@@ -38,6 +38,7 @@ struct ExtendParams {
   // the sm_90a kernel's queue of work items: 2 int32, zero before the launch and left zero by it
   // (the last CTA resets them); unused by the mma.sync kernel
   int* work_counters;
+  int64_t num_slots;   // rows of the K/V pools (the sm_90a kernel's TMA maps span them)
 };
 
 // Variable lengths in one launch: query tile `tile_id` of the concatenation of all requests'

@@ -10,14 +10,21 @@
 // the consumers' last products and epilogue, and the CTAs balance themselves the way the
 // hardware's block scheduler would (a static round-robin of items left them 12% apart at 4k).
 // Three warpgroups, in FlashAttention-3's structure:
-//   * warpgroup 0, the producer (setmaxnreg down to kProducerRegs): gathers the Q tile and then
-//     K and V tiles of kBN rows by slot index (page size 1) with cp.async into a ring of
-//     kStages shared-memory stages, zero-filled past the request's KV. Each of its warps owns
-//     32 rows of a tile: lane l reads the slot of row l once per tile, the rows' loads take it
-//     by shuffle. Completion is signalled on the stage's "full" mbarrier
-//     (cp.async.mbarrier.arrive); a stage is refilled once both consumers have arrived on its
-//     "empty" mbarrier. K and V have rings of their own: K(n) is free when S(n) is done, V(n)
-//     only after P(n) V(n).
+//   * warpgroup 0, the producer (setmaxnreg down to kProducerRegs): loads the Q tile and then
+//     K and V tiles of kBN rows into a ring of kStages shared-memory stages. A tile whose rows
+//     all lie in the request and sit in consecutive slots (a fresh pool hands out runs) comes
+//     by TMA: D / 64 boxes of the pool's tensor map (KvMaps), armed with their byte count on
+//     the stage's "full" mbarrier. Any other tile is gathered by slot index (page size 1) with
+//     cp.async, zero-filled past the request's KV: each producer warp owns 32 rows, lane l
+//     reads the slot of row l once per tile and the rows' loads take it by shuffle, and
+//     completion arrives on the full mbarrier (cp.async.mbarrier.arrive). A stage is refilled
+//     once both consumers have arrived on its "empty" mbarrier. K and V have rings of their
+//     own: K(n) is free when S(n) is done, V(n) only after P(n) V(n).
+//     Measured (H200, 4k causal, d128, bench/variants, logs/extend-*-h200.txt): with every row
+//     by cp.async the kernel ran at 399 TFLOP/s, and at 575 when the loads were cut out (a
+//     diagnostic): the gather's 4,096 16-byte copies per tile were the limit. With TMA for
+//     consecutive tiles: 545 (ping-pong off 527, one CTA per item 526, 3 stages 548, Q from
+//     registers 553).
 //   * warpgroups 1 and 2, the consumers (setmaxnreg up to kConsumerRegs): 64 query rows each.
 //     KV tiles are visited from the last (the causal diagonal, masked) to the first, so the
 //     masked tiles come first and the rest run unmasked. Per tile n (after the first):
@@ -32,6 +39,8 @@
 #pragma once
 
 #include <cstdint>
+
+#include <cuda.h>   // CUtensorMap
 
 #include "radixserve/attention_common.cuh"
 #include "radixserve/extend_attention.cuh"
@@ -50,7 +59,9 @@ constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;   // 128 x 40 + 256 x 232 <= 65,536
 constexpr bool kPingPong = true;
-constexpr bool kQInRegs = false;     // Q as the A operand of S from registers (else from smem)
+// Q as the A operand of S from registers (else from smem): +1.5% in the sweep with the same
+// checksum, not yet through the harness, so off
+constexpr bool kQInRegs = false;
 constexpr bool kPersistent = true;   // one CTA per SM looping over items (else one per item)
 static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
 
@@ -77,6 +88,15 @@ struct ExtendSmem {
 // phase of its barriers that this use completes.
 __device__ __forceinline__ int ring_stage(int j) { return j % kStages; }
 __device__ __forceinline__ uint32_t ring_parity(int j) { return (uint32_t)(j / kStages) & 1u; }
+
+// TMA maps of the K and V pools, [num_slots, num_kv_heads, D] as 3-D tensors with a box of
+// (64 columns, 1 head, kBN slots) and the 128-byte swizzle: one box is one column block of a
+// tile in the SW128 layout. use = 0 where the host could not encode them (then every tile
+// loads with cp.async).
+struct KvMaps {
+  CUtensorMap k, v;
+  int use;
+};
 
 // Work item w: tile rank w / H (0 = the last tile of the concatenation), q head w % H.
 struct ExtendItem {
@@ -144,7 +164,7 @@ __device__ __forceinline__ ExtendItem next_item(const ExtendParams& p, int num_t
 // the consumers need them in. Ring positions continue across items.
 template <typename T, int D>
 __device__ __forceinline__ void produce(const ExtendParams& p, int num_tiles, int num_items,
-                                        const ExtendSmem<T, D>& sm, int ptid) {
+                                        const ExtendSmem<T, D>& sm, const KvMaps& maps, int ptid) {
   constexpr int kChunks = D / 8;               // 16-byte chunks per row
   constexpr int kRowsPerLoad = 32 / kChunks;   // rows one warp-wide cp.async covers
   constexpr int kLoads = 32 / kRowsPerLoad;    // per warp and tile: 32 rows
@@ -175,22 +195,51 @@ __device__ __forceinline__ void produce(const ExtendParams& p, int num_tiles, in
                     src + (ok ? (int64_t)slot * p.kv_stride_slot : 0), ok);
       }
     };
-    auto load_k = [&](int j, int my_slot) {
+    // A tile whose kBN rows all lie within the request and sit in consecutive slots loads with
+    // two TMA boxes (D = 128) instead of 32 rows of cp.async per warp: its first slot, or -1.
+    // Every producer warp reads the whole tile's slots, so all decide alike without talking.
+    auto run_of = [&](int n) {
+      if (!maps.use || (n + 1) * kBN > tl.kv_len) return -1;
+      const int32_t* t = idx + n * kBN;
+      const int first = __ldg(t);
+      bool ok = true;
+#pragma unroll
+      for (int q = 0; q < kBN / 32; ++q) ok &= __ldg(t + 32 * q + lane) == first + 32 * q + lane;
+      return __all_sync(0xffffffffu, ok) ? first : -1;
+    };
+    const int kvh = it.qh / p.group;
+    // one stage of K or V: by TMA (thread 0 arms the barrier with the bytes, everyone arrives)
+    // or by cp.async (everyone's arrival waits for its own rows)
+    auto fill = [&](const void* map, const T* src, T* dst, uint32_t full, int my_slot, int run) {
+      if (run >= 0) {
+        if (ptid == 0) {
+          mbar::arrive_expect_tx(full, kBN * D * 2);
+#pragma unroll
+          for (int blk = 0; blk < D / 64; ++blk)
+            mbar::tma_load_3d(smem_u32(dst + blk * kBN * 64), map, 64 * blk, kvh, run, full);
+        } else {
+          mbar::arrive(full);
+        }
+      } else {
+        load(src, dst, my_slot);
+        mbar::cp_async_arrive(full);
+      }
+    };
+    auto load_k = [&](int j, int my_slot, int run) {
       const int st = ring_stage(j0 + j);
       mbar::wait(sm.at(sm.k_empty, st), ring_parity(j0 + j) ^ 1u);
-      load(kg, sm.k + st * kBN * D, my_slot);
-      mbar::cp_async_arrive(sm.at(sm.k_full, st));
+      fill(&maps.k, kg, sm.k + st * kBN * D, sm.at(sm.k_full, st), my_slot, run);
     };
-    auto load_v = [&](int j, int my_slot) {
+    auto load_v = [&](int j, int my_slot, int run) {
       const int st = ring_stage(j0 + j);
       mbar::wait(sm.at(sm.v_empty, st), ring_parity(j0 + j) ^ 1u);
-      load(vg, sm.v + st * kBN * D, my_slot);
-      mbar::cp_async_arrive(sm.at(sm.v_full, st));
+      fill(&maps.v, vg, sm.v + st * kBN * D, sm.at(sm.v_full, st), my_slot, run);
     };
 
     const int last = tl.n_tiles - 1;
     int slot_v = slot_of(last);   // tile j's slots serve K(j) and, one tile later, V(j)
-    load_k(0, slot_v);
+    int run_v = run_of(last);
+    load_k(0, slot_v, run_v);
 
     // ---- Q rows [row0, row0 + 32) of the tile; rows past the request's queries are zero
     mbar::wait(sm.q_empty, (uint32_t)(k & 1) ^ 1u);
@@ -205,12 +254,13 @@ __device__ __forceinline__ void produce(const ExtendParams& p, int num_tiles, in
     mbar::cp_async_arrive(sm.q_full);
 
     for (int j = 1; j <= last; ++j) {
-      const int slot_k = slot_of(last - j);
-      load_k(j, slot_k);
-      load_v(j - 1, slot_v);
+      const int slot_k = slot_of(last - j), run_k = run_of(last - j);
+      load_k(j, slot_k, run_k);
+      load_v(j - 1, slot_v, run_v);
       slot_v = slot_k;
+      run_v = run_k;
     }
-    load_v(last, slot_v);
+    load_v(last, slot_v, run_v);
     j0 += tl.n_tiles;
   }
 }
@@ -486,7 +536,7 @@ __device__ __forceinline__ void consume(const ExtendParams& p, int num_tiles, in
 // num_tiles x num_q_heads.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
-    paged_extend_kernel(const ExtendParams p, int num_tiles) {
+    paged_extend_kernel(const ExtendParams p, int num_tiles, const __grid_constant__ KvMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   extern __shared__ unsigned char smem_raw[];
@@ -527,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = tid / 128;
   if (wg == 0) {
     mbar::reg_dealloc<kProducerRegs>();
-    produce<T, D>(p, num_tiles, num_items, sm, tid);
+    produce<T, D>(p, num_tiles, num_items, sm, maps, tid);
   } else {
     mbar::reg_alloc<kConsumerRegs>();
     consume<T, D>(p, num_tiles, num_items, sm, wg - 1, tid % 128);
