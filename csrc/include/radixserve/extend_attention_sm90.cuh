@@ -124,8 +124,8 @@ __device__ __forceinline__ ExtendItem locate_item(const ExtendParams& p, int num
 // barrier, for the other producer warps. A slot is rewritten two items later, when the
 // consumers have released the Q tile of the item in between, so long after they read it.
 __device__ __forceinline__ ExtendItem next_item(const ExtendParams& p, int num_tiles,
-                                                int num_items, const int* item,
-                                                uint32_t item_full, int k, int ptid) {
+                                                int num_items, int* item, uint32_t item_full,
+                                                int k, int ptid) {
   const int lane = ptid % 32;
   if (ptid < 32) {
     ExtendItem it;
@@ -139,7 +139,7 @@ __device__ __forceinline__ ExtendItem next_item(const ExtendParams& p, int num_t
       if (it.req >= 0) break;
     }
     if (lane == 0) {
-      const_cast<int*>(item)[k & 1] = w;
+      item[k & 1] = w;
       mbar::arrive(item_full + 8u * (k & 1));
       if (w >= num_items) {
         __threadfence();   // this CTA's last take, before it counts itself out
