@@ -36,6 +36,7 @@ int main() {
   p.batch = 1; p.num_q_heads = H; p.group = 1; p.scale_log2 = 1.4426950408889634f / sqrtf((float)D);
   int* work; CK(cudaMalloc(&work, 8)); CK(cudaMemset(work, 0, 8)); p.work_counters = work;   // left zero
   p.num_slots = S + 1;
+  CK(cudaDeviceGetAttribute(&p.num_sms, cudaDevAttrMultiProcessorCount, 0));
   for (int wg = 1; wg >= 0; --wg) {
     auto launch = [&] { CK((launch_paged_extend<__nv_bfloat16, D>(p, S, wg == 1, 0))); };
     for (int i = 0; i < 3; ++i) launch();

@@ -236,7 +236,8 @@ void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
 }
 
 template <typename H, int D>
-void check_extend(int hq, int hkv, bool strided_q, bool consecutive_slots, std::mt19937& rng) {
+void check_extend(int hq, int hkv, bool strided_q, bool consecutive_slots, int sms,
+                  std::mt19937& rng) {
   using T = typename H::Device;
   // new tokens per request and the cached prefix before them: one token with and without a
   // prefix, chunks longer than a 128-row query tile, prefixes off the 64-row KV tile
@@ -268,6 +269,7 @@ void check_extend(int hq, int hkv, bool strided_q, bool consecutive_slots, std::
   hx::DeviceBuffer<int32_t> work(std::vector<int32_t>(2, 0));   // the wgmma kernel's item queue
   p.work_counters = work.ptr;
   p.num_slots = pr.num_slots;
+  p.num_sms = sms;
   std::vector<bool> kernels = {false};
   if (attn::extend_wgmma_available<T, D>()) kernels.push_back(true);
   for (bool wgmma : kernels) {
@@ -301,8 +303,8 @@ void check_family(int sms, std::mt19937& rng) {
   for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{8, 2}, std::pair{32, 8}}) {
     const bool strided_q = hq != hkv;
     check_decode<H, D>(hq, hkv, strided_q, sms, rng);
-    check_extend<H, D>(hq, hkv, strided_q, false, rng);
-    check_extend<H, D>(hq, hkv, strided_q, true, rng);
+    check_extend<H, D>(hq, hkv, strided_q, false, sms, rng);
+    check_extend<H, D>(hq, hkv, strided_q, true, sms, rng);
   }
 }
 

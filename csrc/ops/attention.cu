@@ -232,6 +232,7 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.scale_log2 = (float)sm_scale * kLog2e;
   p.work_counters = nullptr;
   p.num_slots = k_cache.size(0);
+  p.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {

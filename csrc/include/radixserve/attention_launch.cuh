@@ -99,25 +99,6 @@ bool extend_wgmma_available() {
   return ok;
 }
 
-// Multiprocessors of the current device, asked once per device.
-inline int device_sm_count() {
-  static std::atomic<int> counts[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 1;
-  }
-  if (dev < 64 && counts[dev].load(std::memory_order_relaxed) > 0)
-    return counts[dev].load(std::memory_order_relaxed);
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) {
-    (void)cudaGetLastError();
-    n = 1;
-  }
-  if (dev < 64) counts[dev].store(n, std::memory_order_relaxed);
-  return n;
-}
-
 // cuTensorMapEncodeTiled, reached through the runtime's driver entry point (no link against
 // libcuda); null where the driver has none.
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
@@ -160,7 +141,7 @@ inline bool encode_kv_map(CUtensorMap* map, const void* base, int64_t num_slots,
 // Launches extend with the wgmma kernel (wgmma = true; only where extend_wgmma_available) or the
 // mma.sync kernel. Both take tiles = an upper bound of sum_b ceil(qo_len_b / 128) from host-known
 // shapes; spare tiles are skipped. mma.sync grid: (tiles, num_q_heads). wgmma: persistent, one
-// CTA per multiprocessor (at most one per work item: tiles x num_q_heads), which needs
+// CTA per multiprocessor (p.num_sms; at most one per work item: tiles x num_q_heads), which needs
 // p.work_counters (2 int32, zero; left zero); its whole, consecutive-slot K/V tiles load by TMA
 // when p.num_slots is set and the pools' strides allow (sm90::KvMaps), the rest by cp.async.
 template <typename T, int D>
@@ -172,13 +153,13 @@ cudaError_t launch_paged_extend(const ExtendParams& p, int64_t num_q_tokens, boo
     return cudaErrorInvalidValue;
   cudaError_t err;
   if (wgmma) {
-    if (p.work_counters == nullptr) return cudaErrorInvalidValue;
+    if (p.work_counters == nullptr || p.num_sms < 1) return cudaErrorInvalidValue;
     constexpr int smem = sm90::extend_smem_bytes<D>();
     constexpr auto kernel = sm90::paged_extend_kernel<T, D>;
     err = set_max_dynamic_smem<kernel>(smem);
     if (err != cudaSuccess) return err;
     const int64_t items = tiles * p.num_q_heads;
-    const int64_t ctas = sm90::kPersistent ? std::min<int64_t>(items, device_sm_count()) : items;
+    const int64_t ctas = sm90::kPersistent ? std::min<int64_t>(items, p.num_sms) : items;
     sm90::KvMaps maps{};
     const int hkv = p.num_q_heads / p.group;
     maps.use = encode_kv_map(&maps.k, p.k, p.num_slots, hkv, D, p.kv_stride_slot, p.kv_stride_h) &&

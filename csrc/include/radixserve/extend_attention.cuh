@@ -39,6 +39,7 @@ struct ExtendParams {
   // (the last CTA resets them); unused by the mma.sync kernel
   int* work_counters;
   int64_t num_slots;   // rows of the K/V pools (the sm_90a kernel's TMA maps span them)
+  int num_sms;         // multiprocessors of the device (the sm_90a kernel's persistent grid)
 };
 
 // Variable lengths in one launch: query tile `tile_id` of the concatenation of all requests'

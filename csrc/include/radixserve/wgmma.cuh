@@ -131,14 +131,15 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32
                  : RS_WGMMA_ACC64(d)                                                             \
                  : "l"(a), "l"(b), "r"(scale_d));                                                \
   }
-// RS, n128, B transposed: %64..%67 = a, %68 = b, %69 = scale_d
-#define RS_WGMMA_RS_TB_N128(CT, TS)                                                               \
+// RS, n128: %64..%67 = a, %68 = b, %69 = scale_d; TB the imm-trans-b flag ("1": B MN-major,
+// "0": B K-major), FN the function it specialises
+#define RS_WGMMA_RS_N128(FN, TB, CT, TS)                                                          \
   template <>                                                                                    \
-  __device__ __forceinline__ void wgmma_rs_tb_m64n128k16<CT>(                                    \
-      float (&d)[64], const uint32_t (&a)[4], uint64_t b, int scale_d) {                         \
+  __device__ __forceinline__ void FN<CT>(float (&d)[64], const uint32_t (&a)[4], uint64_t b,    \
+                                         int scale_d) {                                          \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                    \
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TS "." TS " " RS_WGMMA_REGS64     \
-                 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                  \
+                 ", {%64, %65, %66, %67}, %68, p, 1, 1, " TB ";\n}\n"                            \
                  : RS_WGMMA_ACC64(d)                                                             \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));            \
   }
@@ -154,24 +155,12 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));            \
   }
 
-// RS, n128, B K-major: %64..%67 = a, %68 = b, %69 = scale_d
-#define RS_WGMMA_RS_N128(CT, TS)                                                                  \
-  template <>                                                                                    \
-  __device__ __forceinline__ void wgmma_rs_m64n128k16<CT>(                                       \
-      float (&d)[64], const uint32_t (&a)[4], uint64_t b, int scale_d) {                         \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                    \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TS "." TS " " RS_WGMMA_REGS64     \
-                 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                  \
-                 : RS_WGMMA_ACC64(d)                                                             \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));            \
-  }
-
-RS_WGMMA_RS_N128(__nv_bfloat16, "bf16")
-RS_WGMMA_RS_N128(__half, "f16")
+RS_WGMMA_RS_N128(wgmma_rs_m64n128k16, "0", __nv_bfloat16, "bf16")
+RS_WGMMA_RS_N128(wgmma_rs_m64n128k16, "0", __half, "f16")
 RS_WGMMA_SS_N128(__nv_bfloat16, "bf16")
 RS_WGMMA_SS_N128(__half, "f16")
-RS_WGMMA_RS_TB_N128(__nv_bfloat16, "bf16")
-RS_WGMMA_RS_TB_N128(__half, "f16")
+RS_WGMMA_RS_N128(wgmma_rs_tb_m64n128k16, "1", __nv_bfloat16, "bf16")
+RS_WGMMA_RS_N128(wgmma_rs_tb_m64n128k16, "1", __half, "f16")
 RS_WGMMA_RS_TB_N64(__nv_bfloat16, "bf16")
 RS_WGMMA_RS_TB_N64(__half, "f16")
 
