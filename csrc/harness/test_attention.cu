@@ -4,11 +4,15 @@
 //   paged extend: a chunk of new queries per request over its cached prefix plus the chunk,
 //                 causal among the chunk; the mma.sync kernel everywhere, and the wgmma kernel
 //                 too where ops/attention.cu would pick it (a 9.0 device, an sm_90a image).
-// bf16 and fp16, head_dim 64 and 128, GQA groups 1 and 4, variable lengths (1 token up to a few
-// hundred, crossing the kernels' tile sizes), KV slots scattered through a larger pool, q as a
-// strided view of a fused qkv buffer (group 4), outputs poisoned with NaN and followed by a
-// guard region that must stay untouched. Tolerances are tests/gpu/test_attention.py's. Decode
-// also runs twice per split count: the same bits, and the split counters left zero.
+// bf16 and fp16, head_dim 64 and 128, GQA groups 1, 3, 4, 6 and 8 (the wgmma extend kernel packs
+// 1, 1, 4, 2 and 8 q heads per tile), variable lengths (1 token up to a few hundred, crossing the
+// kernels' tile sizes; short chunks over long prefixes), KV slots scattered through a larger pool,
+// q as a strided view of a fused qkv buffer (groups above 1), outputs poisoned with NaN and
+// followed by a guard region that must stay untouched. Tolerances are
+// tests/gpu/test_attention.py's. Decode runs twice per split count, extend twice per problem and
+// kernel: the same bits, and the counters left zero. Where the wgmma kernel packs heads, it must
+// also give the bits of the same problem with the K/V heads copied out to one per q head (group
+// 1, one head per tile): packing regroups rows, the arithmetic of each row stays as it was.
 //
 // Launch: through radixserve/attention_launch.cuh, the same launchers (split count, kernel choice,
 // grids) csrc/ops/attention.cu uses.
@@ -97,6 +101,23 @@ Problem<H> make_problem(int hq, int hkv, int d, const std::vector<int>& qo_lens,
   for (auto* t : {&pr.q, &pr.k, &pr.v})
     for (auto& x : *t) x = H::from_float(N(rng));
   return pr;
+}
+
+// The same problem with every q head given its own copy of its kv head (hkv = hq, group 1).
+template <typename H>
+Problem<H> with_kv_per_q_head(const Problem<H>& pr) {
+  Problem<H> x = pr;
+  const int group = pr.hq / pr.hkv;
+  x.hkv = pr.hq;
+  x.k.resize((size_t)pr.num_slots * pr.hq * pr.d);
+  x.v.resize(x.k.size());
+  for (size_t slot = 0; slot < (size_t)pr.num_slots; ++slot)
+    for (int h = 0; h < pr.hq; ++h) {
+      const size_t from = (slot * pr.hkv + h / group) * pr.d, to = (slot * pr.hq + h) * pr.d;
+      std::copy_n(&pr.k[from], pr.d, &x.k[to]);
+      std::copy_n(&pr.v[from], pr.d, &x.v[to]);
+    }
+  return x;
 }
 
 // out[t][h][:] = sum over allowed kv positions j of softmax_j(q_t,h . k_j * scale) v_j, where
@@ -235,20 +256,27 @@ void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
   }
 }
 
-template <typename H, int D>
-void check_extend(int hq, int hkv, bool strided_q, bool consecutive_slots, int sms,
-                  std::mt19937& rng) {
-  using T = typename H::Device;
-  // new tokens per request and the cached prefix before them: one token with and without a
-  // prefix, chunks longer than a 128-row query tile, prefixes off the 64-row KV tile
-  const std::vector<int> qo_lens = {1, 17, 130, 3, 64, 40, 1, 129};
-  const std::vector<int> prefix_lens = {0, 40, 7, 255, 0, 1, 300, 64};
-  const auto pr =
-      make_problem<H>(hq, hkv, D, qo_lens, prefix_lens, strided_q, rng, consecutive_slots);
-  const double scale = 1.0 / std::sqrt((double)D);
-  const auto ref = reference(pr, scale);
+// New tokens per request and the cached prefix before them.
+struct ExtendLengths {
+  const char* name;
+  std::vector<int> qo, prefix;
+};
+// one token with and without a prefix, chunks longer than a 128-row query tile, prefixes off the
+// 64-row KV tile
+const ExtendLengths kMixedLengths = {
+    "mixed", {1, 17, 130, 3, 64, 40, 1, 129}, {0, 40, 7, 255, 0, 1, 300, 64}};
+// short chunks over prefixes of hundreds of tokens (odd lengths: packed tiles of 16, 32 and 64
+// tokens end part-filled, their rows' causal limits far from a KV tile's start)
+const ExtendLengths kShortLengths = {
+    "short", {1, 3, 17, 33, 2, 9, 64, 1}, {300, 517, 260, 389, 129, 700, 255, 1023}};
 
-  hx::DeviceBuffer<uint16_t> dq(pr.q), dk(pr.k), dv(pr.v), dout(ref.size() + kGuard);
+// Runs the problem through the extend launcher into dout, twice (the wgmma kernel's CTAs take
+// items in any order: the same bits; its item queue left zero); returns the output.
+template <typename H, int D>
+std::vector<uint16_t> run_extend(const Problem<H>& pr, bool wgmma, int sms,
+                                 hx::DeviceBuffer<uint16_t>& dout, const char* what) {
+  using T = typename H::Device;
+  hx::DeviceBuffer<uint16_t> dq(pr.q), dk(pr.k), dv(pr.v);
   hx::DeviceBuffer<int32_t> dqo(pr.qo_indptr), dkv(pr.kv_indptr), dindices(pr.kv_indices);
   attn::ExtendParams p{};
   p.q = dq.ptr;
@@ -260,51 +288,68 @@ void check_extend(int hq, int hkv, bool strided_q, bool consecutive_slots, int s
   p.kv_indices = dindices.ptr;
   p.q_stride_t = pr.q_stride_t;
   p.q_stride_h = D;
-  p.kv_stride_slot = (int64_t)hkv * D;
+  p.kv_stride_slot = (int64_t)pr.hkv * D;
   p.kv_stride_h = D;
   p.batch = pr.batch();
-  p.num_q_heads = hq;
-  p.group = hq / hkv;
-  p.scale_log2 = (float)scale * kLog2e;
+  p.num_q_heads = pr.hq;
+  p.group = pr.hq / pr.hkv;
+  p.scale_log2 = (float)(1.0 / std::sqrt((double)D)) * kLog2e;
   hx::DeviceBuffer<int32_t> work(std::vector<int32_t>(2, 0));   // the wgmma kernel's item queue
   p.work_counters = work.ptr;
   p.num_slots = pr.num_slots;
   p.num_sms = sms;
+  std::vector<uint16_t> first;
+  for (int run = 0; run < 2; ++run) {
+    dout.poison(0xFF);
+    HX_CHECK((attn::launch_paged_extend<T, D>(p, pr.num_q(), wgmma, nullptr)));
+    HX_CHECK(cudaDeviceSynchronize());
+    std::vector<uint16_t> got = dout.download();
+    if (run == 0) first = std::move(got);
+    else HX_EXPECT(got == first, "%s: a second launch gave other bits", what);
+    const std::vector<int32_t> left = work.download();
+    HX_EXPECT(left[0] == 0 && left[1] == 0, "%s: work counters left at %d, %d", what, left[0],
+              left[1]);
+  }
+  return first;
+}
+
+template <typename H, int D>
+void check_extend(int hq, int hkv, bool strided_q, bool consecutive_slots,
+                  const ExtendLengths& lens, int sms, std::mt19937& rng) {
+  using T = typename H::Device;
+  const auto pr =
+      make_problem<H>(hq, hkv, D, lens.qo, lens.prefix, strided_q, rng, consecutive_slots);
+  const auto ref = reference(pr, 1.0 / std::sqrt((double)D));
+  hx::DeviceBuffer<uint16_t> dout(ref.size() + kGuard);
   std::vector<bool> kernels = {false};
   if (attn::extend_wgmma_available<T, D>()) kernels.push_back(true);
   for (bool wgmma : kernels) {
     char what[128];
-    std::snprintf(what, sizeof what, "extend %s d%d hq%d/hkv%d%s%s %s", H::kName, D, hq, hkv,
+    std::snprintf(what, sizeof what, "extend %s d%d hq%d/hkv%d%s%s %s %s", H::kName, D, hq, hkv,
                   strided_q ? " strided-q" : "", consecutive_slots ? " consecutive" : "",
-                  wgmma ? "wgmma" : "mma.sync");
-    std::vector<uint16_t> first;
-    for (int run = 0; run < 2; ++run) {   // twice: the same bits (CTAs take items in any order)
-      dout.poison(0xFF);
-      HX_CHECK((attn::launch_paged_extend<T, D>(p, pr.num_q(), wgmma, nullptr)));
-      HX_CHECK(cudaDeviceSynchronize());
-      std::vector<uint16_t> got = dout.download();
-      if (run == 0) {
-        expect_close<H>(got, ref, what);
-        first = std::move(got);
-      } else {
-        HX_EXPECT(got == first, "%s: a second launch gave other bits", what);
-      }
-      const std::vector<int32_t> left = work.download();
-      HX_EXPECT(left[0] == 0 && left[1] == 0, "%s: work counters left at %d, %d", what, left[0],
-                left[1]);
+                  lens.name, wgmma ? "wgmma" : "mma.sync");
+    const std::vector<uint16_t> got = run_extend<H, D>(pr, wgmma, sms, dout, what);
+    expect_close<H>(got, ref, what);
+    if (wgmma && attn::sm90::extend_pack_log2(hq / hkv) > 0) {
+      const std::vector<uint16_t> one_head =
+          run_extend<H, D>(with_kv_per_q_head(pr), true, sms, dout, what);
+      HX_EXPECT(got == one_head, "%s: other bits than one q head per tile", what);
     }
   }
 }
 
 template <typename H, int D>
 void check_family(int sms, std::mt19937& rng) {
-  // group 1 with contiguous q; group 4 with q a view of a fused qkv buffer; 32 q heads: more
-  // extend work items than multiprocessors, so the persistent wgmma kernel's CTAs take several
-  for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{8, 2}, std::pair{32, 8}}) {
+  // group 1 with contiguous q; groups 4, 8, 6 and 3 with q a view of a fused qkv buffer; 32 q
+  // heads: more extend work items than multiprocessors, so the persistent wgmma kernel's CTAs
+  // take several
+  for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{8, 2}, std::pair{16, 2}, std::pair{12, 2},
+                         std::pair{6, 2}, std::pair{32, 8}}) {
     const bool strided_q = hq != hkv;
     check_decode<H, D>(hq, hkv, strided_q, sms, rng);
-    check_extend<H, D>(hq, hkv, strided_q, false, sms, rng);
-    check_extend<H, D>(hq, hkv, strided_q, true, sms, rng);
+    for (const ExtendLengths* lens : {&kMixedLengths, &kShortLengths})
+      for (bool consecutive_slots : {false, true})
+        check_extend<H, D>(hq, hkv, strided_q, consecutive_slots, *lens, sms, rng);
   }
 }
 

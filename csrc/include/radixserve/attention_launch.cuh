@@ -139,26 +139,29 @@ inline bool encode_kv_map(CUtensorMap* map, const void* base, int64_t num_slots,
 }
 
 // Launches extend with the wgmma kernel (wgmma = true; only where extend_wgmma_available) or the
-// mma.sync kernel. Both take tiles = an upper bound of sum_b ceil(qo_len_b / 128) from host-known
-// shapes; spare tiles are skipped. mma.sync grid: (tiles, num_q_heads). wgmma: persistent, one
-// CTA per multiprocessor (p.num_sms; at most one per work item: tiles x num_q_heads), which needs
+// mma.sync kernel. Both take tiles = an upper bound of sum_b ceil(qo_len_b / tile tokens) from
+// host-known shapes (ceil(num_q_tokens / tile tokens) + batch); spare tiles are skipped.
+// mma.sync: tiles of 128 tokens of one q head, grid (tiles, num_q_heads). wgmma: tiles of
+// 128 / pack tokens of pack q heads (sm90::extend_pack_log2), items = tiles x num_q_heads / pack;
+// persistent, one CTA per multiprocessor (p.num_sms; at most one per item), which needs
 // p.work_counters (2 int32, zero; left zero); its whole, consecutive-slot K/V tiles load by TMA
 // when p.num_slots is set and the pools' strides allow (sm90::KvMaps), the rest by cp.async.
 template <typename T, int D>
 cudaError_t launch_paged_extend(const ExtendParams& p, int64_t num_q_tokens, bool wgmma,
                                 cudaStream_t stream) {
-  static_assert(sm90::kBM == kExtendBlockM, "both kernels share the tile grid");
-  const int64_t tiles = (num_q_tokens + kExtendBlockM - 1) / kExtendBlockM + p.batch;
-  if (tiles * p.num_q_heads >= (int64_t(1) << 31) || p.num_q_heads > 65535)
-    return cudaErrorInvalidValue;
+  if (p.num_q_heads > 65535) return cudaErrorInvalidValue;
   cudaError_t err;
   if (wgmma) {
     if (p.work_counters == nullptr || p.num_sms < 1) return cudaErrorInvalidValue;
+    const int pack_log2 = sm90::extend_pack_log2(p.group);
+    const int tile_tokens = sm90::kBM >> pack_log2;
+    const int64_t tiles = (num_q_tokens + tile_tokens - 1) / tile_tokens + p.batch;
+    const int64_t items = tiles * (p.num_q_heads >> pack_log2);
+    if (items >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
     constexpr int smem = sm90::extend_smem_bytes<D>();
     constexpr auto kernel = sm90::paged_extend_kernel<T, D>;
     err = set_max_dynamic_smem<kernel>(smem);
     if (err != cudaSuccess) return err;
-    const int64_t items = tiles * p.num_q_heads;
     const int64_t ctas = sm90::kPersistent ? std::min<int64_t>(items, p.num_sms) : items;
     sm90::KvMaps maps{};
     const int hkv = p.num_q_heads / p.group;
@@ -166,6 +169,8 @@ cudaError_t launch_paged_extend(const ExtendParams& p, int64_t num_q_tokens, boo
                encode_kv_map(&maps.v, p.v, p.num_slots, hkv, D, p.kv_stride_slot, p.kv_stride_h);
     kernel<<<(unsigned)ctas, sm90::kThreads, smem, stream>>>(p, (int)tiles, maps);
   } else {
+    const int64_t tiles = (num_q_tokens + kExtendBlockM - 1) / kExtendBlockM + p.batch;
+    if (tiles * p.num_q_heads >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
     const dim3 grid((unsigned)tiles, (unsigned)p.num_q_heads);
     constexpr int smem = extend_smem_bytes<D>();
     constexpr auto kernel = paged_extend_kernel<T, D>;

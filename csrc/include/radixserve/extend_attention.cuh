@@ -43,18 +43,17 @@ struct ExtendParams {
 };
 
 // Variable lengths in one launch: query tile `tile_id` of the concatenation of all requests'
-// tiles of BM rows. One warp scans qo_indptr; every lane gets the request (-1 past the last
+// tiles of bm tokens. One warp scans qo_indptr; every lane gets the request (-1 past the last
 // tile) and the tile within it.
-template <int BM>
 __device__ __forceinline__ void locate_extend_tile(const ExtendParams& p, int lane, int tile_id,
-                                                   int& req, int& tile) {
+                                                   int bm, int& req, int& tile) {
   int seen = 0;
   req = -1;
   tile = 0;
   for (int base = 0; base < p.batch; base += 32) {
     const int bb = base + lane;
     int n = 0;
-    if (bb < p.batch) n = (p.qo_indptr[bb + 1] - p.qo_indptr[bb] + BM - 1) / BM;
+    if (bb < p.batch) n = (p.qo_indptr[bb + 1] - p.qo_indptr[bb] + bm - 1) / bm;
     int incl = n;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -73,6 +72,12 @@ __device__ __forceinline__ void locate_extend_tile(const ExtendParams& p, int la
     seen += __shfl_sync(0xffffffffu, incl, 31);
     if (seen > tile_id) break;
   }
+}
+// the same over tiles of a compile-time BM (the mma.sync kernel's)
+template <int BM>
+__device__ __forceinline__ void locate_extend_tile(const ExtendParams& p, int lane, int tile_id,
+                                                   int& req, int& tile) {
+  locate_extend_tile(p, lane, tile_id, BM, req, tile);
 }
 
 // One CTA per query tile: CTA blockIdx.x takes tile (gridDim.x - 1 - blockIdx.x), last-first
@@ -97,19 +102,25 @@ struct ExtendTile {
   int qo_start, qo_len, kv_start, kv_len, prefix, m0, rows_here, n_tiles, first_masked;
 };
 
-template <int BM, int BN>
-__device__ __forceinline__ ExtendTile extend_tile(const ExtendParams& p, int b, int tile) {
+// Tile `tile` of bm tokens of request b.
+template <int BN>
+__device__ __forceinline__ ExtendTile extend_tile(const ExtendParams& p, int b, int tile, int bm) {
   ExtendTile t;
-  t.m0 = tile * BM;
+  t.m0 = tile * bm;
   t.qo_start = p.qo_indptr[b];
   t.qo_len = p.qo_indptr[b + 1] - t.qo_start;
   t.kv_start = p.kv_indptr[b];
   t.kv_len = p.kv_indptr[b + 1] - t.kv_start;
   t.prefix = t.kv_len - t.qo_len;
-  t.rows_here = min(BM, t.qo_len - t.m0);
+  t.rows_here = min(bm, t.qo_len - t.m0);
   t.n_tiles = (t.prefix + t.m0 + t.rows_here + BN - 1) / BN;
   t.first_masked = (t.prefix + t.m0) / BN;
   return t;
+}
+// the same with a compile-time BM (the mma.sync kernel's)
+template <int BM, int BN>
+__device__ __forceinline__ ExtendTile extend_tile(const ExtendParams& p, int b, int tile) {
+  return extend_tile<BN>(p, b, tile, BM);
 }
 
 constexpr int kExtendBlockM = 128;

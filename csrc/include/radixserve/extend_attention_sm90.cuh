@@ -1,14 +1,18 @@
 // Paged extend (prefill) attention for Hopper (sm_90a): warp-specialised, on warpgroup MMA.
 //
-// Same contract as paged_extend_kernel (extend_attention.cuh). A work item is one tile of
-// kBM = 128 query rows of one request and one q head; items are numbered last tile first (causal
-// tiles at the end of a request carry the most work), the q heads of one tile side by side (a
-// GQA group's CTAs read the same K/V through L2). The grid is persistent, one CTA per
+// Same contract as paged_extend_kernel (extend_attention.cuh). A work item is one tile of kBM = 128
+// query rows of one request: `pack` q heads of one GQA group (pack = the largest power of two
+// dividing the group, up to 8; 1 without kPackGqa) x kBM / pack consecutive tokens, row r = token
+// m0 + r / pack, q head hb * pack + r % pack for the item's head block hb. Every K/V tile it loads
+// serves the pack heads at once (with pack 1, a group's heads are separate items reading the same
+// K/V through L2), and a short chunk over a long prefix fills the rows rather than padding them.
+// Items are numbered last token tile first (causal tiles at the end of a request carry the most
+// work), the head blocks of one tile side by side. The grid is persistent, one CTA per
 // multiprocessor: the producer takes the next item from a global counter
-// (ExtendParams::work_counters) as soon as it has issued the current one's loads and hands it
-// to the consumers through shared memory, so the next item's Q and first K/V tiles load under
-// the consumers' last products and epilogue, and the CTAs balance themselves the way the
-// hardware's block scheduler would (a static round-robin of items left them 12% apart at 4k).
+// (ExtendParams::work_counters) as soon as it has issued the current one's loads and hands it to
+// the consumers through shared memory, so the next item's Q and first K/V tiles load under the
+// consumers' last products and epilogue, and the CTAs balance themselves the way the hardware's
+// block scheduler would (a static round-robin of items left them 12% apart at 4k).
 // Three warpgroups, in FlashAttention-3's structure:
 //   * warpgroup 0, the producer (setmaxnreg down to kProducerRegs): loads the Q tile and then
 //     K and V tiles of kBN rows into a ring of kStages shared-memory stages. A tile whose rows
@@ -24,7 +28,11 @@
 //     by cp.async the kernel ran at 399 TFLOP/s, and at 575 when the loads were cut out (a
 //     diagnostic): the gather's 4,096 16-byte copies per tile were the limit. With TMA for
 //     consecutive tiles: 545 (ping-pong off 527, one CTA per item 526, 3 stages 548, Q from
-//     registers 553).
+//     registers 553). Session 14 (logs/extend-sweep-pack-h200.txt, same run): with Q from
+//     registers and GQA packing, 551 TFLOP/s at 4k (32 heads), 558 at 4k with 8 kv heads (566
+//     unpacked), 570 on 32 requests of 64 new tokens over 4,032 cached with 8 kv heads (320
+//     unpacked: the 64-token chunks padded each 128-row tile half empty); 3 stages 560 / 570 /
+//     571, same checksums, hence kStages 3.
 //   * warpgroups 1 and 2, the consumers (setmaxnreg up to kConsumerRegs): 64 query rows each.
 //     KV tiles are visited from the last (the causal diagonal, masked) to the first, so the
 //     masked tiles come first and the rest run unmasked. Per tile n (after the first):
@@ -53,17 +61,27 @@ namespace sm90 {
 
 constexpr int kBM = 128;         // query rows per CTA: 2 consumer warpgroups x 64
 constexpr int kBN = 128;         // KV rows per tile
-constexpr int kStages = 2;       // ring depth, for K and for V each
+constexpr int kStages = 3;       // ring depth, for K and for V each (2: -1.5 to -2% in the sweep)
 constexpr int kConsumers = 2;    // consumer warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;   // 128 x 40 + 256 x 232 <= 65,536
 constexpr bool kPingPong = true;
-// Q as the A operand of S from registers (else from smem): +1.5% in the sweep with the same
-// checksum, not yet through the harness, so off
-constexpr bool kQInRegs = false;
+// Q as the A operand of S from registers (else from smem): 553 against 545 TFLOP/s in the
+// session-13 sweep, same checksum; its smem slot is released as soon as the fragments load
+constexpr bool kQInRegs = true;
 constexpr bool kPersistent = true;   // one CTA per SM looping over items (else one per item)
+// a tile's rows hold the q heads of one GQA group (up to 8) x kBM / pack tokens, so each K/V tile
+// serves them all; else (pack 1) one q head x kBM tokens
+constexpr bool kPackGqa = true;
 static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
+
+// log2 of the q heads per tile (`pack`) for a GQA group: the largest power of two dividing it,
+// up to 8 (a power of two dividing 8 keeps rows r and r + 8 on tokens r / pack and r / pack +
+// 8 / pack). The launcher sizes the tile grid and the kernel reads its tiles with the same one.
+__host__ __device__ constexpr int extend_pack_log2(int group) {
+  return !kPackGqa ? 0 : group % 8 == 0 ? 3 : group % 4 == 0 ? 2 : group % 2 == 0 ? 1 : 0;
+}
 
 template <int D>
 constexpr int extend_smem_bytes() {
@@ -98,23 +116,37 @@ struct KvMaps {
   int use;
 };
 
-// Work item w: tile rank w / H (0 = the last tile of the concatenation), q head w % H.
+// Work item w, with HB = num_q_heads / pack head blocks: token tile rank w / HB (0 = the last
+// tile of the concatenation; tiles of kBM / pack tokens), head block hb = w % HB (q heads
+// hb * pack .. hb * pack + pack - 1, all of kv head kvh).
 struct ExtendItem {
-  int req, qh;
+  int req, hb, kvh;
   ExtendTile tl;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
+// Row r of a tile whose rows hold 1 << pack_log2 heads: token (in the request) m0 + r / pack,
+// q head hb * pack + r % pack.
+__device__ __forceinline__ int row_token(const ExtendTile& tl, int r, int pack_log2) {
+  return tl.m0 + (r >> pack_log2);
+}
+__device__ __forceinline__ int row_head(int hb, int r, int pack_log2) {
+  return (hb << pack_log2) + (r & ((1 << pack_log2) - 1));
+}
+
 // Every warp locates its items itself (a warp-uniform scan of qo_indptr): no cross-warp
 // hand-off is needed. req < 0: a spare item (past the last tile), which everyone skips.
 __device__ __forceinline__ ExtendItem locate_item(const ExtendParams& p, int num_tiles, int w,
                                                   int lane) {
+  const int pack_log2 = extend_pack_log2(p.group);
+  const int blocks = p.num_q_heads >> pack_log2, bm = kBM >> pack_log2;
   ExtendItem it;
-  it.qh = w % p.num_q_heads;
+  it.hb = w % blocks;
+  it.kvh = (it.hb << pack_log2) / p.group;
   int tile;
-  locate_extend_tile<kBM>(p, lane, num_tiles - 1 - w / p.num_q_heads, it.req, tile);
-  if (it.req >= 0) it.tl = extend_tile<kBM, kBN>(p, it.req, tile);
+  locate_extend_tile(p, lane, num_tiles - 1 - w / blocks, bm, it.req, tile);
+  if (it.req >= 0) it.tl = extend_tile<kBN>(p, it.req, tile, bm);
   return it;
 }
 
@@ -182,7 +214,7 @@ __device__ __forceinline__ void produce(const ExtendParams& p, int num_tiles, in
       const int pos = n * kBN + row0 + lane;
       return pos < tl.kv_len ? __ldg(idx + pos) : -1;
     };
-    const int64_t kv_head = (int64_t)(it.qh / p.group) * p.kv_stride_h + chunk * 8;
+    const int64_t kv_head = (int64_t)it.kvh * p.kv_stride_h + chunk * 8;
     const T* kg = static_cast<const T*>(p.k) + kv_head;
     const T* vg = static_cast<const T*>(p.v) + kv_head;
     auto load = [&](const T* src, T* dst, int my_slot) {   // this warp's 32 rows of a tile
@@ -207,7 +239,6 @@ __device__ __forceinline__ void produce(const ExtendParams& p, int num_tiles, in
       for (int q = 0; q < kBN / 32; ++q) ok &= __ldg(t + 32 * q + lane) == first + 32 * q + lane;
       return __all_sync(0xffffffffu, ok) ? first : -1;
     };
-    const int kvh = it.qh / p.group;
     // one stage of K or V: by TMA (thread 0 arms the barrier with the bytes, everyone arrives)
     // or by cp.async (everyone's arrival waits for its own rows)
     auto fill = [&](const void* map, const T* src, T* dst, uint32_t full, int my_slot, int run) {
@@ -216,7 +247,7 @@ __device__ __forceinline__ void produce(const ExtendParams& p, int num_tiles, in
           mbar::arrive_expect_tx(full, kBN * D * 2);
 #pragma unroll
           for (int blk = 0; blk < D / 64; ++blk)
-            mbar::tma_load_3d(smem_u32(dst + blk * kBN * 64), map, 64 * blk, kvh, run, full);
+            mbar::tma_load_3d(smem_u32(dst + blk * kBN * 64), map, 64 * blk, it.kvh, run, full);
         } else {
           mbar::arrive(full);
         }
@@ -241,14 +272,19 @@ __device__ __forceinline__ void produce(const ExtendParams& p, int num_tiles, in
     int run_v = run_of(last);
     load_k(0, slot_v, run_v);
 
-    // ---- Q rows [row0, row0 + 32) of the tile; rows past the request's queries are zero
+    // ---- Q rows [row0, row0 + 32) of the tile (row_token, row_head); rows past the request's
+    // queries are zero
     mbar::wait(sm.q_empty, (uint32_t)(k & 1) ^ 1u);
-    const T* qg = static_cast<const T*>(p.q) + (int64_t)it.qh * p.q_stride_h + chunk * 8;
+    const int pack_log2 = extend_pack_log2(p.group);
+    const T* qg = static_cast<const T*>(p.q) + chunk * 8;
 #pragma unroll 4
     for (int i = 0; i < kLoads; ++i) {
       const int r = row0 + i * kRowsPerLoad + sub;
-      const bool ok = tl.m0 + r < tl.qo_len;
-      const T* src = qg + (ok ? (int64_t)(tl.qo_start + tl.m0 + r) * p.q_stride_t : 0);
+      const int t = row_token(tl, r, pack_log2);
+      const bool ok = t < tl.qo_len;
+      const T* src = qg + (ok ? (int64_t)(tl.qo_start + t) * p.q_stride_t +
+                                    (int64_t)row_head(it.hb, r, pack_log2) * p.q_stride_h
+                              : 0);
       cp_async_16(smem_u32(sm.q + wgmma::sw128_offset(kBM, r, chunk)), src, ok);
     }
     mbar::cp_async_arrive(sm.q_full);
@@ -374,13 +410,14 @@ __device__ __forceinline__ void release(uint32_t bar, int lane) {
   if (lane == 0) mbar::arrive(bar);
 }
 
-// Normalises this thread's O rows (q_row0, q_row0 + 8) and stores them: each quad of lanes
-// writes 16 contiguous bytes per row and column block (the Q tile, the staging buffer of a
-// one-item CTA, may already hold the next item's queries).
+// Normalises this thread's O rows (q_row0, q_row0 + 8: row_token, row_head of head block hb)
+// and stores them: each quad of lanes writes 16 contiguous bytes per row and column block (the
+// Q tile, the staging buffer of a one-item CTA, may already hold the next item's queries).
 template <typename T, int D>
-__device__ __forceinline__ void store_rows(const ExtendParams& p, const ExtendTile& tl, int qh,
+__device__ __forceinline__ void store_rows(const ExtendParams& p, const ExtendTile& tl, int hb,
                                            const float (&o)[D / 2], const float (&row_l)[2],
                                            int q_row0, int t4) {
+  const int pack_log2 = extend_pack_log2(p.group);
   T* og = static_cast<T*>(p.out);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -389,8 +426,10 @@ __device__ __forceinline__ void store_rows(const ExtendParams& p, const ExtendTi
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int r = q_row0 + h * 8;
-    if (tl.m0 + r >= tl.qo_len) continue;
-    T* row = og + ((int64_t)(tl.qo_start + tl.m0 + r) * p.num_q_heads + qh) * D + 2 * t4;
+    const int t = row_token(tl, r, pack_log2);
+    if (t >= tl.qo_len) continue;
+    T* row = og + ((int64_t)(tl.qo_start + t) * p.num_q_heads + row_head(hb, r, pack_log2)) * D +
+             2 * t4;
 #pragma unroll
     for (int q = 0; q < D / 8; ++q)   // 8 output columns per quad
       *reinterpret_cast<uint32_t*>(row + 8 * q) =
@@ -423,7 +462,9 @@ __device__ __forceinline__ void consume(const ExtendParams& p, int num_tiles, in
     if (w >= num_items) break;
     const ExtendItem it = locate_item(p, num_tiles, w, lane);
     const ExtendTile& tl = it.tl;
-    const int qpos0 = tl.prefix + tl.m0 + q_row0;
+    // KV positions of this thread's queries: rows q_row0 and q_row0 + 8 are tokens 8 / pack apart
+    const int pack_log2 = extend_pack_log2(p.group);
+    const int qpos0 = tl.prefix + row_token(tl, q_row0, pack_log2), qstep = 8 >> pack_log2;
     auto mask = [&](float (&s)[kSN], int n) {
       if (n < tl.first_masked) return;
 #pragma unroll
@@ -431,7 +472,7 @@ __device__ __forceinline__ void consume(const ExtendParams& p, int num_tiles, in
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int kpos = n * kBN + i * 8 + 2 * t4 + (e & 1);
-          const int qpos = qpos0 + (e >> 1) * 8;
+          const int qpos = qpos0 + (e >> 1) * qstep;
           if (kpos > qpos || kpos >= tl.kv_len) s[4 * i + e] = -INFINITY;
         }
       }
@@ -524,7 +565,7 @@ __device__ __forceinline__ void consume(const ExtendParams& p, int num_tiles, in
       for (int kk = 0; kk < kBN / 16; ++kk) wgmma::fence_operand(pa[kk]);
       release(sm.at(sm.v_empty, pst), lane);
     }
-    store_rows<T, D>(p, tl, it.qh, o, row_l, q_row0, t4);
+    store_rows<T, D>(p, tl, it.hb, o, row_l, q_row0, t4);
     j0 += tl.n_tiles;
   }
   if (cw == 0) turn_wait(0);   // consumer 1's last pass: every arrive is matched
@@ -532,8 +573,8 @@ __device__ __forceinline__ void consume(const ExtendParams& p, int num_tiles, in
 
 #endif  // sm_90a
 
-// num_tiles: the launch's upper bound of query tiles (see launch_paged_extend); items =
-// num_tiles x num_q_heads.
+// num_tiles: the launch's upper bound of token tiles (of kBM / pack tokens; see
+// launch_paged_extend); items = num_tiles x num_q_heads / pack.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     paged_extend_kernel(const ExtendParams p, int num_tiles, const __grid_constant__ KvMaps maps) {
@@ -573,7 +614,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar::fence_init();
   }
   __syncthreads();
-  const int num_items = num_tiles * p.num_q_heads;
+  const int num_items = num_tiles * (p.num_q_heads >> extend_pack_log2(p.group));
   const int wg = tid / 128;
   if (wg == 0) {
     mbar::reg_dealloc<kProducerRegs>();
