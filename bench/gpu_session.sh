@@ -144,6 +144,59 @@ for stage in "$@"; do
         --sub "  if (!hist_on) pass1(" "  if (hist_row && !hist_on && tid == 0) atomicAdd(&g_diag[0], 1u);\n  if (!hist_on) pass1("
       bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/ssweep.txt"
       bash bench/variants/run.sh $D sample_sweep.cu -DDIAG 2>&1 | tee -a "$OUT/ssweep.txt" ;;
+    sdiag)
+      # bitmask_sample's two-pass top-p (sample_sweep.cu, one run): the tree against the carried
+      # .ssweep-base/ headers (sampling.cuh: the issue's baseline; sampling_head.cuh: the last
+      # commit's), the tree with one step cut out each (outputs wrong on purpose: the flat
+      # top_p rows then return the argmax), and other values of the speculative k and the bins'
+      # depth under the anchor
+      V=/tmp/sdiag; rm -rf $V; H=sampling.cuh; M="python3 bench/variants/make_variant.py $V"
+      mkdir -p $V/var_base/radixserve $V/var_head/radixserve
+      cp .ssweep-base/sampling.cuh $V/var_base/radixserve/
+      cp .ssweep-base/sampling_head.cuh $V/var_head/radixserve/sampling.cuh
+      $M tree $H
+      P1=(--sub "  if (!find_window(sm, r)) return false;" "  return true;")
+      $M d_p1 $H "${P1[@]}"
+      $M d_p1_nobin $H "${P1[@]}" --sub "        uint32_t near = hist_on ? above_mask(x, allow, fl) : 0u;" "        uint32_t near = 0u;"
+      $M d_pass2 $H --sub "  const int n = sm.count;\n  if (n == 0" "  return true;\n  const int n = sm.count;\n  if (n == 0"
+      SK="constexpr int kSpecK = 64;"; HB="constexpr int kHistBins = 1536;"; HH="constexpr int kHeadBins = 2 * kBinsPerNat;"
+      $M spec128 $H --sub "$SK" "constexpr int kSpecK = 128;"
+      $M spec256 $H --sub "$SK" "constexpr int kSpecK = 256;"
+      $M tail6 $H --sub "$HB" "constexpr int kHistBins = 1024;"
+      $M tail14 $H --sub "$HB" "constexpr int kHistBins = 2048;"
+      # the last commit's span and k with this commit's compare-first binning
+      $M spec256_tail12h4 $H --sub "$SK" "constexpr int kSpecK = 256;" --sub "$HB" "constexpr int kHistBins = 2048;" \
+        --sub "$HH" "constexpr int kHeadBins = 4 * kBinsPerNat;"
+      nvcc -O2 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc/harness csrc/harness/test_sampling.cu \
+        -o $V/test_sampling > $V/harness_build.txt 2>&1 &
+      bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/sdiag.txt"
+      wait
+      (timeout 200 $V/test_sampling || cat $V/harness_build.txt) 2>&1 | tail -25 | tee -a "$OUT/sdiag.txt" ;;
+    sfinal)
+      # bitmask_sample A/B (sample_sweep.cu): the tree against the carried .ssweep-base/ headers
+      # (sampling.cuh: the issue's baseline, sampling_head.cuh: the previous commit's) and the tree
+      # with the top_p rows' speculative k at 64; then the sampling and attention harnesses
+      V=/tmp/sfinal; rm -rf $V; H=sampling.cuh; M="python3 bench/variants/make_variant.py $V"
+      mkdir -p $V/var_base/radixserve $V/var_head/radixserve
+      cp .ssweep-base/sampling.cuh $V/var_base/radixserve/
+      cp .ssweep-base/sampling_head.cuh $V/var_head/radixserve/sampling.cuh
+      $M tree $H
+      $M spec64 $H --sub "constexpr int kSpecK = 128;" "constexpr int kSpecK = 64;"
+      for t in sampling attention; do
+        nvcc -O2 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc/harness csrc/harness/test_$t.cu \
+          -o $V/test_$t > $V/harness_$t.txt 2>&1 &
+      done
+      bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/sfinal.txt"
+      wait
+      for t in sampling attention; do
+        (timeout 150 $V/test_$t || cat $V/harness_$t.txt) 2>&1 | tail -6 | tee -a "$OUT/sfinal.txt"
+      done ;;
+    eattn)
+      timeout 200 python3 bench/attention_bench.py --json "$OUT/extend-attention-h200.json" 2>&1 \
+        | tee "$OUT/eattn.txt" | tail -25 ;;
+    ksampling)
+      python3 bench/kernels.py --parts sampling --flashinfer-parts "" \
+        --out "$OUT/kernels-h200-sampling.json" 2>&1 | tee "$OUT/ksampling.txt" | tail -20 ;;
     gsweep)
       # skinny GEMM variants (bench/variants/gemv_sweep.cu): the tree's stream plans against
       # others (loads in flight per lane, prefetch) and 4 warps per CTA; cuBLAS beside them when
@@ -174,11 +227,17 @@ for stage in "$@"; do
       M="python3 bench/variants/make_variant.py $V"
       $M base $H --rev "${ESWEEP_BASE:-HEAD}"; $M base attention_launch.cuh --rev "${ESWEEP_BASE:-HEAD}"
       $M tree $H
-      flip() { local name=$1 key=$2 from=$3 to=$4; $M "$name" $H --sub "$key = $from;" "$key = $to;"; }
+      # flip NAME KEY A B: the tree with KEY's value A set to B (or B to A, whichever it holds)
+      flip() {
+        local name=$1 key=$2 a=$3 b=$4
+        if grep -q "$key = $a;" csrc/include/radixserve/$H; then $M "$name" $H --sub "$key = $a;" "$key = $b;"
+        else $M "$name" $H --sub "$key = $b;" "$key = $a;"; fi
+      }
       flip no_pingpong "constexpr bool kPingPong" true false
       flip q_regs "constexpr bool kQInRegs" false true
       flip one_item_per_cta "constexpr bool kPersistent" true false
       flip stages3 "constexpr int kStages" 2 3
+      flip no_pack "constexpr bool kPackGqa" true false
       nvcc -O2 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc/harness csrc/harness/test_attention.cu \
         -o $V/test_attention > $V/harness_build.txt 2>&1 &
       bash bench/variants/run.sh $V extend_sweep.cu 2>&1 | tee "$OUT/esweep.txt"

@@ -273,6 +273,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels-h200.json"))
     ap.add_argument("--quick", action="store_true", help="smaller elementwise sizes")
+    ap.add_argument("--parts", default="sampling,elementwise,attention",
+                    help="comma-separated subset of sampling, elementwise, attention")
     ap.add_argument("--flashinfer-parts", default="decode,sampling",
                     help="FlashInfer as a same-process peer (bench/flashinfer_peer.py, when "
                     "flashinfer imports): comma-separated parts; '' for none")
@@ -290,15 +292,18 @@ def main():
     copy_bw = copy_bandwidth()
     results["copy_bw_bytes_per_s"] = copy_bw
     rows = []
-    for part in (lambda: bench_sampling(results, copy_bw, rows),
-                 lambda: bench_elementwise(results, copy_bw, rows, args.quick)):
+    parts = set(args.parts.split(","))
+    for name, part in (("sampling", lambda: bench_sampling(results, copy_bw, rows)),
+                       ("elementwise", lambda: bench_elementwise(results, copy_bw, rows, args.quick))):
+        if name not in parts:
+            continue
         try:
             part()
         except Exception:  # keep the other measurements
             traceback.print_exc()
             results.setdefault("errors", []).append(traceback.format_exc(limit=3))
     attn = os.path.join(HERE, "attention_bench.py")
-    if os.path.exists(attn):
+    if "attention" in parts and os.path.exists(attn):
         try:
             spec = importlib.util.spec_from_file_location("attention_bench", attn)
             mod = importlib.util.module_from_spec(spec)

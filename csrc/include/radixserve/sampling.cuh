@@ -25,7 +25,7 @@
 //     - first argmax of the allowed logits                -> greedy id, and M = max allowed
 //     - online sum of exp(x/t - running max/t) (allowed)  -> Z (at t = 1 the same exp as the
 //       logsumexp's, see kZGapMax)
-//     - top-k rows (and top_p / min_p rows without top-k, as k = kSpecK): a candidate buffer in
+//     - top-k rows (and top_p / min_p rows without top-k, as k = kSpecK / kSpecKMinP): a candidate buffer in
 //       shared memory. A token is appended (warp-aggregated atomics) when its value is >= the
 //       value of a threshold key (64-bit: order-preserving float bits << 32 | ~id). The first
 //       tile sets the threshold to the k-th largest of the threads' maxima. Rows with
@@ -58,22 +58,28 @@
 //   Ties in the top-k/top-p search are broken by token id (the 64-bit key) on the top-k path;
 //   the streaming path keeps every token whose value equals the threshold value.
 //
-// Measured (H200, bench/kernels.py, batch 256 x vocab 128256 fp32, bitmask on every row; one read
-// of the logits = logits.sum() = 40.7 us in that run): top_k 50 + top_p 0.9: 75.2 us (1.85x a
-// read; temperature 0.7: 82.8 us); greedy: 48.5 us; plain sampling: 104.7 us (two passes);
-// top_k 256: 99.5 us; top_k 1000 + top_p: 246 us (303 us selecting after every tile). On random
-// normal rows (std 3: top_p 0.9 spans ~5000 tokens), top_p alone: 204 us = 5.0x a read with the
-// two-pass draw (647 us = 15.8x with the streaming search alone), min_p alone: 116 us; on peaked
-// rows (the buffer holds the kept set) top_p alone 115 us (101 us before pass 1 binned: the bins
-// cost a peaked top_p row ~14 us), min_p alone 99 us. Peers: torch mask+topk+softmax+
-// multinomial 1108 us, the reference's full sort 4856 us; FlashInfer 0.6.18 on its own call's
-// rows (std 3, no mask), same process: softmax + top_p_sampling_from_probs 234 us (ours 216 us),
+// Measured (H200, bench/kernels.py --parts sampling, batch 256 x vocab 128256 fp32, bitmask on
+// every row; one read of the logits = logits.sum() = 38.5 us in that run): top_k 50 + top_p 0.9:
+// 74.3 us (1.93x a read; temperature 0.7: 82.3 us); greedy: 47.9 us; plain sampling: 103.4 us
+// (two passes); top_k 256: 99.6 us; top_k 1000 + top_p: 243 us. On random normal rows (std 3:
+// top_p 0.9 spans ~5000 tokens), top_p alone: 148.7 us = 3.86x a read (the two-pass draw); min_p
+// alone: 114 us; on peaked rows (the buffer holds the kept set) top_p alone 95 us, min_p alone
+// 99 us. Peers: torch mask+topk+softmax+multinomial 1109 us, the reference's full sort 4857 us;
+// FlashInfer 0.6.18 on its own call's rows (std 3, no mask), same process (session 12, the
+// bins' first version): softmax + top_p_sampling_from_probs 234 us (ours then 216 us),
 // top_k_top_p_sampling_from_logits(50, 0.9) 345 us (ours 138 us).
-// The bins, A/B in one run (bench/variants/sample_sweep.cu, `gpu_session.sh ssweep`: the previous
-// header, this one, this one without bins): top_p flat rows 655 -> 201 us; peaked 100 -> 115 us,
-// peaked past the first tile 100 -> 116 us; every other configuration within 4 us but plain
-// sampling, +6 us with the bins compiled out too; the same draws bit for bit outside top_p-only
-// rows. A batch
+// The two-pass top-p, A/B in one run (bench/variants/sample_sweep.cu; logs/sample-diag-h200.txt
+// and logs/sample-sweep-final-*-h200.txt; us, the issue's baseline 7650ca1 -> d61706f -> this
+// header): top_p flat rows 651 -> 201 -> 146; peaked 100 -> 115 -> 94; peaked past the
+// first tile 100 -> 116 -> 100; top_p 0.95 at t 0.7 594 -> 192 -> 145; min_p flat 100 ->
+// 98 -> 97; plain sampling 97 -> 104 -> 103 (the shared draw helpers of the bins'
+// first version; not recovered). What moved it, by removal (d_* variants): pass 1 with a
+// 64-token buffer and no bins 76 us, the bins' atomics ~19 us unrolled over the registers (86 us
+// as a compare-first loop re-reading the few elements in the span: reverted), pass 2 ~36 us once
+// it sorts the tokens under the window out with one compare (bin_floor), ~84 us binning every
+// token as before; a 256-token buffer costs pass 1 ~24 us over 64 (100 against 76 us without
+// bins). At 64 (peaked rows 89 us) the window estimate of top_p 0.95 at t 0.7 rows missed (384
+// us, the streaming search: fewer of the heavy tokens are exact), hence kSpecK 128. A batch
 // takes as long as its slowest row: one flat top_p row among 256 used to cost the whole batch
 // the streaming search's ~650 us.
 // Pass 1 is issue-bound, not memory-bound: a sweep of diagnostic variants (bench/variants, one
@@ -101,7 +107,11 @@ constexpr int kElems = 16;                      // elements per thread per tile
 constexpr int kTile = kThreads * kElems;        // 8192
 constexpr int kTopKCap = 1024;                  // top_k in [1, kTopKCap] runs the buffer path
 constexpr int kFreeRunTopK = 256;               // top_k up to this runs pass 1 without barriers
-constexpr int kSpecK = 256;                     // top_p / min_p rows without top_k try this k first
+// top_p rows without top_k try this k first (the two-pass draw takes flat rows; see Measured
+// for 64 / 128 / 256), min_p-only rows kSpecKMinP (they have no two-pass draw: past the buffer,
+// the streaming path)
+constexpr int kSpecK = 128;
+constexpr int kSpecKMinP = 256;
 constexpr int kLooseFactor = 4;                 // other buffer rows select at about this many x k
 constexpr int kBufCap = kTopKCap + kTile;       // candidates held in shared memory
 constexpr int kItems = (kBufCap + kThreads - 1) / kThreads;
@@ -117,12 +127,14 @@ constexpr float kZGapMax = 40.f;
 // at the first tile's allowed max A: bin 0 holds everything more than kHeadBins / kBinsPerNat
 // nats above A, the last bin (not counted) everything more than (kHistBins - 1 - kHeadBins) /
 // kBinsPerNat nats below it, -inf and NaN. A bin counts its tokens (integers: the counts do not
-// depend on the order of the shared atomics).
-// See window_draw.
-constexpr int kHistBins = 2048;
+// depend on the order of the shared atomics). The span's depth sets pass 1's atomics: 10 nats
+// below A holds the top_p 0.9 - 0.95 cut of a Gaussian row of any spread (at most ~6.5 and
+// ~7.5 nats under the first tile's max), and 31% of a std-3 row's tokens. A row whose cut lies
+// deeper takes the streaming search. See window_draw.
+constexpr int kHistBins = 1536;
 constexpr int kBinsLog2 = 7;
 constexpr int kBinsPerNat = 1 << kBinsLog2;
-constexpr int kHeadBins = 4 * kBinsPerNat;
+constexpr int kHeadBins = 2 * kBinsPerNat;
 constexpr int kMaxTiles = kHistBins / (kThreads / 32);  // pass 2's per-warp tile masses (floats)
 
 struct SampleParams {
@@ -400,6 +412,22 @@ __device__ __forceinline__ int hist_bin(float x, float anchor, float scale) {
   const float f = __fadd_rn(__fmul_rn(__fsub_rn(anchor, x), scale), (float)kHeadBins);
   // f < 0 (and x = +inf): bin 0; far below, -inf and NaN: the last bin
   return f < (float)(kHistBins - 1) ? __float2int_rz(fmaxf(f, 0.f)) : kHistBins - 1;
+}
+
+// A value under which every x bins past bin b: x <= bin_floor(A, scale, b) implies
+// hist_bin(x, A, scale) > b (a bin of margin, and a relative one, for hist_bin's rounding), so
+// one compare sorts most of a row's tokens out before any bin is computed. A finite.
+__device__ __forceinline__ float bin_floor(float anchor, float scale, int b) {
+  const float fl = anchor - (float)(b + 2 - kHeadBins) / scale;
+  return fl - (fabsf(anchor) + fabsf(fl)) * 1e-6f;
+}
+
+// Bit j set where this thread's element j of the tile is allowed and above fl.
+__device__ __forceinline__ uint32_t above_mask(const float (&x)[kElems], uint32_t allow, float fl) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int j = 0; j < kElems; ++j) m |= (x[j] > fl ? 1u : 0u) << j;
+  return m & allow;
 }
 
 // Exact block-wide selection: the k-th largest 64-bit candidate key among sm.val/idx[0, n),
@@ -761,17 +789,21 @@ __device__ void window_pass(SampleShared& sm, const T* __restrict__ row, const i
                             int64_t vocab, const TopPRow& r, int lo, int hi, float& above,
                             int& n_above, int& n_below) {
   const float scale = kBinsPerNat * r.inv_t;
+  const float fl = bin_floor(r.anchor, scale, hi);   // x <= fl: under the window
   float* part = reinterpret_cast<float*>(sm.bins);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
     float kept = 0.f;
     uint32_t cand = 0;
-#pragma unroll
-    for (int j = 0; j < kElems; ++j) {
-      if (!((allow >> j) & 1u)) continue;
-      const int b = hist_bin(x[j], r.anchor, scale);
+    uint32_t near = above_mask(x, allow, fl);
+    n_below += __popc(allow & ~near);
+    while (near != 0u) {   // the few tokens above fl, their values again from L1
+      const int j = __ffs(near) - 1;
+      near &= near - 1u;
+      const float xv = load_f(row + elem_index<VEC>(base, j));
+      const int b = hist_bin(xv, r.anchor, scale);
       if (b < lo) {
-        const float e = __expf(x[j] * r.inv_t - r.My);
+        const float e = __expf(xv * r.inv_t - r.My);
         above += e;
         ++n_above;
         kept += (!r.use_minp || e >= r.min_p) ? e : 0.f;
@@ -916,12 +948,13 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   const bool use_p = top_p < 1.f;
   const float min_p = p.min_p[row_id];
   const bool use_minp = min_p > 0.f;
-  // Top-p / min-p rows without top-k first run the buffer path with k = kSpecK (spec): their
-  // kept set is a prefix of the ranked tokens, and when the kSpecK best tokens already hold
-  // top_p of the mass (or the last of them falls below min_p) it lies inside the buffer and
-  // the row needs one pass. Otherwise (flat rows) the streaming threshold search runs.
+  // Top-p / min-p rows without top-k first run the buffer path (spec) with k = kSpecK (min_p
+  // alone: kSpecKMinP): their kept set is a prefix of the ranked tokens, and when the k best
+  // tokens already hold top_p of the mass (or the last of them falls below min_p) it lies inside
+  // the buffer and the row needs one pass. Otherwise (flat rows) the two-pass draw or the
+  // streaming threshold search runs.
   const bool spec = !greedy && k_eff == 0 && (use_p || use_minp);
-  const int64_t k_buf = spec ? kSpecK : k_eff;  // candidates the buffer path keeps
+  const int64_t k_buf = spec ? (use_p ? kSpecK : kSpecKMinP) : k_eff;  // the buffer path keeps
   const bool buffer_path = !greedy && ((k_eff > 0 && k_eff <= kTopKCap) || spec);
   // Spec top_p rows also bin their allowed tokens in pass 1, for the two-pass draw should the
   // buffer miss the nucleus (window_draw); anchor: the first tile's allowed max.
@@ -1035,12 +1068,15 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
         if (base == 0) {
           a = block_max(bm, sm.f_scratch);
           if (tid == 0) sm.anchor = a;
-          hist_on = a > -INFINITY;
+          hist_on = a > -INFINITY && a < INFINITY;   // pass 2's bin_floor needs a finite anchor
         } else {
           a = sm.anchor;
         }
         const float sc = kBinsPerNat * inv_t;
-        // bins are monotone in x: a thread whose allowed max falls under the span skips the tile
+        // bins are monotone in x: a thread whose allowed max falls under the span skips the
+        // tile. Unrolled over the registers, every element binned and counted under a
+        // predicate: measured against a compare-first loop over the few elements in the span
+        // (values again from L1), which cost a flat row 86 us here instead of ~19.
         if (hist_on && hist_bin(bm, a, sc) < kHistBins - 1) {
 #pragma unroll
           for (int j = 0; j < kElems; ++j) {
