@@ -149,7 +149,8 @@ for stage in "$@"; do
       # .ssweep-base/ headers (sampling.cuh: the issue's baseline; sampling_head.cuh: the last
       # commit's), the tree with one step cut out each (outputs wrong on purpose: the flat
       # top_p rows then return the argmax), and other values of the speculative k and the bins'
-      # depth under the anchor
+      # depth under the anchor (logs/sample-diag-h200.txt ran it on an earlier tree: k 64 and a
+      # compare-first pass-1 binning loop, since reverted)
       V=/tmp/sdiag; rm -rf $V; H=sampling.cuh; M="python3 bench/variants/make_variant.py $V"
       mkdir -p $V/var_base/radixserve $V/var_head/radixserve
       cp .ssweep-base/sampling.cuh $V/var_base/radixserve/
@@ -157,10 +158,10 @@ for stage in "$@"; do
       $M tree $H
       P1=(--sub "  if (!find_window(sm, r)) return false;" "  return true;")
       $M d_p1 $H "${P1[@]}"
-      $M d_p1_nobin $H "${P1[@]}" --sub "        uint32_t near = hist_on ? above_mask(x, allow, fl) : 0u;" "        uint32_t near = 0u;"
+      $M d_p1_nobin $H "${P1[@]}" --sub "if (hist_on && hist_bin(bm, a, sc) < kHistBins - 1) {" "if (false) {"
       $M d_pass2 $H --sub "  const int n = sm.count;\n  if (n == 0" "  return true;\n  const int n = sm.count;\n  if (n == 0"
-      SK="constexpr int kSpecK = 64;"; HB="constexpr int kHistBins = 1536;"; HH="constexpr int kHeadBins = 2 * kBinsPerNat;"
-      $M spec128 $H --sub "$SK" "constexpr int kSpecK = 128;"
+      SK="constexpr int kSpecK = 128;"; HB="constexpr int kHistBins = 1536;"; HH="constexpr int kHeadBins = 2 * kBinsPerNat;"
+      $M spec64 $H --sub "$SK" "constexpr int kSpecK = 64;"
       $M spec256 $H --sub "$SK" "constexpr int kSpecK = 256;"
       $M tail6 $H --sub "$HB" "constexpr int kHistBins = 1024;"
       $M tail14 $H --sub "$HB" "constexpr int kHistBins = 2048;"
