@@ -27,6 +27,20 @@ flashinfer_env() {
     CUDA_HOME=/usr/local/cuda
   export PATH=$(python3 -c 'import ninja; print(ninja.BIN_DIR)'):/usr/local/cuda/bin:$PATH
 }
+# sampling.cuh's carried baselines (.ssweep-base/: sampling.cuh = issue 13's baseline 7650ca1,
+# sampling_head.cuh = the previous commit's) as the variants base and head under $1
+carried_sampling_bases() {
+  mkdir -p "$1/var_base/radixserve" "$1/var_head/radixserve"
+  cp .ssweep-base/sampling.cuh "$1/var_base/radixserve/"
+  cp .ssweep-base/sampling_head.cuh "$1/var_head/radixserve/sampling.cuh"
+}
+# csrc/harness/test_$2.cu built into $1 in the background (its log: $1/harness_$2.txt); then run
+# after a `wait`, printing the last $3 lines (or the build log where it did not build)
+build_harness() {
+  nvcc -O2 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc/harness "csrc/harness/test_$2.cu" \
+    -o "$1/test_$2" > "$1/harness_$2.txt" 2>&1 &
+}
+run_harness() { (timeout 200 "$1/test_$2" || cat "$1/harness_$2.txt") 2>&1 | tail -"$3"; }
 for stage in "$@"; do
   echo "=== stage $stage" | tee -a "$OUT/log.txt"
   case $stage in
@@ -152,9 +166,7 @@ for stage in "$@"; do
       # depth under the anchor (logs/sample-diag-h200.txt ran it on an earlier tree: k 64 and a
       # compare-first pass-1 binning loop, since reverted)
       V=/tmp/sdiag; rm -rf $V; H=sampling.cuh; M="python3 bench/variants/make_variant.py $V"
-      mkdir -p $V/var_base/radixserve $V/var_head/radixserve
-      cp .ssweep-base/sampling.cuh $V/var_base/radixserve/
-      cp .ssweep-base/sampling_head.cuh $V/var_head/radixserve/sampling.cuh
+      carried_sampling_bases $V
       $M tree $H
       P1=(--sub "  if (!find_window(sm, r)) return false;" "  return true;")
       $M d_p1 $H "${P1[@]}"
@@ -165,33 +177,25 @@ for stage in "$@"; do
       $M spec256 $H --sub "$SK" "constexpr int kSpecK = 256;"
       $M tail6 $H --sub "$HB" "constexpr int kHistBins = 1024;"
       $M tail14 $H --sub "$HB" "constexpr int kHistBins = 2048;"
-      # the last commit's span and k with this commit's compare-first binning
+      # the previous commit's span and k with this tree's pass 2
       $M spec256_tail12h4 $H --sub "$SK" "constexpr int kSpecK = 256;" --sub "$HB" "constexpr int kHistBins = 2048;" \
         --sub "$HH" "constexpr int kHeadBins = 4 * kBinsPerNat;"
-      nvcc -O2 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc/harness csrc/harness/test_sampling.cu \
-        -o $V/test_sampling > $V/harness_build.txt 2>&1 &
+      build_harness $V sampling
       bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/sdiag.txt"
       wait
-      (timeout 200 $V/test_sampling || cat $V/harness_build.txt) 2>&1 | tail -25 | tee -a "$OUT/sdiag.txt" ;;
+      run_harness $V sampling 25 | tee -a "$OUT/sdiag.txt" ;;
     sfinal)
       # bitmask_sample A/B (sample_sweep.cu): the tree against the carried .ssweep-base/ headers
       # (sampling.cuh: the issue's baseline, sampling_head.cuh: the previous commit's) and the tree
       # with the top_p rows' speculative k at 64; then the sampling and attention harnesses
       V=/tmp/sfinal; rm -rf $V; H=sampling.cuh; M="python3 bench/variants/make_variant.py $V"
-      mkdir -p $V/var_base/radixserve $V/var_head/radixserve
-      cp .ssweep-base/sampling.cuh $V/var_base/radixserve/
-      cp .ssweep-base/sampling_head.cuh $V/var_head/radixserve/sampling.cuh
+      carried_sampling_bases $V
       $M tree $H
       $M spec64 $H --sub "constexpr int kSpecK = 128;" "constexpr int kSpecK = 64;"
-      for t in sampling attention; do
-        nvcc -O2 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc/harness csrc/harness/test_$t.cu \
-          -o $V/test_$t > $V/harness_$t.txt 2>&1 &
-      done
+      build_harness $V sampling; build_harness $V attention
       bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/sfinal.txt"
       wait
-      for t in sampling attention; do
-        (timeout 150 $V/test_$t || cat $V/harness_$t.txt) 2>&1 | tail -6 | tee -a "$OUT/sfinal.txt"
-      done ;;
+      for t in sampling attention; do run_harness $V $t 6 | tee -a "$OUT/sfinal.txt"; done ;;
     eattn)
       timeout 200 python3 bench/attention_bench.py --json "$OUT/extend-attention-h200.json" 2>&1 \
         | tee "$OUT/eattn.txt" | tail -25 ;;
@@ -239,11 +243,10 @@ for stage in "$@"; do
       flip one_item_per_cta "constexpr bool kPersistent" true false
       flip stages3 "constexpr int kStages" 2 3
       flip no_pack "constexpr bool kPackGqa" true false
-      nvcc -O2 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc/harness csrc/harness/test_attention.cu \
-        -o $V/test_attention > $V/harness_build.txt 2>&1 &
+      build_harness $V attention
       bash bench/variants/run.sh $V extend_sweep.cu 2>&1 | tee "$OUT/esweep.txt"
       wait
-      timeout 200 $V/test_attention 2>&1 | tail -30 | tee -a "$OUT/esweep.txt" ;;
+      run_harness $V attention 30 | tee -a "$OUT/esweep.txt" ;;
     dsweep)
       # decode attention split plans (bench/variants/decode_sweep.cu): the CTAs-per-SM target and
       # the floor of tokens per split, variants of the working tree's headers, one build each
