@@ -274,6 +274,12 @@ class ServerArgs:
     schedule_policy: str = _flag(
         "fcfs", "order of the waiting queue: fcfs (arrival order) or lpm (longest cached prefix "
         "first)", choices=("fcfs", "lpm"))
+    step_order: str = _flag(
+        "alternate", "what runs while prompts wait and requests decode: 'alternate' interleaves "
+        "one prefill step with one decode step (steadier inter-token latency), 'prefill-first' "
+        "runs every prefill that can be admitted before the next decode step (SGLang's order: "
+        "the largest decode batches, for throughput; the offline Engine's default)",
+        choices=("alternate", "prefill-first"))
     schedule_conservativeness: float = _flag(
         1.0, "scales the output tokens reserved per running request when admitting new ones "
         "(larger: fewer retractions, smaller batches)", metavar="X")
@@ -398,6 +404,9 @@ class ServerArgs:
         """Raise ValueError naming the flag to change."""
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy must be fcfs or lpm, not {self.schedule_policy!r}")
+        if self.step_order not in ("alternate", "prefill-first"):
+            raise ValueError(f"--step-order must be alternate or prefill-first, not "
+                             f"{self.step_order!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"--load-format must be auto, safetensors or dummy, not {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):

@@ -215,20 +215,25 @@ def test_merge_outputs_keeps_every_delta_in_order():
 
 
 def test_startup_objects_are_frozen_until_shutdown(default_model_path):
-    """An engine's start-up objects leave the collector's scans (gc.freeze) while it serves;
-    shutdown unfreezes them, so a process that builds engine after engine can free the old
-    ones (the model here)."""
+    """An engine's start-up objects leave the collector's scans (gc.freeze) and the young
+    generation's threshold is raised while it serves; shutdown unfreezes them and restores the
+    thresholds, so a process that builds engine after engine can free the old ones (the model
+    here)."""
     import gc
     import weakref
 
     import radixserve
+    from radixserve.engine.async_engine import GC_GEN0_THRESHOLD
 
+    before = gc.get_threshold()
     engine = radixserve.Engine(default_model_path, device="cpu", max_total_tokens=256,
                                max_running_requests=2)
     model = weakref.ref(engine.async_engine.runner.model)
     assert gc.get_freeze_count() > 0
+    assert gc.get_threshold() == (GC_GEN0_THRESHOLD, *before[1:])
     engine.shutdown()
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == before
     del engine
     gc.collect()
     assert model() is None

@@ -29,6 +29,12 @@ def hf_greedy_48(hf_gguf_model, hf_gguf_tokenizer):
     return outs
 
 
+def test_engine_schedules_prefill_first(smol_engine):
+    """The offline Engine's default step order (no stream waits on its next token)."""
+    assert smol_engine.server_args.step_order == "prefill-first"
+    assert smol_engine.async_engine.scheduler.alternate is False
+
+
 def test_greedy_parity_with_hf(smol_engine, hf_greedy_48, hf_gguf_tokenizer):
     outs = smol_engine.generate(PROMPTS, {"max_new_tokens": NEW_TOKENS, "temperature": 0})
     assert len(outs) == len(PROMPTS)

@@ -248,3 +248,53 @@ def test_abort_while_the_prefill_is_in_flight(make_scheduler, text_prompts):
         assert reqs[0].finish_reason["type"] == reqs[2].finish_reason["type"] == "length"
         assert sched.kv_pool.available_size() + sched.cache.evictable_size() == \
             sched.kv_pool.num_slots
+
+
+def test_prefill_scheduled_over_a_prefill_in_flight(make_scheduler):
+    """prefill-first, a budget of one prompt per step: each prefill after the first is
+    scheduled while the previous one runs (num_over_extend), and the outputs equal the serial
+    loop's. max_running_requests 3 of 5 prompts: admission counts the prefill in flight, so
+    no more than 3 ever hold a running slot."""
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, 20) for _ in range(5)]
+    results = run_pair(make_scheduler, lambda tag: reqs_for(prompts, 6, tag),
+                       step_order="prefill-first", max_prefill_tokens=20,
+                       chunked_prefill_size=-1, max_running_requests=3)
+    assert_same(results)
+    (o_sched, _, _), (s_sched, _, _) = results
+    assert o_sched.pipeline.num_over_extend >= 3      # prompts 2, 3 (cap), then 5 after 1-3 end
+    assert s_sched.pipeline.num_over_extend == 0
+
+
+def test_running_cap_counts_the_prefill_in_flight(make_scheduler):
+    rng = random.Random(6)
+    sched = make_scheduler(step_order="prefill-first", max_prefill_tokens=20,
+                           chunked_prefill_size=-1, max_running_requests=2)
+    reqs = reqs_for([random_prompt(rng, 20) for _ in range(4)], 4, "cap")
+    for r in reqs:
+        sched.add_request(r)
+    most = 0
+    while sched.has_work():
+        sched.step()
+        sched.check_integrity()
+        holding = [r for r in reqs if r.req_pool_idx is not None]
+        most = max(most, len(holding))
+        assert sched.num_running == len(holding)
+    assert most == 2
+    assert sched.pipeline.num_over_extend >= 1
+    assert all(r.finish_reason["type"] == "length" for r in reqs)
+
+
+def test_prompt_sharing_a_prefix_with_the_prefill_in_flight_waits_for_it(make_scheduler):
+    """B shares 40 tokens with A, whose prefill is in flight when B is scheduled: B waits for A
+    to publish its prompt and reuses those 40 tokens instead of computing them again."""
+    rng = random.Random(8)
+    shared = random_prompt(rng, 40)
+    for overlap in (True, False):
+        sched = make_scheduler(step_order="prefill-first", max_prefill_tokens=48,
+                               chunked_prefill_size=-1, disable_overlap_schedule=not overlap)
+        a, b = reqs_for([shared + random_prompt(rng, 8), shared + random_prompt(rng, 8)], 4,
+                        "share")
+        run_to_completion(sched, [a, b])
+        assert a.cached_tokens == 0
+        assert b.cached_tokens >= 40, f"overlap={overlap}: B recomputed the shared prefix"

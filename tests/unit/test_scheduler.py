@@ -211,3 +211,42 @@ def test_one_clients_fan_out_cannot_starve_another(make_scheduler, text_prompts,
     else:
         assert other.admit_order < min(r.admit_order for r in queued_a)
     assert_all_slots_home(sched)
+
+
+@pytest.mark.parametrize("order", ["alternate", "prefill-first"])
+def test_step_order(make_scheduler, greedy_alone, order):
+    """Four prompts, one per prefill step (the budget holds one): alternate interleaves a decode
+    step after each prefill once requests decode; prefill-first prefills all four before the
+    first decode step. The outputs are the greedy outputs of each prompt alone either way."""
+    from radixserve.model.forward_batch import ForwardMode
+
+    rng = random.Random(3)
+    prompts = [random_prompt(rng, 12) for _ in range(4)]
+    sched = make_scheduler(step_order=order, max_prefill_tokens=12, chunked_prefill_size=-1)
+    modes = []
+    schedule = sched.schedule
+
+    def recording_schedule(**kw):
+        batch = schedule(**kw)
+        if batch is not None:
+            modes.append("E" if batch.mode == ForwardMode.EXTEND else "D")
+        return batch
+
+    sched.schedule = recording_schedule
+    reqs = [greedy_req(f"o{i}", p, 5) for i, p in enumerate(prompts)]
+    run_to_completion(sched, reqs)
+    first_decodes = "".join(modes[:7])
+    assert first_decodes == ("EDEDEDE" if order == "alternate" else "EEEEDDD"), modes
+    assert modes.count("E") == 4
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == greedy_alone(p, 5)
+    assert_all_slots_home(sched)
+
+
+def test_server_step_order_default_and_check():
+    """The server's default (no --step-order) is alternate; an unknown order names the flag."""
+    from radixserve.config import ServerArgs
+
+    assert ServerArgs().step_order == "alternate"
+    with pytest.raises(ValueError, match="--step-order"):
+        ServerArgs(step_order="decode-first").check()

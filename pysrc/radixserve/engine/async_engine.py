@@ -50,15 +50,30 @@ def merge_outputs(a: GenerateOutput, b: GenerateOutput) -> GenerateOutput:
         queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s)
 
 
-def freeze_startup_objects() -> None:
+# Allocations between young-generation collections while an engine runs (CPython's default:
+# 700). Serving allocates many short-lived objects per token that reference counting frees;
+# at 700 the collector still runs thousands of times a run, each tenth of those also collects
+# the middle generation, and full collections follow whenever the survivors grew by a quarter:
+# each stalls the loop while the device runs out of queued work.
+# RADIXSERVE_GC_GEN0 overrides it (700: CPython's behaviour, for A/B runs).
+GC_GEN0_THRESHOLD = 50_000
+
+
+def freeze_startup_objects() -> tuple:
     """Move every object alive now (the model's modules and parameters, the tokenizer, the CUDA
     graphs: start-up's objects, which live as long as the engine) out of the garbage
     collector's scans (gc.freeze), so that the full collections serving triggers walk only
-    what serving allocates. Shutdown unfreezes them. Measured on the H200 (offline 256 x
-    1k/256, bench/results/logs/offline-gc-h200.txt): GC pauses 0.41-0.58 s of an ~11.7 s run
-    -> 0.19-0.23 s, device idle before decode steps 0.38-0.53 s -> 0.15-0.18 s."""
+    what serving allocates, and raise the young generation's threshold to GC_GEN0_THRESHOLD.
+    Returns the previous thresholds; shutdown restores them and unfreezes. Measured on the
+    H200 (offline 256 x 1k/256, bench/results/logs/offline-gc-h200.txt): the freeze took GC
+    pauses 0.41-0.58 s of an ~11.7 s run -> 0.19-0.23 s, device idle before decode steps
+    0.38-0.53 s -> 0.15-0.18 s."""
     gc.collect()
     gc.freeze()
+    before = gc.get_threshold()
+    gen0 = int(os.environ.get("RADIXSERVE_GC_GEN0", GC_GEN0_THRESHOLD))
+    gc.set_threshold(max(gen0, 1), *before[1:])
+    return before
 
 
 class AsyncEngine:
@@ -93,6 +108,7 @@ class AsyncEngine:
         self._draining = False
         self._wakeup: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
+        self._gc_thresholds: Optional[tuple] = None   # set by start(): restored at shutdown
         self._stopping = False
         self._loop_error: Optional[BaseException] = None
 
@@ -117,7 +133,7 @@ class AsyncEngine:
         self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run_loop(),
                                                             name="radixserve-scheduler")
-        freeze_startup_objects()
+        self._gc_thresholds = freeze_startup_objects()
 
     async def drain(self, timeout_s: float) -> None:
         """Graceful stop, part one: refuse new requests (check_capacity raises), let the live
@@ -154,6 +170,9 @@ class AsyncEngine:
         self._waiter.shutdown(wait=True)
         self._executor = self._waiter = None
         gc.unfreeze()      # this engine's start-up objects may be collected again
+        if self._gc_thresholds is not None:
+            gc.set_threshold(*self._gc_thresholds)
+            self._gc_thresholds = None
 
     async def _launch(self, step_input):
         """Hand the step to the forward worker; the handle is that worker's (concurrent) future."""

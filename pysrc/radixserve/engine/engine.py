@@ -37,8 +37,12 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 class Engine:
     def __init__(self, model_path: Optional[str] = None, **server_arg_overrides: Any):
-        """Blocking: loads the model. Unknown keyword arguments raise TypeError (ServerArgs)."""
+        """Blocking: loads the model. Unknown keyword arguments raise TypeError (ServerArgs).
+        Offline generation has no stream waiting on its next token, so step_order defaults to
+        prefill-first here (the largest decode batches); pass step_order="alternate" for the
+        server's order."""
         self._closed = True
+        server_arg_overrides.setdefault("step_order", "prefill-first")
         self.server_args = ServerArgs(model_path=model_path, **server_arg_overrides)
         self.async_engine = AsyncEngine(self.server_args)
         self.tokenizer = self.async_engine.tokenizer

@@ -7,10 +7,12 @@
 With overlap (the default) the host processes step N-1's results (stop checks, detokenizing,
 streaming, admission) and builds step N+1 while the device runs step N. A step is scheduled
 over the one in flight only when the host state it needs is known without that step's
-results: after a decode step, when no retraction is needed. After an extend step (prefill
-chunks publish their KV, prefills join the running batch, prompt logprobs) and before a step
-that must retract, the step in flight is resolved first. --disable-overlap-schedule resolves
-every step right after launching it (the serial loop, for A/B runs).
+results: after a decode step, when no retraction is needed; after a prefill step whose
+requests all end their prompts there (no chunk to publish, no prompt logprobs), a step that
+prefills other waiting requests (Scheduler.can_prefill_over; its requests join the running
+batch when it is resolved, so no decode is scheduled over it). Otherwise the step in flight is
+resolved first. --disable-overlap-schedule resolves every step right after launching it (the
+serial loop, for A/B runs).
 
 The grammar slot: a step with grammar rows is launched up to its logits; its token bitmask needs
 the grammar state after step N-1's tokens, so the host fills it (Scheduler.grammar_bitmask)
@@ -42,18 +44,26 @@ class StepPipeline:
         self.overlap = overlap
         self.inflight: Optional[Tuple[Any, Any]] = None     # (ScheduleBatch, handle)
         self.num_overlapped = 0    # steps launched while the previous one was still in flight
+        self.num_over_extend = 0   # of those, prefills launched over an extend step in flight
 
     async def turn(self, launch: Launch, wait: Wait, sample: Optional[Sample] = None) -> bool:
         """One turn; False when there was nothing to schedule and nothing in flight."""
         sched = self.scheduler
         had_inflight = self.inflight is not None
+        prefill_only = False
         if self.inflight is not None and not self._can_schedule_over(self.inflight[0]):
+            prefill_only = self.overlap and sched.can_prefill_over(self.inflight[0])
+            if not prefill_only:
+                await self._resolve(wait)
+        batch = sched.schedule(prefill_only=prefill_only)
+        if batch is None and prefill_only:       # nothing to prefill: resolve, then any step
             await self._resolve(wait)
-        batch = sched.schedule()
+            batch = sched.schedule()
         launched = None
         if batch is not None:
             if self.inflight is not None:
                 self.num_overlapped += 1
+                self.num_over_extend += self.inflight[0].mode is ForwardMode.EXTEND
             try:
                 launched = (batch, await launch(batch.step_input))
             except Exception as e:       # noqa: BLE001 - a failed launch fails its batch

@@ -13,8 +13,10 @@ host ReqToToken rows and the prefix cache; the device sees only StepInputs.
 
 Per step (schedule()):
   1. finish requests marked for abort;
-  2. prefill (unless the previous step was a prefill and requests are decoding: prefill and decode
-     steps alternate under load so neither starves), else
+  2. prefill (under --step-order alternate, the default in the server: unless the previous step
+     was a prefill and requests are decoding, so that prefill and decode steps alternate under
+     load and neither starves; under prefill-first, the offline Engine's default: whenever a
+     prompt can be admitted), else
   3. a decode step over the running requests that still need tokens.
 Slot ownership follows cache/base.py and engine/req.py; check_integrity() verifies it.
 """
@@ -84,6 +86,7 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
         self.chunk_size = server_args.resolved_chunked_prefill_size()
         self.max_prefill_tokens = server_args.max_prefill_tokens
         self.mixed_chunk = server_args.enable_mixed_chunk
+        self.alternate = server_args.step_order == "alternate"
         self.jump_forward = not server_args.disable_jump_forward
         self.eos_ids = self._eos_ids(runner, tokenizer)
         cons = server_args.schedule_conservativeness
@@ -161,7 +164,28 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + (self.chunked_req is not None)
+        """Requests holding a running slot: decoding, mid-chunk, or ending their prefill in the
+        step in flight (not in `running` until that step is processed)."""
+        return len(self.running) + (self.chunked_req is not None) + len(self._inflight_prefills())
+
+    def _inflight_prefills(self) -> List[Req]:
+        """The step in flight's requests that end their prefill there (status PREFILL, not the
+        chunked request): they join `running` when it is processed."""
+        return [r for r in self.pipeline.inflight_reqs()
+                if r.status == ReqStatus.PREFILL and r is not self.chunked_req]
+
+    def can_prefill_over(self, batch: ScheduleBatch) -> bool:
+        """May a prefill step be scheduled while `batch` (an extend step) is in flight? Yes when
+        prompts wait and every request of batch ends its prompt there with nothing else to
+        process first: no chunk to publish (no chunked request), no prompt logprobs, no
+        decode rows (mixed chunk), no grammar rows. Admission then counts batch's requests as
+        running (num_running, their decode reserve) and lets waiting requests that share a
+        prefix with them wait for it to be published (prefill.py)."""
+        return (batch.mode is ForwardMode.EXTEND and bool(self.waiting)
+                and self.chunked_req is None and all(batch.sample)
+                and not any(batch.from_device)
+                and all(lp is None for lp in batch.prompt_lp)
+                and not batch.step_input.sampling.grammar_rows)
 
     # ------------------------------------------------------------------ a step
     def step(self) -> bool:
@@ -177,14 +201,19 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
 
         return run_sync(self.pipeline.turn(launch, wait, sample))
 
-    def schedule(self) -> Optional[ScheduleBatch]:
-        """Pick this step's batch, allocate its slots and build its StepInput. Loop thread."""
+    def schedule(self, prefill_only: bool = False) -> Optional[ScheduleBatch]:
+        """Pick this step's batch, allocate its slots and build its StepInput. Loop thread.
+        prefill_only: a prefill step or nothing (None, no state changed but aborts handled):
+        the pipeline schedules over an extend step in flight (can_prefill_over)."""
         self.handle_aborts()
         batch = None
-        if not (self._last_was_prefill and self.running):
+        decoding = bool(self.running) or bool(self._inflight_prefills())
+        if not (self.alternate and self._last_was_prefill and decoding):
             batch = self._prefill_batch()
             if batch is not None and self.mixed_chunk:
                 self._add_decode_rows(batch)
+        if batch is None and prefill_only:
+            return None
         if batch is None:
             batch = self._decode_batch()
         if batch is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -76,7 +76,8 @@ class PrefillMixin:
         return budget - n
 
     def _admit_waiting(self, batch: ScheduleBatch, budget: int, stats: dict) -> None:
-        reserve = sum(self._reserve(r) for r in self.running)
+        inflight = self._inflight_prefills()        # running once the step in flight is processed
+        reserve = sum(self._reserve(r) for r in self.running + inflight)
         num_admitted = 0
         fair = self._fair_share()
         for req in self.policy(list(self.waiting), self.cache):
@@ -89,7 +90,7 @@ class PrefillMixin:
             key = req.cache_key
             match = self.cache.match_prefix(key[:req.max_prefix_len()])
             prefix_len = int(match.indices.numel())
-            if self._waits_for_batch_prefix(req, batch, prefix_len):
+            if self._waits_for_batch_prefix(req, batch.reqs + inflight, prefix_len):
                 continue
             remaining = len(key) - prefix_len
             if remaining > budget and (self.chunk_size is None) and batch.batch_size > 0:
@@ -98,7 +99,7 @@ class PrefillMixin:
             self.cache.inc_lock_ref(match.last_node)
             own_reserve = self._reserve(req) if n == remaining else 0.0
             available = self.kv_pool.available_size() + self.cache.evictable_size()
-            idle = not self.running and batch.batch_size == 0
+            idle = not self.running and not inflight and batch.batch_size == 0
             if (n > available) or (not idle and n + own_reserve + reserve > available):
                 self.cache.dec_lock_ref(match.last_node)
                 break
@@ -124,7 +125,8 @@ class PrefillMixin:
         if cap is None:
             return None
         holding: Dict[Optional[str], int] = {}
-        for r in self.running + ([self.chunked_req] if self.chunked_req else []):
+        for r in self.running + ([self.chunked_req] if self.chunked_req else []) + \
+                self._inflight_prefills():
             holding[r.client_id] = holding.get(r.client_id, 0) + 1
         waiting_clients = {r.client_id for r in self.waiting}
 
@@ -158,18 +160,19 @@ class PrefillMixin:
             self.counters["prompt_tokens"] += len(req.origin_input_ids)
             self.counters["cached_tokens"] += prefix_len
 
-    def _waits_for_batch_prefix(self, req: Req, batch: ScheduleBatch, prefix_len: int) -> bool:
+    def _waits_for_batch_prefix(self, req: Req, others: List[Req], prefix_len: int) -> bool:
         """In-batch prefix sharing: if req's uncached part starts with IN_BATCH_SHARE_MIN tokens
-        that a request already in this prefill batch is computing, req waits: that request
-        publishes its prompt after the prefill (process_batch_result), so req then reuses it
-        (identical prompts arriving together prefill once, not once each)."""
+        that a request of `others` (this prefill batch, and the step in flight's prefills) is
+        computing, req waits: that request publishes its prompt after the prefill
+        (process_batch_result), so req then reuses it (identical prompts arriving together
+        prefill once, not once each)."""
         if not self.cache.supports_sharing:
             return False
         end = prefix_len + IN_BATCH_SHARE_MIN
         if len(req.fill_ids) - 1 < end:
             return False
         head = req.cache_key[:end]
-        return any(other.cache_key[:end] == head for other in batch.reqs if not
+        return any(other.cache_key[:end] == head for other in others if not
                    other.status == ReqStatus.RUNNING)
 
     def _add_extend(self, batch: ScheduleBatch, req: Req, slots: torch.Tensor, final: bool) -> None:
