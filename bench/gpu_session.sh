@@ -187,15 +187,32 @@ for stage in "$@"; do
     sfinal)
       # bitmask_sample A/B (sample_sweep.cu): the tree against the carried .ssweep-base/ headers
       # (sampling.cuh: the issue's baseline, sampling_head.cuh: the previous commit's) and the tree
-      # with the top_p rows' speculative k at 64; then the sampling and attention harnesses
+      # with plain rows on the streaming draw (no plain_draw); then the sampling and attention
+      # harnesses
       V=/tmp/sfinal; rm -rf $V; H=sampling.cuh; M="python3 bench/variants/make_variant.py $V"
       carried_sampling_bases $V
       $M tree $H
-      $M spec64 $H --sub "constexpr int kSpecK = 128;" "constexpr int kSpecK = 64;"
+      $M no_plain_draw $H --sub "    if (plain && !sm.z_recompute) {" "    if (false) {"
       build_harness $V sampling; build_harness $V attention
       bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/sfinal.txt"
       wait
       for t in sampling attention; do run_harness $V $t 6 | tee -a "$OUT/sfinal.txt"; done ;;
+    srepeat)
+      # sfinal's base / head / tree sweep binaries built once and run in $SREPEAT rounds
+      # (default 3), interleaved, for the run-to-run spread of each configuration; with the
+      # tree's plain draw inlined (inl) and cut out (no_plain: plain rows stream as before)
+      V=/tmp/srepeat; rm -rf $V; H=sampling.cuh; M="python3 bench/variants/make_variant.py $V"
+      carried_sampling_bases $V
+      $M tree $H
+      $M inl $H --sub "__device__ __noinline__ int32_t plain_draw" "__device__ __forceinline__ int32_t plain_draw"
+      $M no_plain $H --sub "    if (plain && !sm.z_recompute) {" "    if (false) {"
+      build_harness $V sampling
+      BUILD_ONLY=1 bash bench/variants/run.sh $V sample_sweep.cu > /dev/null 2>&1
+      wait
+      for r in $(seq "${SREPEAT:-3}"); do
+        for d in $V/var_*/; do echo "round $r"; timeout 120 "${d}sweep" || cat "${d}build.txt"; done
+      done 2>&1 | tee "$OUT/srepeat.txt"
+      run_harness $V sampling 8 | tee -a "$OUT/srepeat.txt" ;;
     eattn)
       timeout 200 python3 bench/attention_bench.py --json "$OUT/extend-attention-h200.json" 2>&1 \
         | tee "$OUT/eattn.txt" | tail -25 ;;
@@ -300,6 +317,22 @@ print(max(runs)[1] if runs else 0)")
       python3 bench/offline.py "${common[@]}" --hf-mode generate_batch "${eargs[@]}" \
         --out "$OUT/offline-h200-8b-vs-hf-generate-batch.json" 2>&1 | grep -v "it/s" | tail -12 \
         | tee -a "$OUT/offline_ab.txt" ;;
+    offline9)
+      # issue 9's offline point, one call: the engine alone under its defaults (prefill-first,
+      # prefills scheduled over the prefill in flight, the raised GC threshold), under
+      # step_order=alternate (the server's order), and under CPython's GC threshold
+      # (RADIXSERVE_GC_GEN0=700); then the same-process comparison with HF at the defaults
+      common=(--device cuda --preset llama-3.1-8b --num-prompts 256 --input-len 1024 --output-len 256)
+      for run in default "alternate --engine-arg step_order=alternate" gc700; do
+        name=${run%% *}; extra=(); [ "$name" != "$run" ] && extra=(${run#* })
+        env_gc=(); [ "$name" = gc700 ] && env_gc=(RADIXSERVE_GC_GEN0=700)
+        echo "run $name: ${extra[*]} ${env_gc[*]}" | tee -a "$OUT/offline9.txt"
+        env "${env_gc[@]}" python3 bench/offline.py "${common[@]}" --hf-mode none "${extra[@]}" \
+          --out "$OUT/offline9-$name.json" 2>&1 | grep -v "it/s" | tail -2 | tee -a "$OUT/offline9.txt"
+      done
+      python3 bench/offline.py "${common[@]}" --hf-mode generate_batch \
+        --out "$OUT/offline-h200-8b-vs-hf-generate-batch.json" 2>&1 | grep -v "it/s" | tail -12 \
+        | tee -a "$OUT/offline9.txt" ;;
     offline8b_engine)
       # radixserve's half of offline8b alone (no HF), with the engine's step log
       python3 bench/offline.py --device cuda --preset llama-3.1-8b \

@@ -11,4 +11,5 @@ for d in "$OUT"/var_*/; do
       -o "$d/sweep" "$HERE/$SWEEP" > "$d/build.txt" 2>&1 || echo "build of $name failed" ) &
 done
 wait
+[ "${BUILD_ONLY:-0}" = 1 ] && exit 0      # BUILD_ONLY=1: build the variants, run none
 for d in "$OUT"/var_*/; do timeout 120 "${d}sweep" || cat "${d}build.txt"; done

@@ -56,7 +56,7 @@ int main() {
   // rarely among token ids 0..8191): the two-pass top-p's first-tile test sees a flat tile
   float* late; CK(cudaMalloc(&late, B * V * 4)); CK(cudaMemcpy(late, logits, B * V * 4, cudaMemcpyDeviceToDevice));
   boost<<<B, 64>>>(late, V, 8192);
-  Cfg cfgs[] = {{"target k50 p0.9", 1.f, 50, 0.9f, 0.f}, {"k50 p0.9 t0.7", 0.7f, 50, 0.9f, 0.f}, {"k50", 1.f, 50, 1.f, 0.f}, {"k1000 p0.9", 1.f, 1000, 0.9f, 0.f}, {"greedy", 0.f, 0, 1.f, 0.f}, {"plain", 1.f, 0, 1.f, 0.f},
+  Cfg cfgs[] = {{"target k50 p0.9", 1.f, 50, 0.9f, 0.f}, {"k50 p0.9 t0.7", 0.7f, 50, 0.9f, 0.f}, {"k50", 1.f, 50, 1.f, 0.f}, {"k1000 p0.9", 1.f, 1000, 0.9f, 0.f}, {"greedy", 0.f, 0, 1.f, 0.f}, {"plain", 1.f, 0, 1.f, 0.f}, {"plain t0.7", 0.7f, 0, 1.f, 0.f},
                 {"k256", 1.f, 256, 1.f, 0.f}, {"k300", 1.f, 300, 1.f, 0.f}, {"k600", 1.f, 600, 1.f, 0.f}, {"p0.9", 1.f, 0, 0.9f, 0.f}, {"minp0.05", 1.f, 0, 1.f, 0.05f},
                 {"p0.9 peaked", 1.f, 0, 0.9f, 0.f, true}, {"minp peaked", 1.f, 0, 1.f, 0.05f, true}, {"k50p.9 peaked", 1.f, 50, 0.9f, 0.f, true},
                 {"p0.9 late peak", 1.f, 0, 0.9f, 0.f, 2}, {"p0.95 t0.7", 0.7f, 0, 0.95f, 0.f}};

@@ -172,7 +172,8 @@ int main() {
       {"topk900 topp0.95 minp", 20000, false, true, 1.3f, 0.95f, 0.001f, 900},
       {"topp0.8 t0.7 (stream)", 3000, false, true, 0.7f, 0.8f, 0.f, 0},
       {"minp0.05 t1.5 (stream)", 3000, false, false, 1.5f, 1.f, 0.05f, 0},
-      {"plain t1 (stream)", 777, false, true, 1.f, 1.f, 0.f, 0},
+      {"plain t1 (one pass)", 777, false, true, 1.f, 1.f, 0.f, 0},
+      {"plain t0.6 bf16 (one pass)", 40000, true, true, 0.6f, 1.f, 0.f, 0},
       {"topk2000>cap topp (stream)", 20000, false, true, 1.f, 0.97f, 0.f, 2000},
   };
   for (const auto& c : configs) check_config(c, rng);

@@ -46,34 +46,44 @@
 //   cut is resolved exactly and the draw lands (or in the one tile re-read that holds it). If
 //   the bins cannot place the cut (a catch-all bin, an overfull window, a missed estimate), and
 //   for the other rows, the streaming path below runs.
+//   Plain rows (temperature only) draw without a second pass (plain_draw): in the order that
+//   takes the tokens thread by thread, pass 1's per-thread sums place the draw in one thread's
+//   elements, which its warp re-reads. (A row at temperature 1 whose allowed max lies far below
+//   its raw max, see kZGapMax, takes the streaming path.)
 //   Other rows (no top-k, or top_k > kTopKCap) stream the row again from L2/HBM:
 //     - top-p (or a large top-k): a threshold search over the 32-bit ordered float keys: each
 //       pass counts tokens and their mass above kPivots evenly spaced pivot keys inside the
 //       current interval (lo, hi] (registers, then one block reduction) and keeps the sub-
 //       interval where the keep predicate flips; it stops once the interval holds <= 1 token
 //       (typically 4-6 passes). Kept = allowed tokens with key > lo (and e >= min_p).
-//     - min-p alone needs no search (a bound on e), plain sampling needs nothing.
+//     - min-p alone needs no search (a bound on e), plain sampling (the fallback) nothing.
 //     - the mass of the kept set (one pass when not already known), then one sampling pass:
 //       block-wide prefix sums over tiles until the running mass passes u * mass.
 //   Ties in the top-k/top-p search are broken by token id (the 64-bit key) on the top-k path;
 //   the streaming path keeps every token whose value equals the threshold value.
 //
-// Measured (H200, bench/kernels.py --parts sampling, batch 256 x vocab 128256 fp32, bitmask on
-// every row; one read of the logits = logits.sum() = 38.5 us in that run): top_k 50 + top_p 0.9:
-// 74.3 us (1.93x a read; temperature 0.7: 82.3 us); greedy: 47.9 us; plain sampling: 103.4 us
-// (two passes); top_k 256: 99.6 us; top_k 1000 + top_p: 243 us. On random normal rows (std 3:
-// top_p 0.9 spans ~5000 tokens), top_p alone: 148.7 us = 3.86x a read (the two-pass draw); min_p
-// alone: 114 us; on peaked rows (the buffer holds the kept set) top_p alone 95 us, min_p alone
-// 99 us. Peers: torch mask+topk+softmax+multinomial 1109 us, the reference's full sort 4857 us;
-// FlashInfer 0.6.18 on its own call's rows (std 3, no mask), same process (session 12, the
-// bins' first version): softmax + top_p_sampling_from_probs 234 us (ours then 216 us),
-// top_k_top_p_sampling_from_logits(50, 0.9) 345 us (ours 138 us).
+// Measured (H200, bench/kernels.py, batch 256 x vocab 128256 fp32, bitmask on every row; one
+// read of the logits = logits.sum() = 41.0 us in that run, 38.2 in the one before):
+// top_k 50 + top_p 0.9: 74.4 us (1.81x a read; temperature 0.7: 82.5 us); greedy: 49.1 us;
+// plain sampling: 56.0 us (one pass, plain_draw; 103 us with a second pass); top_k 256: 99.5 us;
+// top_k 1000 + top_p: 244 us. On random normal rows (std 3: top_p 0.9 spans ~5000 tokens),
+// top_p alone: 148.1 us = 3.61x a read (3.86x against the other run's read; the two-pass draw);
+// min_p alone: 115 us; on peaked rows (the buffer holds the kept set) top_p alone 94 us, min_p
+// alone 99 us. Peers: torch mask+topk+softmax+multinomial 1181 us, the reference's full sort
+// 4860 us; FlashInfer 0.6.18 on its own call's rows (std 3, no mask), same process:
+// softmax + top_p_sampling_from_probs 235 us (ours 150 us), top_k_top_p_sampling_from_logits
+// (50, 0.9) 246 us (ours 74 us). logs/kernels-h200.txt.
+// The plain draw, A/B in one run (logs/sample-sweep-plain-h200.txt, 3 interleaved rounds,
+// ranges in us; base = the issue's baseline 7650ca1): plain 98.1-99.5 -> 54.7-54.9, plain at
+// t 0.7 103.9-106.0 -> 62.3-62.6; every other configuration of the sweep equal or faster than
+// the baseline. Placed after the buffer path, or returning through an int64_t& (kept live
+// across the top-k selects), it cost top_k 1000 rows 1-2% (244 against 240 us).
 // The two-pass top-p, A/B in one run (bench/variants/sample_sweep.cu; logs/sample-diag-h200.txt
 // and logs/sample-sweep-final-*-h200.txt; us, the issue's baseline 7650ca1 -> d61706f -> this
 // header): top_p flat rows 651 -> 201 -> 146; peaked 100 -> 115 -> 94; peaked past the
 // first tile 100 -> 116 -> 100; top_p 0.95 at t 0.7 594 -> 192 -> 145; min_p flat 100 ->
-// 98 -> 97; plain sampling 97 -> 104 -> 103 (the shared draw helpers of the bins'
-// first version; not recovered). What moved it, by removal (d_* variants): pass 1 with a
+// 98 -> 97; plain sampling 97 -> 104 -> 103 (until the plain draw). What moved it, by
+// removal (d_* variants): pass 1 with a
 // 64-token buffer and no bins 76 us, the bins' atomics ~19 us unrolled over the registers (86 us
 // as a compare-first loop re-reading the few elements in the span: reverted), pass 2 ~36 us once
 // it sorts the tokens under the window out with one compare (bin_floor), ~84 us binning every
@@ -217,11 +227,11 @@ __device__ __forceinline__ void l2_prefetch_tile(const T* __restrict__ row, int6
 
 // Loads this thread's kElems elements of tile `base`; out-of-range elements read -inf and are
 // not allowed. VEC: elements base + tid*16 + j (16-byte loads); else base + j*kThreads + tid.
+// load_tile_of: the same for thread `tid`'s elements (the plain draw re-reads one thread's).
 template <typename T, bool VEC>
-__device__ __forceinline__ void load_tile(const T* __restrict__ row, const int32_t* __restrict__ mask_row,
-                                          int64_t vocab, int64_t base, float (&x)[kElems],
-                                          uint32_t& allow) {
-  const int tid = threadIdx.x;
+__device__ __forceinline__ void load_tile_of(const T* __restrict__ row, const int32_t* __restrict__ mask_row,
+                                             int64_t vocab, int64_t base, int tid, float (&x)[kElems],
+                                             uint32_t& allow) {
   allow = 0;
   if constexpr (VEC) {
     const int64_t e0 = base + (int64_t)tid * kElems;
@@ -272,6 +282,13 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ row, const int32
   }
 }
 
+template <typename T, bool VEC>
+__device__ __forceinline__ void load_tile(const T* __restrict__ row, const int32_t* __restrict__ mask_row,
+                                          int64_t vocab, int64_t base, float (&x)[kElems],
+                                          uint32_t& allow) {
+  load_tile_of<T, VEC>(row, mask_row, vocab, base, (int)threadIdx.x, x, allow);
+}
+
 // Streams a row tile by tile, the tile two ahead already on its way to L2 (l2_prefetch_tile):
 // fn(x, allow, base) for each tile in order (block-uniform) from the tile at `begin` (a
 // multiple of kTile); fn returns false to stop early.
@@ -290,11 +307,16 @@ __device__ __forceinline__ void stream_row(const T* __restrict__ row,
 }
 
 template <bool VEC>
-__device__ __forceinline__ int64_t elem_index(int64_t base, int j) {
+__device__ __forceinline__ int64_t elem_index_of(int64_t base, int j, int tid) {
   if constexpr (VEC)
-    return base + (int64_t)threadIdx.x * kElems + j;
+    return base + (int64_t)tid * kElems + j;
   else
-    return base + (int64_t)j * kThreads + threadIdx.x;
+    return base + (int64_t)j * kThreads + tid;
+}
+
+template <bool VEC>
+__device__ __forceinline__ int64_t elem_index(int64_t base, int j) {
+  return elem_index_of<VEC>(base, j, (int)threadIdx.x);
 }
 
 __device__ __forceinline__ uint64_t cand_key(float v, int32_t id) {
@@ -343,6 +365,8 @@ struct SampleShared {
   float anchor;                      // two-pass top-p: the bins' anchor
   double win_carry;                  // mass of the tiles before win_tile
   double win_target;                 // the draw's target (in the tile, or within the window)
+  int32_t seg_owner, seg_pick;       // the plain draw: the thread holding it, the token drawn
+  double seg_target;                 // the plain draw: its target within that thread's mass
 };
 
 // Block-wide scan of one float per thread. excl of thread i+1 is bit-identical to incl of
@@ -923,6 +947,93 @@ __device__ __noinline__ bool window_draw(SampleShared& sm, const T* __restrict__
   return true;
 }
 
+// The plain draw (temperature only: no top-k, top-p or min-p) without a second pass. Order
+// the row's tokens thread by thread (thread 0's elements of tile 0, 1, ..., then thread 1's):
+// pass 1 left each thread the mass of its own allowed elements, w (relative to M / t), so a
+// block scan of w places u * (sum of w) in one thread's elements. That thread's warp re-reads
+// them, one tile per lane: a warp scan of the lanes' masses names the tile, and the lane walks
+// its elements. Any fixed order of the tokens draws from the same distribution. Returns the
+// token drawn, or -1 where rounding leaves the target outside every recomputed interval or the
+// masses are not finite (the streaming draw then runs). Block-uniform.
+template <typename T, bool VEC>
+__device__ __noinline__ int32_t plain_draw(SampleShared& sm, const T* __restrict__ row,
+                                           const int32_t* __restrict__ mask_row, int64_t vocab,
+                                           float w, float inv_t, float My, double u) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  float excl, incl, total;
+  block_scan(w, sm.f_scratch, excl, incl, total);
+  if (!(total > 0.f && total < INFINITY)) return -1;      // uniform: block_scan's total
+  const double target = u * (double)total;                // u < 1: below total
+  if (tid == 0) {
+    sm.seg_owner = -1;
+    sm.seg_pick = -1;
+  }
+  __syncthreads();
+  // the intervals [excl, incl) tile [0, total) exactly (block_scan): one thread holds target
+  if (w > 0.f && (double)excl <= target && target < (double)incl) {
+    sm.seg_owner = tid;
+    sm.seg_target = target - (double)excl;
+  }
+  __syncthreads();
+  const int owner = sm.seg_owner;
+  if (owner < 0) return -1;
+  if ((tid >> 5) == (owner >> 5)) {
+    // the owner's warp: lane L reads the owner's elements of tile c + L, 32 tiles at a time
+    const double rel = sm.seg_target;
+    double carry = 0.0;
+    int32_t last = -1;                 // the owner's last element with mass (rounding)
+    int32_t pick = -1;
+    const int64_t ntiles = (vocab + kTile - 1) / kTile;
+    for (int64_t c = 0; c < ntiles && pick < 0; c += 32) {
+      const int64_t base = (c + lane) * kTile;
+      float e[kElems];
+      float lsum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) e[j] = 0.f;
+      if (base < vocab) {
+        float x[kElems];
+        uint32_t allow;
+        load_tile_of<T, VEC>(row, mask_row, vocab, base, owner, x, allow);
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) {
+          if ((allow >> j) & 1u) e[j] = __expf(x[j] * inv_t - My);
+          lsum += e[j];
+          if (e[j] > 0.f) last = max(last, (int32_t)elem_index_of<VEC>(base, j, owner));
+        }
+      }
+      float sc = lsum;                 // inclusive warp scan of the lanes' masses
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const float y = __shfl_up_sync(0xffffffffu, sc, off);
+        if (lane >= off) sc += y;
+      }
+      const float before = __shfl_up_sync(0xffffffffu, sc, 1);
+      const double start = carry + (lane == 0 ? 0.0 : (double)before), end = carry + (double)sc;
+      int32_t mine = -1;
+      if (lsum > 0.f && start <= rel && rel < end) {
+        double run = start;
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) {
+          if (e[j] > 0.f) {
+            const double nxt = run + (double)e[j];
+            if (mine < 0 && (rel < nxt || nxt >= end)) mine = (int32_t)elem_index_of<VEC>(base, j, owner);
+            run = nxt;
+          }
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) mine = max(mine, __shfl_xor_sync(0xffffffffu, mine, off));
+      pick = mine;                     // one lane at most claims (its interval holds rel)
+      carry += (double)__shfl_sync(0xffffffffu, sc, 31);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, off));
+    if (lane == 0) sm.seg_pick = pick >= 0 ? pick : last;
+  }
+  __syncthreads();
+  return sm.seg_pick;
+}
+
 // ----------------------------------------------------------------------------- the kernel
 
 template <typename T, bool VEC>
@@ -956,6 +1067,7 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   const bool spec = !greedy && k_eff == 0 && (use_p || use_minp);
   const int64_t k_buf = spec ? (use_p ? kSpecK : kSpecKMinP) : k_eff;  // the buffer path keeps
   const bool buffer_path = !greedy && ((k_eff > 0 && k_eff <= kTopKCap) || spec);
+  const bool plain = !greedy && k_eff == 0 && !use_p && !use_minp;  // temperature only
   // Spec top_p rows also bin their allowed tokens in pass 1, for the two-pass draw should the
   // buffer miss the nucleus (window_draw); anchor: the first tile's allowed max.
   const bool hist_row = spec && use_p && !(min_p > 1.f) && vocab <= (int64_t)kMaxTiles * kTile;
@@ -1128,9 +1240,12 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   }
 
   // ---------------------------------------------------------------- row statistics
+  // the thread's own (reference, sum of allowed e) before the reduction: the plain draw's w
+  const float own_ref = t1 ? m_raw : (best_v == -INFINITY ? -INFINITY : best_v * inv_t);
+  const float own_s = s_y;
   {
     // s_y is relative to sy_ref: the thread's m_raw at temperature 1, else its best_v / t
-    float sy_ref = t1 ? m_raw : (best_v == -INFINITY ? -INFINITY : best_v * inv_t);
+    float sy_ref = own_ref;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
       const float m2 = __shfl_xor_sync(0xffffffffu, m_raw, off);
@@ -1204,6 +1319,18 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
     bool drawn = false;
     int spec_n = 0;          // the buffer's ranked tokens and their mass (the two-pass top-p
     float spec_mass = 0.f;   // reads them)
+    // plain rows first (own_ref / own_s are dead in the buffer path's selects), the id
+    // returned rather than written through a reference: see Measured, top_k 1000 rows ran 1-2%
+    // slower with the draw placed after the buffer path, and still 1% with the reference
+    if (plain && !sm.z_recompute) {
+      // ------------------------------------------------ plain sampling: no second pass
+      const float w = (own_s > 0.f && own_ref > -INFINITY) ? own_s * __expf(own_ref - My) : 0.f;
+      const int32_t id = plain_draw<T, VEC>(sm, row, mask_row, vocab, w, inv_t, My, u);
+      if (id >= 0) {
+        chosen = id;
+        drawn = true;
+      }
+    }
     if (buffer_path) {
       // ------------------------------------------------ top-k path, all in shared memory
       int n = sm.count;
