@@ -187,7 +187,7 @@ for stage in "$@"; do
     sfinal)
       # bitmask_sample A/B (sample_sweep.cu): the tree against the carried .ssweep-base/ headers
       # (sampling.cuh: the baseline, sampling_head.cuh: the previous commit's) and the tree
-      # with plain rows on the streaming draw (no plain_draw); then the sampling and attention
+      # with plain rows on the streaming draw (no thread-order draw); then the sampling and attention
       # harnesses
       V=/tmp/sfinal; rm -rf $V; H=sampling.cuh; M="python3 bench/variants/make_variant.py $V"
       carried_sampling_bases $V
@@ -199,13 +199,11 @@ for stage in "$@"; do
       for t in sampling attention; do run_harness $V $t 6 | tee -a "$OUT/sfinal.txt"; done ;;
     srepeat)
       # sfinal's base / head / tree sweep binaries built once and run in $SREPEAT rounds
-      # (default 3), interleaved, for the run-to-run spread of each configuration; with the
-      # tree's plain draw inlined (inl) and cut out (no_plain: plain rows stream as before)
+      # (default 3), interleaved, for the run-to-run spread of each configuration
+      # (logs/sample-sweep-plain-h200.txt also ran the plain draw inlined and cut out)
       V=/tmp/srepeat; rm -rf $V; H=sampling.cuh; M="python3 bench/variants/make_variant.py $V"
       carried_sampling_bases $V
       $M tree $H
-      $M inl $H --sub "__device__ __noinline__ int32_t plain_draw" "__device__ __forceinline__ int32_t plain_draw"
-      $M no_plain $H --sub "    if (plain && !sm.z_recompute) {" "    if (false) {"
       build_harness $V sampling
       BUILD_ONLY=1 bash bench/variants/run.sh $V sample_sweep.cu > /dev/null 2>&1
       wait

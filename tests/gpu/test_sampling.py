@@ -95,7 +95,7 @@ CASES = [
     ("topp0.8_spec", torch.float32, 8192, 0.7, 0, 0.8, 0.0),
     ("topp0.9_bf16_spec", torch.bfloat16, 989, 1.0, 0, 0.9, 0.0),
     ("minp0.05_spec", torch.float32, 17, 1.5, 0, 1.0, 0.05),
-    # plain sampling: one pass, the draw placed in one thread's elements (plain_draw); past 32
+    # plain sampling: one pass, the draw placed in one thread's elements (thread_order_draw); past 32
     # tiles (262,144 tokens) its warp walks the tiles 32 at a time
     ("plain_stream", torch.float32, 4097, 1.0, 0, 1.0, 0.0),
     ("plain_t0.7_bf16", torch.bfloat16, 128256, 0.7, 0, 1.0, 0.0),

@@ -46,9 +46,9 @@
 //   cut is resolved exactly and the draw lands (or in the one tile re-read that holds it). If
 //   the bins cannot place the cut (a catch-all bin, an overfull window, a missed estimate), and
 //   for the other rows, the streaming path below runs.
-//   Plain rows (temperature only) draw without a second pass (plain_draw): in the order that
-//   takes the tokens thread by thread, pass 1's per-thread sums place the draw in one thread's
-//   elements, which its warp re-reads. (A row at temperature 1 whose allowed max lies far below
+//   Plain rows (temperature only) draw without a second pass (thread_order_draw): in the order
+//   that takes the tokens thread by thread, pass 1's per-thread sums place the draw in one
+//   thread's elements, which its warp re-reads. (A row at temperature 1 whose allowed max lies far below
 //   its raw max, see kZGapMax, takes the streaming path.)
 //   Other rows (no top-k, or top_k > kTopKCap) stream the row again from L2/HBM:
 //     - top-p (or a large top-k): a threshold search over the 32-bit ordered float keys: each
@@ -57,15 +57,17 @@
 //       interval where the keep predicate flips; it stops once the interval holds <= 1 token
 //       (typically 4-6 passes). Kept = allowed tokens with key > lo (and e >= min_p).
 //     - min-p alone needs no search (a bound on e), plain sampling (the fallback) nothing.
-//     - the mass of the kept set (one pass when not already known), then one sampling pass:
-//       block-wide prefix sums over tiles until the running mass passes u * mass.
+//     - each thread's mass of its kept elements (one pass without block barriers), then the
+//       draw in thread order (thread_order_draw): min-p alone takes two passes in all. Where
+//       rounding leaves that draw without a token: the mass of the kept set, then block-wide
+//       prefix sums over tiles until the running mass passes u * mass.
 //   Ties in the top-k/top-p search are broken by token id (the 64-bit key) on the top-k path;
 //   the streaming path keeps every token whose value equals the threshold value.
 //
 // Measured (H200, bench/kernels.py, batch 256 x vocab 128256 fp32, bitmask on every row; one
 // read of the logits = logits.sum() = 41.0 us in that run, 38.2 in the one before):
 // top_k 50 + top_p 0.9: 74.4 us (1.81x a read; temperature 0.7: 82.5 us); greedy: 49.1 us;
-// plain sampling: 56.0 us (one pass, plain_draw; 103 us with a second pass); top_k 256: 99.5 us;
+// plain sampling: 56.0 us (one pass, thread_order_draw; 103 us with a second pass); top_k 256: 99.5 us;
 // top_k 1000 + top_p: 244 us. On random normal rows (std 3: top_p 0.9 spans ~5000 tokens),
 // top_p alone: 148.1 us = 3.61x a read (3.86x against the other run's read; the two-pass draw);
 // min_p alone: 115 us; on peaked rows (the buffer holds the kept set) top_p alone 94 us, min_p
@@ -77,7 +79,10 @@
 // ranges in us; base = the issue's baseline 7650ca1): plain 98.1-99.5 -> 54.7-54.9, plain at
 // t 0.7 103.9-106.0 -> 62.3-62.6; every other configuration of the sweep equal or faster than
 // the baseline. Placed after the buffer path, or returning through an int64_t& (kept live
-// across the top-k selects), it cost top_k 1000 rows 1-2% (244 against 240 us).
+// across the top-k selects), it cost top_k 1000 rows 1-2% (244 against 240 us). The streaming
+// rows' thread-order draw (min_p alone on flat rows: two passes, was two and a half) came
+// after the kernels.py run above and is not timed yet (the sweep's min_p rows stay inside the
+// buffer); the sweep's other configurations stayed equal to or faster than the baseline.
 // The two-pass top-p, A/B in one run (bench/variants/sample_sweep.cu; logs/sample-diag-h200.txt
 // and logs/sample-sweep-final-*-h200.txt; us, the issue's baseline 7650ca1 -> d61706f -> this
 // header): top_p flat rows 651 -> 201 -> 146; peaked 100 -> 115 -> 94; peaked past the
@@ -947,18 +952,32 @@ __device__ __noinline__ bool window_draw(SampleShared& sm, const T* __restrict__
   return true;
 }
 
-// The plain draw (temperature only: no top-k, top-p or min-p) without a second pass. Order
-// the row's tokens thread by thread (thread 0's elements of tile 0, 1, ..., then thread 1's):
-// pass 1 left each thread the mass of its own allowed elements, w (relative to M / t), so a
-// block scan of w places u * (sum of w) in one thread's elements. That thread's warp re-reads
-// them, one tile per lane: a warp scan of the lanes' masses names the tile, and the lane walks
-// its elements. Any fixed order of the tokens draws from the same distribution. Returns the
-// token drawn, or -1 where rounding leaves the target outside every recomputed interval or the
-// masses are not finite (the streaming draw then runs). Block-uniform.
+// Which tokens a streaming draw keeps, and their weight e (relative to M / t): allowed, key
+// above lo (0: none cut), and e >= min_p where min-p is on. Block-uniform values.
+struct KeptRule {
+  float inv_t, My, min_p;
+  uint32_t lo;
+  bool use_minp;
+  __device__ __forceinline__ float weight(float x, bool allowed) const {
+    if (!allowed || ordered_key(x) <= lo) return 0.f;
+    const float e = __expf(x * inv_t - My);
+    return (use_minp && !(e >= min_p)) ? 0.f : e;
+  }
+};
+
+// The draw in thread order, without a pass of its own. Order the row's tokens thread by thread
+// (thread 0's elements of tile 0, 1, ..., then thread 1's): given each thread's mass of its own
+// kept elements, w (relative to M / t), a block scan of w places u * (sum of w) in one
+// thread's elements. That thread's warp re-reads them, one tile per lane: a warp scan of the
+// lanes' masses names the tile, and the lane walks its elements. Any fixed order of the tokens
+// draws from the same distribution. Plain rows (temperature only) take w from pass 1, so they
+// draw in one pass; the streaming rows sum w in one pass once their kept set is known. Returns
+// the token drawn, or -1 where rounding leaves the target outside every recomputed interval or
+// the masses are not finite (the block-synchronised draw then runs). Block-uniform.
 template <typename T, bool VEC>
-__device__ __noinline__ int32_t plain_draw(SampleShared& sm, const T* __restrict__ row,
-                                           const int32_t* __restrict__ mask_row, int64_t vocab,
-                                           float w, float inv_t, float My, double u) {
+__device__ __noinline__ int32_t thread_order_draw(SampleShared& sm, const T* __restrict__ row,
+                                                  const int32_t* __restrict__ mask_row,
+                                                  int64_t vocab, float w, KeptRule rule, double u) {
   const int tid = threadIdx.x, lane = tid & 31;
   float excl, incl, total;
   block_scan(w, sm.f_scratch, excl, incl, total);
@@ -996,7 +1015,7 @@ __device__ __noinline__ int32_t plain_draw(SampleShared& sm, const T* __restrict
         load_tile_of<T, VEC>(row, mask_row, vocab, base, owner, x, allow);
 #pragma unroll
         for (int j = 0; j < kElems; ++j) {
-          if ((allow >> j) & 1u) e[j] = __expf(x[j] * inv_t - My);
+          e[j] = rule.weight(x[j], (allow >> j) & 1u);
           lsum += e[j];
           if (e[j] > 0.f) last = max(last, (int32_t)elem_index_of<VEC>(base, j, owner));
         }
@@ -1325,7 +1344,8 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
     if (plain && !sm.z_recompute) {
       // ------------------------------------------------ plain sampling: no second pass
       const float w = (own_s > 0.f && own_ref > -INFINITY) ? own_s * __expf(own_ref - My) : 0.f;
-      const int32_t id = plain_draw<T, VEC>(sm, row, mask_row, vocab, w, inv_t, My, u);
+      const int32_t id = thread_order_draw<T, VEC>(sm, row, mask_row, vocab, w,
+                                                   KeptRule{inv_t, My, 0.f, 0u, false}, u);
       if (id >= 0) {
         chosen = id;
         drawn = true;
@@ -1365,6 +1385,7 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       const TopPRow r{sm.anchor, inv_t, My, top_p * Z, min_p, use_minp, spec_n, spec_mass, u};
       drawn = window_draw<T, VEC>(sm, row, mask_row, vocab, r, chosen);
     }
+    uint32_t stream_lo = 0;   // the streaming search's threshold key, for the fallback below
     if (!drawn) {
       // ------------------------------------------------ streaming path
       uint32_t lo = 0;
@@ -1480,11 +1501,33 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
           if (stop) break;
         }
       }
-      auto kept_e = [&](float xv, uint32_t allowed) -> float {
-        if (!allowed || ordered_key(xv) <= lo) return 0.f;
-        const float e = __expf(xv * inv_t - My);
-        return (use_minp && !(e >= min_p)) ? 0.f : e;
-      };
+      stream_lo = lo;
+      const KeptRule rule{inv_t, My, min_p, lo, use_minp};
+      auto kept_e = [&](float xv, uint32_t allowed) -> float { return rule.weight(xv, allowed); };
+      if (need_search || use_minp) {
+        // each thread's mass of its kept elements (one pass, no block barriers), then the
+        // draw in thread order: with min-p alone the row's second and last pass
+        float w = 0.f;
+        stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
+#pragma unroll
+          for (int j = 0; j < kElems; ++j) w += kept_e(x[j], (allow >> j) & 1u);
+          return true;
+        });
+        const int32_t id = thread_order_draw<T, VEC>(sm, row, mask_row, vocab, w, rule, u);
+        if (id >= 0) {
+          chosen = id;
+          drawn = true;
+        }
+      }
+    }
+    if (!drawn) {
+      // ------------------------------------------------ block-synchronised draw (fallback)
+      // rounding left the thread-order draw without a token, or a plain row at temperature 1
+      // whose Z was summed again (kZGapMax): the mass of the kept set, then prefix sums over
+      // tiles until the running mass passes u * mass
+      const bool need_search = k_eff > 0 || use_p;
+      const KeptRule rule{inv_t, My, min_p, stream_lo, use_minp};
+      auto kept_e = [&](float xv, uint32_t allowed) -> float { return rule.weight(xv, allowed); };
       // mass of the kept set
       const float S = (need_search || use_minp) ? row_sum(kept_e) : Z;
       const double target = u * (double)S;
