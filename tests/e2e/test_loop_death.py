@@ -23,10 +23,10 @@ def test_dead_loop_stops_the_server_with_status_1(monkeypatch, default_model_pat
 
     real = Scheduler.schedule
 
-    def failing(self):
+    def failing(self, **kw):
         if self.reqs:
             raise RuntimeError("injected scheduler fault")
-        return real(self)
+        return real(self, **kw)
 
     monkeypatch.setattr(Scheduler, "schedule", failing)
     port = _free_port()
