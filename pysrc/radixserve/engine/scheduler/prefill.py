@@ -79,9 +79,10 @@ class PrefillMixin:
         inflight = self._inflight_prefills()        # running once the step in flight is processed
         reserve = sum(self._reserve(r) for r in self.running + inflight)
         num_admitted = 0
+        num_running = self.num_running        # once: it walks the step in flight's requests
         fair = self._fair_share()
         for req in self.policy(list(self.waiting), self.cache):
-            if budget <= 0 or self.num_running + num_admitted >= self.max_running_requests:
+            if budget <= 0 or num_running + num_admitted >= self.max_running_requests:
                 break
             if self.req_to_token_pool.available_size() == 0:
                 break
