@@ -50,15 +50,7 @@ class StepPipeline:
         """One turn; False when there was nothing to schedule and nothing in flight."""
         sched = self.scheduler
         had_inflight = self.inflight is not None
-        prefill_only = False
-        if self.inflight is not None and not self._can_schedule_over(self.inflight[0]):
-            prefill_only = self.overlap and sched.can_prefill_over(self.inflight[0])
-            if not prefill_only:
-                await self._resolve(wait)
-        batch = sched.schedule(prefill_only=prefill_only)
-        if batch is None and prefill_only:       # nothing to prefill: resolve, then any step
-            await self._resolve(wait)
-            batch = sched.schedule()
+        batch = await self._schedule(wait)
         launched = None
         if batch is not None:
             if self.inflight is not None:
@@ -77,6 +69,20 @@ class StepPipeline:
         if launched is not None and not self.overlap:
             await self._resolve(wait)
         return batch is not None or had_inflight
+
+    async def _schedule(self, wait: Wait):
+        """Step N's batch (or None): scheduled over the step in flight where its inputs allow
+        (a decode after a decode; a prefill after a prefill whose requests all end their
+        prompts), else after resolving that step."""
+        sched = self.scheduler
+        if self.inflight is None or self._can_schedule_over(self.inflight[0]):
+            return sched.schedule()
+        if self.overlap and sched.can_prefill_over(self.inflight[0]):
+            batch = sched.schedule(prefill_only=True)
+            if batch is not None:
+                return batch
+        await self._resolve(wait)
+        return sched.schedule()
 
     async def _sample_masked(self, launched, sample: Sample):
         """The grammar slot: N-1 is processed, so each grammar row's state is current."""
