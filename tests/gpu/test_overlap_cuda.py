@@ -44,14 +44,14 @@ def _scheduler(model_dir, model=None, **kw):
     return Scheduler(args, runner)
 
 
-def _requests(seed, max_prompt=300, fixed_new=None):
+def _requests(seed, max_prompt=300, fixed_new=None, prompt_len=None):
     from radixserve.engine.req import Req
     from radixserve.sampling.params import SamplingParams
 
     rng = random.Random(seed)
     reqs = []
     for i in range(20):
-        prompt = [rng.randrange(3, 2000) for _ in range(rng.randint(5, max_prompt))]
+        prompt = [rng.randrange(3, 2000) for _ in range(prompt_len or rng.randint(5, max_prompt))]
         n = fixed_new or rng.randint(1, 40)
         kw = dict(max_new_tokens=n, ignore_eos=True)
         if i % 3 == 1:
@@ -108,6 +108,23 @@ def test_overlap_equals_serial_on_the_gpu(model_dir, pool, max_prompt):
     assert first.runner.graph_runner is not None and first.runner.graph_runner.max_bs == 24
     if pool < 1000:
         assert first.counters["num_retractions"] > 0
+
+
+def test_prefill_over_prefill_equals_serial_on_the_gpu(model_dir):
+    """prefill-first, 100-token prompts, a 300-token prefill budget (three whole prompts a
+    step: a step that ends mid-prompt is not overlapped): the overlapped loop launches
+    prefills while the prefill before them runs (their inputs, staging buffers and KV writes
+    on the device side by side), and every request's tokens equal the serial loop's."""
+    first = _scheduler(model_dir, step_order="prefill-first", max_prefill_tokens=300)
+    serial = _scheduler(model_dir, model=first.runner.model, step_order="prefill-first",
+                        max_prefill_tokens=300, disable_overlap_schedule=True)
+    results = []
+    for sched in (first, serial):
+        reqs = _requests(9, prompt_len=100)
+        _run(sched, reqs, {0: list(range(20))})
+        results.append([(r.output_ids, r.finish_reason["type"]) for r in reqs])
+    assert results[0] == results[1]
+    assert first.pipeline.num_over_extend > 0 and serial.pipeline.num_over_extend == 0
 
 
 def test_non_finite_row_fails_alone(model_dir):
