@@ -67,7 +67,10 @@ def freeze_startup_objects() -> tuple:
     Returns the previous thresholds; shutdown restores them and unfreezes. Measured on the
     H200 (offline 256 x 1k/256, bench/results/logs/offline-gc-h200.txt): the freeze took GC
     pauses 0.41-0.58 s of an ~11.7 s run -> 0.19-0.23 s, device idle before decode steps
-    0.38-0.53 s -> 0.15-0.18 s."""
+    0.38-0.53 s -> 0.15-0.18 s; the threshold took the rest, 0.17 s (3 full collections) -> 0,
+    which the overlapped loop now mostly hides anyway: the run took 10.97 against 10.99 s
+    (logs/offline-step-order-h200.txt). What stays is a loop thread without pauses of tens of
+    milliseconds, which streaming requests see as inter-token latency."""
     gc.collect()
     gc.freeze()
     before = gc.get_threshold()
