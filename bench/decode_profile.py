@@ -24,6 +24,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_steps import copy_bandwidth, make_scheduler, streamed_weight_bytes  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pysrc"))
+from radixserve.bench import timeline  # noqa: E402
+
 GROUPS = [("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitk", "cublas")),
           ("attention", ("decode_attention", "paged_decode", "extend", "attn", "flash")),
           ("norm", ("rms_norm", "rmsnorm")), ("rope", ("rotary", "rope")),
@@ -162,7 +165,8 @@ def profile_prefill(sched, args):
             "kernel_us_per_1k_tokens": 1e3 * sum(by_group.values()) / tokens,
             "gemm_tflops": flops / gemm_s / 1e12 if gemm_s else None,
             "groups_us_per_step": {g: v / steps for g, v in sorted(by_group.items(), key=lambda x: -x[1])},
-            "top_kernels": top_kernels(by_kernel, count, steps)}
+            "top_kernels": top_kernels(by_kernel, count, steps),
+            "timeline": timeline.summarize_profile(prof)}
 
 
 def profile_decode(sched, args, bw):
@@ -196,6 +200,7 @@ def profile_decode(sched, args, bw):
     if args.linear_bandwidth:
         out["linear_bandwidth"] = linear_bandwidth(sched.runner.model, bw)
     out["top_kernels"] = top_kernels(by_kernel, count, steps)
+    out["timeline"] = timeline.summarize_profile(prof)    # the gaps between kernels
     return out
 
 

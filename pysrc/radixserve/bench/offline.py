@@ -69,12 +69,14 @@ def run_engine(args, prompts):
         sched.flush_cache()
         before = _step_totals(sched)
         prof = _LoopProfile(engine, args.profile_host)
+        dev_prof = _DeviceProfile(args.profile_device)
         pauses = _GcPauses()
         start = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=sp)
         elapsed = time.perf_counter() - start
         pauses.stop()
         prof.finish()
+        dev_prof.finish()
         steps = {k: round(v - before[k], 3) for k, v in _step_totals(sched).items()}
         steps["device_busy"] = round((steps["decode_device_s"] + steps["extend_device_s"])
                                      / elapsed, 4)
@@ -141,6 +143,45 @@ class _LoopProfile:
         stats.sort_stats("tottime").print_stats(30)
         with open(self.path, "w") as f:
             f.write(buf.getvalue())
+
+
+class _DeviceProfile:
+    """--profile-device PATH: the torch profiler's device records over the timed run, summarised
+    by radixserve.bench.timeline (busy time, the gaps between kernels and where they sit),
+    for the whole run and split at the end of the last extend-attention kernel (with the
+    engine's prefill-first order: the prefill phase, then the decode phase), as JSON at PATH.
+    Not a throughput run (the profiler's callbacks slow the host)."""
+
+    def __init__(self, path):
+        self.path, self.prof = path, None
+        if path:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+
+    def finish(self):
+        if self.prof is None:
+            return
+        import tempfile
+
+        from radixserve.bench import timeline
+        torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        fd, tmp = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            self.prof.export_chrome_trace(tmp)
+            with open(tmp) as f:
+                records = timeline.records_from_chrome_trace(json.load(f))
+        finally:
+            os.unlink(tmp)
+        extend_ends = [r.end for r in records if "extend" in r.name]
+        cut = max(extend_ends) if extend_ends else None
+        out = {"whole": timeline.summarize_records(records)}
+        if cut is not None:
+            out["prefill_phase"] = timeline.summarize_records([r for r in records if r.end <= cut])
+            out["decode_phase"] = timeline.summarize_records([r for r in records if r.start > cut])
+        with open(self.path, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 def _hf_model(args, model_path, device, dtype, **kw):
@@ -221,8 +262,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-host", default=None, metavar="PATH",
                     help="cProfile the engine's event-loop thread over the timed run; its top "
                          "functions go to PATH (slows the host side: not a throughput run)")
+    ap.add_argument("--profile-device", default=None, metavar="PATH",
+                    help="CUDA: the profiler's kernel timeline over the timed run, its busy "
+                         "time and gaps as JSON at PATH (radixserve.bench.timeline; not a "
+                         "throughput run)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
+    if args.profile_device and args.device != "cuda":
+        ap.error("--profile-device needs --device cuda")
     try:
         args.engine_args = dict(_engine_arg(a) for a in args.engine_arg)
     except ValueError as e:
