@@ -332,22 +332,28 @@ print(max(runs)[1] if runs else 0)")
         --out "$OUT/offline-h200-8b-vs-hf-generate-batch.json" 2>&1 | grep -v "it/s" | tail -12 \
         | tee -a "$OUT/offline9.txt" ;;
     gaps)
-      # where the offline run's device time goes between kernels: the engine alone (with the
-      # GPU's SM clock, power and temperature sampled every 200 ms beside it), the same run
-      # under --profile-device (the kernel timeline's busy time and gaps, by phase), then
-      # decode at 256 x 1024 as CUDA graph replays under the profiler
+      # where the offline run's device time goes between kernels: the engine alone, the same
+      # run under --profile-device (the kernel timeline's busy time, gaps and kernels, by
+      # phase), then $GAPS_DECODE_STEPS decode steps at 256 x 1024 as CUDA graph replays under
+      # the profiler; the GPU's SM clock, power and throttle reasons sampled every 200 ms
+      # throughout ($OUT/gaps-smi.csv; the runs' start times in gaps.txt)
       common=(--device cuda --preset llama-3.1-8b --num-prompts 256 --input-len 1024 --output-len 256 --hf-mode none)
       nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
         --format=csv -lms 200 > "$OUT/gaps-smi.csv" 2>&1 &
       smi=$!
-      python3 bench/offline.py "${common[@]}" --out "$OUT/gaps-plain.json" 2>&1 | grep -v "it/s" \
-        | tail -2 | tee -a "$OUT/gaps.txt"
-      kill $smi
+      if [ "${GAPS_PLAIN:-1}" = 1 ]; then
+        date +"plain run from %T.%N" | tee -a "$OUT/gaps.txt"
+        python3 bench/offline.py "${common[@]}" --out "$OUT/gaps-plain.json" 2>&1 | grep -v "it/s" \
+          | tail -2 | tee -a "$OUT/gaps.txt"
+      fi
+      date +"profiled run from %T.%N" | tee -a "$OUT/gaps.txt"
       python3 bench/offline.py "${common[@]}" --profile-device "$OUT/gaps-offline-timeline.json" \
         --out "$OUT/gaps-profiled.json" 2>&1 | grep -v "it/s" | tail -2 | tee -a "$OUT/gaps.txt"
-      python3 bench/decode_profile.py --batch-size 256 --prompt-len 1024 --steps 5 --warmup 2 \
-        --no-linear-bandwidth --cuda-graph --out "$OUT/gaps-decode-bs256-graph.json" 2>&1 \
-        | grep -v "^ \|^{\|^}" | tail -5 | tee -a "$OUT/gaps.txt" ;;
+      date +"decode profile from %T.%N" | tee -a "$OUT/gaps.txt"
+      python3 bench/decode_profile.py --batch-size 256 --prompt-len 1024 --steps "${GAPS_DECODE_STEPS:-5}" \
+        --warmup 2 --no-linear-bandwidth --cuda-graph --out "$OUT/gaps-decode-bs256-graph.json" 2>&1 \
+        | grep -v "^ \|^{\|^}" | tail -5 | tee -a "$OUT/gaps.txt"
+      kill $smi ;;
     offline8b_engine)
       # radixserve's half of offline8b alone (no HF), with the engine's step log
       python3 bench/offline.py --device cuda --preset llama-3.1-8b \

@@ -16,6 +16,8 @@ def test_busy_span_and_gaps_of_one_stream():
     assert (top["after"], top["before"], top["us"], top["count"]) == ("attn", "ns::gemm", 30.0, 1)
     pair = next(g for g in st["top_gaps"] if g["after"] == "ns::gemm")
     assert pair["us"] == 4.0 and pair["count"] == 2   # 10 -> 12 and 55 -> 57
+    assert st["top_records"] == [{"name": "ns::gemm", "us": 15.0, "count": 2},
+                                 {"name": "attn", "us": 11.0, "count": 2}]
 
 
 def test_overlapping_records_count_once_and_streams_union():

@@ -53,7 +53,8 @@ def _union_us(intervals: List[Tuple[float, float]]) -> float:
 def summarize_records(records: Iterable[Record], top: int = 20) -> dict:
     """-> {"device_busy_us", "span_us", "streams": {stream: {...}}} where each stream has
     records, busy_us, span_us, gap_us (span - busy: idle stretches between its records, overlaps
-    counted once), gaps_over_10us_us, and top_gaps: [{"after", "before", "us", "count"}], the
+    counted once), gaps_over_10us_us, top_records: [{"name", "us", "count"}], the records' own
+    time summed by short name, largest first, and top_gaps: [{"after", "before", "us", "count"}], the
     largest sums of gap time by (the record that ended, the record that started)."""
     by_stream: Dict[int, List[Record]] = defaultdict(list)
     for r in records:
@@ -78,9 +79,16 @@ def summarize_records(records: Iterable[Record], top: int = 20) -> dict:
                 last_end, last_name = r.end, short_name(r.name)
         busy = _union_us([(r.start, r.end) for r in rs])
         span = max(r.end for r in rs) - rs[0].start
+        by_name: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0])
+        for r in rs:
+            entry = by_name[short_name(r.name)]
+            entry[0] += r.end - r.start
+            entry[1] += 1
         out["streams"][str(stream)] = {
             "records": len(rs), "busy_us": busy, "span_us": span, "gap_us": span - busy,
             "gaps_over_10us_us": big,
+            "top_records": [{"name": n, "us": v[0], "count": v[1]}
+                            for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
             "top_gaps": [{"after": a, "before": b, "us": v[0], "count": v[1]}
                          for (a, b), v in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]]}
     return out
