@@ -6,6 +6,8 @@
           (how the decode step runs when served under graphs); the eager time (Python launching
           call after call) is reported too. Peer: torch "gather K/V by slot, then SDPA" on the
           same bytes, also under a graph.
+  decode, batch 256: 1,152 tokens each (the offline run's decode phase), the tensor-core kernel
+          and the CUDA-core one (RADIXSERVE_DECODE_KERNEL=simt), slots in order and shuffled.
   decode, batch 1: 32 calls (a Llama-3.1-8B step's layers) at 1,024 tokens, each layer its own
           K/V, in one CUDA graph: microseconds per step.
   extend: one request of 4096 tokens (and 1k, 2k, 8k; and 1k new after a 3k cached prefix), 32
@@ -118,6 +120,42 @@ def bench_decode(results: dict, copy_bw: float) -> None:
     torch.cuda.empty_cache()
 
 
+def bench_decode_large_batch(results: dict, copy_bw: float, batch: int = 256,
+                             kv_len: int = 1152) -> None:
+    """The offline run's decode attention: batch 256 x 1,152 tokens (its decode phase's mean
+    length), Llama-3.1-8B heads, the tensor-core kernel beside the CUDA-core one
+    (RADIXSERVE_DECODE_KERNEL=simt), each under a CUDA graph, over slots in order and shuffled."""
+    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    nnz = batch * kv_len
+    k_cache = torch.randn(nnz + 1, hkv, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn(nnz + 1, hkv, d, device="cuda", dtype=dtype)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
+    kv_indptr = torch.arange(0, nnz + 1, kv_len, dtype=torch.int32, device="cuda")
+    orders = {"": torch.arange(1, nnz + 1, dtype=torch.int32, device="cuda"),
+              "_shuffled": (torch.randperm(nnz, device="cuda") + 1).to(torch.int32)}
+    nbytes = 2 * nnz * hkv * d * 2 + 2 * q.numel() * 2
+    scale = 1.0 / math.sqrt(d)
+    prior = os.environ.pop("RADIXSERVE_DECODE_KERNEL", None)
+    try:
+        for kernel in ("tc", "simt"):
+            if kernel == "simt":
+                os.environ["RADIXSERVE_DECODE_KERNEL"] = "simt"
+            for suffix, idx in orders.items():
+                ms = _graph_time_ms(lambda: ops.paged_decode_attention(
+                    q, k_cache, v_cache, kv_indptr, idx, scale), calls=10)
+                key = f"decode_attention_bs{batch}_{kernel}{suffix}"
+                results[key + "_us"] = ms * 1e3
+                results[key + "_bw_fraction"] = nbytes / (ms * 1e-3) / copy_bw
+    finally:
+        os.environ.pop("RADIXSERVE_DECODE_KERNEL", None)
+        if prior is not None:
+            os.environ["RADIXSERVE_DECODE_KERNEL"] = prior
+    results[f"decode_attention_bs{batch}_tc_over_simt_speedup"] = (
+        results[f"decode_attention_bs{batch}_simt_us"] / results[f"decode_attention_bs{batch}_tc_us"])
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+
+
 def bench_decode_bs1_layers(results: dict, layers: int = 32, kv_len: int = 1024) -> None:
     """Batch 1 decode attention of a 32-layer step at 1k context (Llama-3.1-8B heads): one CUDA
     graph of `layers` calls, each over its own layer's K/V (4 MiB per layer, 128 MiB in all, so
@@ -215,6 +253,7 @@ def run(results: dict) -> None:
     bw = copy_bandwidth()
     results["copy_bandwidth_bytes_per_s"] = bw
     bench_decode(results, bw)
+    bench_decode_large_batch(results, bw)
     bench_decode_bs1_layers(results)
     bench_extend(results)
 

@@ -354,6 +354,24 @@ print(max(runs)[1] if runs else 0)")
         --warmup 2 --no-linear-bandwidth --cuda-graph --out "$OUT/gaps-decode-bs256-graph.json" 2>&1 \
         | grep -v "^ \|^{\|^}" | tail -5 | tee -a "$OUT/gaps.txt"
       kill $smi ;;
+    tcdecode)
+      # the tensor-core decode kernel: the attention harness (both decode kernels against the
+      # CPU reference), the GPU attention tests, the attention bench (bs256 tc vs simt), then
+      # the offline run's engine alone with it (default) and with RADIXSERVE_DECODE_KERNEL=simt
+      build_harness "$OUT" attention
+      wait
+      run_harness "$OUT" attention 12 | tee "$OUT/harness-attention.txt"
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention.py 2>&1 \
+        | tee "$OUT/gpu_tests_attention.txt" | tail -6
+      timeout 200 python3 bench/attention_bench.py --json "$OUT/attention-h200.json" 2>&1 \
+        | tee "$OUT/attention.txt" | grep "decode" | head -30
+      common=(--device cuda --preset llama-3.1-8b --num-prompts 256 --input-len 1024 --output-len 256 --hf-mode none)
+      for kernel in tc simt; do
+        env_k=(); [ $kernel = simt ] && env_k=(RADIXSERVE_DECODE_KERNEL=simt)
+        echo "decode kernel $kernel:" | tee -a "$OUT/tcdecode.txt"
+        env "${env_k[@]}" python3 bench/offline.py "${common[@]}" --out "$OUT/tcdecode-offline-$kernel.json" \
+          2>&1 | grep -v "it/s" | tail -2 | tee -a "$OUT/tcdecode.txt"
+      done ;;
     offline8b_engine)
       # radixserve's half of offline8b alone (no HF), with the engine's step log
       python3 bench/offline.py --device cuda --preset llama-3.1-8b \

@@ -1,6 +1,8 @@
 // Standalone check of the attention kernels (csrc/include/radixserve/{decode,extend}_attention.cuh)
 // against a double-precision CPU reference:
 //   paged decode: one query per request over its paged KV, unsplit and split along the sequence;
+//                 unsplit, both the tensor-core kernel (groups of 4 and 8 per subgroup) and the
+//                 CUDA-core kernel;
 //   paged extend: a chunk of new queries per request over its cached prefix plus the chunk,
 //                 causal among the chunk; the mma.sync kernel everywhere, and the wgmma kernel
 //                 too where ops/attention.cu would pick it (a 9.0 device, an sm_90a image).
@@ -239,20 +241,27 @@ void check_decode(int hq, int hkv, bool strided_q, int sms, std::mt19937& rng) {
     p.num_splits = splits;
     p.num_sms = sms;
     p.scale_log2 = (float)scale * kLog2e;
-    HX_CHECK((attn::launch_paged_decode<T, D>(p, batch, nullptr)));
-    HX_CHECK(cudaDeviceSynchronize());
-    char what[128];
-    std::snprintf(what, sizeof what, "decode %s d%d hq%d/hkv%d%s splits=%d%s", H::kName, D, hq, hkv,
-                  strided_q ? " strided-q" : "", splits, splits == heuristic ? " (ops' choice)" : "");
-    const std::vector<uint16_t> first = dout.download();
-    expect_close<H>(first, ref, what);
-    for (int32_t c : counters.download())
-      HX_EXPECT(c == 0, "%s: a split counter left at %d", what, c);
-    // again over the same counters: the same bits
-    dout.poison(0xFF);
-    HX_CHECK((attn::launch_paged_decode<T, D>(p, batch, nullptr)));
-    HX_CHECK(cudaDeviceSynchronize());
-    HX_EXPECT(dout.download() == first, "%s: a second launch wrote other bits", what);
+    // one split: the tensor-core kernel where it serves, and the CUDA-core kernel
+    for (bool tc : {true, false}) {
+      const bool mma = attn::decode_uses_tensor_cores(group, splits, D, tc);
+      if (!tc && !attn::decode_uses_tensor_cores(group, splits, D, true)) continue;  // same run
+      dout.poison(0xFF);
+      HX_CHECK((attn::launch_paged_decode<T, D>(p, batch, nullptr, tc)));
+      HX_CHECK(cudaDeviceSynchronize());
+      char what[160];
+      std::snprintf(what, sizeof what, "decode %s d%d hq%d/hkv%d%s splits=%d%s %s", H::kName, D,
+                    hq, hkv, strided_q ? " strided-q" : "", splits,
+                    splits == heuristic ? " (ops' choice)" : "", mma ? "mma" : "simt");
+      const std::vector<uint16_t> first = dout.download();
+      expect_close<H>(first, ref, what);
+      for (int32_t c : counters.download())
+        HX_EXPECT(c == 0, "%s: a split counter left at %d", what, c);
+      // again over the same counters: the same bits
+      dout.poison(0xFF);
+      HX_CHECK((attn::launch_paged_decode<T, D>(p, batch, nullptr, tc)));
+      HX_CHECK(cudaDeviceSynchronize());
+      HX_EXPECT(dout.download() == first, "%s: a second launch wrote other bits", what);
+    }
   }
 }
 

@@ -128,6 +128,13 @@ bool use_wgmma_kernel() {
   return attn::extend_wgmma_available<T, D>();
 }
 
+// Decode's tensor-core kernel where attention_launch.cuh says it serves, unless
+// RADIXSERVE_DECODE_KERNEL=simt forces the CUDA-core kernel (for comparisons and tests).
+bool decode_tensor_cores_allowed() {
+  const char* forced = std::getenv("RADIXSERVE_DECODE_KERNEL");
+  return forced == nullptr || std::string(forced) != "simt";
+}
+
 }  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -187,7 +194,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
     const cudaError_t err =
-        attn::launch_paged_decode<decltype(tag), decltype(dim)::value>(p, (int)batch, stream);
+        attn::launch_paged_decode<decltype(tag), decltype(dim)::value>(
+            p, (int)batch, stream, decode_tensor_cores_allowed());
     C10_CUDA_CHECK(err);
   });
   return out;

@@ -398,3 +398,55 @@ def test_decode_split_merge_repeats(dtype, gqa, kv_lens):
         torch.cuda.synchronize()
         assert torch.equal(out, eager), "a replay differs from an eager call"
         _check(out, reference(), dtype)
+
+
+# ----------------------------------------------------------------------------- tensor-core decode
+
+
+@pytest.mark.parametrize("gqa", [(32, 8), (16, 2), (24, 4), (48, 4)],
+                         ids=lambda g: f"hq{g[0]}_hkv{g[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_tensor_cores(dtype, head_dim, gqa, monkeypatch):
+    """A batch that fills the device without splits (160 requests x >= 2 kv heads) runs the
+    tensor-core kernel for groups 4, 8 and 6 (a subgroup of 8 with 2 padding heads) and 12 (two
+    subgroups, of 8 and 4): close to the reference; RADIXSERVE_DECODE_KERNEL=simt gives the
+    CUDA-core kernel's other bits, equally close; a graph replay gives the eager bits. Lengths
+    cross the kernel's 16-token tiles and 64-token rounds (1 token, 15, 16, 17, 63, 65, ...)."""
+    hq, hkv = gqa
+    gen = torch.Generator(device="cuda").manual_seed(hq * 7 + hkv + head_dim)
+    lens_gen = torch.Generator(device="cpu").manual_seed(head_dim + hq)
+    kv_lens = [1, 15, 16, 17, 63, 64, 65, 1500] + \
+        torch.randint(1, 1200, (152,), generator=lens_gen).tolist()
+    batch = len(kv_lens)
+    k_cache, v_cache, kv_indptr, kv_indices = _pool(kv_lens, hkv, head_dim, dtype, gen)
+    q = torch.randn(batch, hq, head_dim, generator=gen, device="cuda").to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    expect = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), kv_indptr,
+                                        kv_indices, scale)
+
+    def call():
+        return ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, scale)
+
+    _poison((batch, hq, head_dim), dtype)
+    tc = call()
+    _check(tc, expect, dtype)
+    monkeypatch.setenv("RADIXSERVE_DECODE_KERNEL", "simt")
+    _poison((batch, hq, head_dim), dtype)
+    simt = call()
+    _check(simt, expect, dtype)
+    assert not torch.equal(tc, simt), "the same bits: one kernel ran both times"
+    monkeypatch.delenv("RADIXSERVE_DECODE_KERNEL")
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, tc), "a replay differs from the eager call"

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "radixserve/decode_attention.cuh"
+#include "radixserve/decode_attention_mma.cuh"
 #include "radixserve/extend_attention.cuh"
 #include "radixserve/extend_attention_sm90.cuh"
 #include "radixserve/launch_utils.cuh"
@@ -31,21 +32,42 @@ inline int decode_num_splits(int64_t batch, int hkv, int num_sub, int64_t nnz, i
   return decode_plan_splits(batch * hkv * num_sub, avg_len, sms, kDecodeMaxSplits);
 }
 
+// Decode runs on tensor cores (decode_attention_mma.cuh) where the batch fills the device
+// without splitting requests (num_splits == 1), the GQA subgroups have 4 or 8 q heads and D is a
+// multiple of 64; elsewhere, and always when tensor_cores is false, the CUDA-core kernel. A
+// shape property only (no device read): a captured graph replays the kernel it captured.
+inline bool decode_uses_tensor_cores(int group, int num_splits, int d, bool tensor_cores) {
+  return tensor_cores && num_splits == 1 && decode_group_max(group) >= 4 && d % 64 == 0;
+}
+
 // Launches decode: one kernel, which also merges the splits when p.num_splits > 1 (the last CTA
 // of each (request, kv head, q-head subgroup) to finish; decode_attention.cuh). Then p.part_o
 // [batch, num_q_heads, num_splits, D] and p.part_lse [batch, num_q_heads, num_splits] (float)
 // and p.split_counters [batch * num_kv_heads * num_sub] (int32, zero; left zero) must be set.
-// Grid: (num_splits * num_sub, num_kv_heads, batch).
+// Grid: (num_splits * num_sub, num_kv_heads, batch). tensor_cores: allow the tensor-core kernel
+// where decode_uses_tensor_cores says it serves (false: the CUDA-core kernel, for comparisons).
 template <typename T, int D>
-cudaError_t launch_paged_decode(const DecodeParams& p, int batch, cudaStream_t stream) {
+cudaError_t launch_paged_decode(const DecodeParams& p, int batch, cudaStream_t stream,
+                                bool tensor_cores = true) {
   if (p.num_splits > 1 &&
       (p.part_o == nullptr || p.part_lse == nullptr || p.split_counters == nullptr))
     return cudaErrorInvalidValue;
   const dim3 grid((unsigned)(p.num_splits * p.num_sub), (unsigned)p.num_kv_heads, (unsigned)batch);
+  const bool mma = decode_uses_tensor_cores(p.group, p.num_splits, D, tensor_cores);
   auto launch = [&](auto gm) -> cudaError_t {
     constexpr int G = decltype(gm)::value;
     constexpr int smem = kDecodeSmemBytes;
     cudaError_t err;
+    if constexpr ((G == 4 || G == 8) && D % 64 == 0) {
+      if (mma) {
+        constexpr auto kernel = paged_decode_mma_kernel<T, D, G>;
+        constexpr int mma_smem = decode_mma_smem_bytes<D>();
+        err = set_max_dynamic_smem<kernel>(mma_smem);
+        if (err != cudaSuccess) return err;
+        kernel<<<grid, kDecodeMmaThreads, mma_smem, stream>>>(p);
+        return cudaGetLastError();
+      }
+    }
     if (p.num_splits > 1) {
       constexpr auto kernel = paged_decode_kernel<T, D, G, true>;
       err = set_max_dynamic_smem<kernel>(smem);

@@ -192,6 +192,47 @@ __device__ __forceinline__ void decode_merge_splits(const DecodeParams& p, int b
   }
 }
 
+// Combine a CTA's kParts partial softmax states of q heads qh0 .. qh0 + gcount - 1 of request
+// b (part r: running max sm_m[r][g] in the log2 domain, sum sm_l[r][g], unnormalised output
+// sm_acc[r][g][:]; a part that saw no token has max -inf) and store the result: the output row
+// (bf16/fp16), or with partial set the split's normalised partial output and log2-sum-exp in
+// p.part_o / p.part_lse. Every thread of the CTA calls it after a barrier that makes the parts
+// visible.
+template <typename T, int D, int kGroupMax, int kParts>
+__device__ __forceinline__ void decode_combine_parts(const DecodeParams& p, int b, int qh0,
+                                                     int gcount, int split, bool partial,
+                                                     const float (*sm_m)[kGroupMax],
+                                                     const float (*sm_l)[kGroupMax],
+                                                     const float (*sm_acc)[kGroupMax][D]) {
+  for (int e = threadIdx.x; e < kGroupMax * D; e += blockDim.x) {
+    const int g = e / D;
+    const int d = e % D;
+    if (g >= gcount) break;  // g only grows with e
+    float M = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < kParts; ++r) M = fmaxf(M, sm_m[r][g]);
+    float den = 0.f, num = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int r = 0; r < kParts; ++r) {
+        const float w = fast_exp2(sm_m[r][g] - M);  // -inf -> 0
+        den += w * sm_l[r][g];
+        num += w * sm_acc[r][g][d];
+      }
+    }
+    const int qh = qh0 + g;
+    const float o = den > 0.f ? num / den : 0.f;
+    if (partial) {
+      const int64_t row = ((int64_t)b * p.num_q_heads + qh) * p.num_splits + split;
+      p.part_o[row * D + d] = o;
+      if (d == 0) p.part_lse[row] = den > 0.f ? M + __log2f(den) : -INFINITY;
+    } else {
+      T* out = static_cast<T*>(p.out);
+      out[((int64_t)b * p.num_q_heads + qh) * D + d] = TypeTraits<T>::from_float(o);
+    }
+  }
+}
+
 template <typename T, int D, int kGroupMax, bool kSplit>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode_kernel(const DecodeParams p) {
@@ -396,33 +437,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   __syncthreads();
 
-  for (int e = tid; e < kGroupMax * D; e += kDecodeThreads) {
-    const int g = e / D;
-    const int d = e % D;
-    if (g >= gcount) break;  // g only grows with e
-    float M = -INFINITY;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) M = fmaxf(M, sm_m[r][g]);
-    float den = 0.f, num = 0.f;
-    if (M != -INFINITY) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float w = fast_exp2(sm_m[r][g] - M);  // -inf -> 0
-        den += w * sm_l[r][g];
-        num += w * sm_acc[r][g][d];
-      }
-    }
-    const int qh = qh0 + g;
-    const float o = den > 0.f ? num / den : 0.f;
-    if (partial) {
-      const int64_t row = ((int64_t)b * p.num_q_heads + qh) * p.num_splits + split;
-      p.part_o[row * D + d] = o;
-      if (d == 0) p.part_lse[row] = den > 0.f ? M + __log2f(den) : -INFINITY;
-    } else {
-      T* out = static_cast<T*>(p.out);
-      out[((int64_t)b * p.num_q_heads + qh) * D + d] = TypeTraits<T>::from_float(o);
-    }
-  }
+  decode_combine_parts<T, D, kGroupMax, kRows>(p, b, qh0, gcount, split, partial, sm_m, sm_l,
+                                               sm_acc);
 
   // ---- arrival: the last of the active splits of (b, kvh, sg) to get here merges them all
   if constexpr (kSplit) {
