@@ -196,15 +196,15 @@ __device__ __forceinline__ void decode_merge_splits(const DecodeParams& p, int b
 // b (part r: running max sm_m[r][g] in the log2 domain, sum sm_l[r][g], unnormalised output
 // sm_acc[r][g][:]; a part that saw no token has max -inf) and store the result: the output row
 // (bf16/fp16), or with partial set the split's normalised partial output and log2-sum-exp in
-// p.part_o / p.part_lse. Every thread of the CTA calls it after a barrier that makes the parts
-// visible.
+// p.part_o / p.part_lse. Every thread of a CTA of kDecodeThreads calls it after a barrier that
+// makes the parts visible.
 template <typename T, int D, int kGroupMax, int kParts>
 __device__ __forceinline__ void decode_combine_parts(const DecodeParams& p, int b, int qh0,
                                                      int gcount, int split, bool partial,
                                                      const float (*sm_m)[kGroupMax],
                                                      const float (*sm_l)[kGroupMax],
                                                      const float (*sm_acc)[kGroupMax][D]) {
-  for (int e = threadIdx.x; e < kGroupMax * D; e += blockDim.x) {
+  for (int e = threadIdx.x; e < kGroupMax * D; e += kDecodeThreads) {
     const int g = e / D;
     const int d = e % D;
     if (g >= gcount) break;  // g only grows with e

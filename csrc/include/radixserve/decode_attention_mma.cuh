@@ -34,6 +34,7 @@ namespace attn {
 
 constexpr int kDecodeMmaWarps = 4;
 constexpr int kDecodeMmaThreads = kDecodeMmaWarps * 32;
+static_assert(kDecodeMmaThreads == kDecodeThreads, "decode_combine_parts strides by kDecodeThreads");
 constexpr int kDecodeMmaTile = 16;    // KV tokens per warp per step
 constexpr int kDecodeMmaStages = 3;   // tiles per warp in the pipeline (2 in flight)
 

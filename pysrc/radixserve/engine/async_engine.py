@@ -238,8 +238,13 @@ class AsyncEngine:
         if n == 0:
             raise ValueError("the prompt is empty; send at least one token")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                    or not 0 <= t < vocab), None)
+        bad = None
+        # the common case in C-level passes (a 1k-token prompt here: 0.10 ms against the Python
+        # loop's 0.16 ms, paid by every prompt before the first step); only a prompt that fails
+        # them is walked for its first bad id
+        if not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
+            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                        or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad!r} is out of range: ids must be integers in "
                              f"[0, {vocab})")
@@ -286,12 +291,16 @@ class AsyncEngine:
                                    f"--max-queued-requests is {limit}; retry shortly",
                                    retry_after_s=1)
 
-    async def generate(self, req: GenerateReqInput) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, req: GenerateReqInput,
+                       validated: bool = False) -> AsyncIterator[GenerateOutput]:
         """Yield one GenerateOutput per step that produced tokens (deltas; the last has
         finished=True); with --stream-interval N > 1, after the first one, one per N new
         tokens. Raises ValueError before yielding anything for a bad request. Closing the
-        iterator early (client gone, task cancelled) aborts the request."""
-        self.validate(req)
+        iterator early (client gone, task cancelled) aborts the request. validated: the
+        caller ran validate(req) on this req and has not changed it since (Engine does, to
+        refuse a bad batch before any of it runs), so it is not walked twice."""
+        if not validated:
+            self.validate(req)
         if self._task is None:
             raise RuntimeError("AsyncEngine.start() has not been called")
         if self._loop_error is not None:

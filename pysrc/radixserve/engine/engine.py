@@ -27,6 +27,9 @@ Prompt = Union[str, List[str], None]
 InputIds = Union[List[int], List[List[int]], None]
 
 
+RUN_ALL_BATCH = 16
+
+
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -83,7 +86,7 @@ class Engine:
 
     async def _run_one(self, req: GenerateReqInput) -> Dict[str, Any]:
         text, ids, last = [], [], None
-        async for out in self.async_engine.generate(req):
+        async for out in self.async_engine.generate(req, validated=True):   # by _requests
             text.append(out.text_delta)
             apply_ids_delta(ids, out)
             last = out
@@ -94,7 +97,15 @@ class Engine:
                               "finish_reason": last.finish_reason}}
 
     async def _run_all(self, reqs: List[GenerateReqInput]) -> List[Dict[str, Any]]:
-        return list(await asyncio.gather(*(self._run_one(r) for r in reqs)))
+        # requests go in RUN_ALL_BATCH at a time with a yield to the loop between, so the
+        # scheduler launches the first step while the rest are still being added (256 offline
+        # prompts of 1k tokens take tens of ms to add, which the GPU would otherwise wait out)
+        tasks = []
+        for i, r in enumerate(reqs):
+            tasks.append(asyncio.ensure_future(self._run_one(r)))
+            if i % RUN_ALL_BATCH == RUN_ALL_BATCH - 1:
+                await asyncio.sleep(0)
+        return list(await asyncio.gather(*tasks))
 
     def generate(self, prompt: Prompt = None, sampling_params: Optional[Dict[str, Any]] = None,
                  input_ids: InputIds = None):

@@ -92,7 +92,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_indptr:[batch + 1] int32, kv_indices: [nnz] int32 (as build_kv_indices makes them);
               every request has at least one KV token (its own)
     returns   [batch, num_q_heads, head_dim], dtype of q: softmax(q k^T * sm_scale) v
-    The kernel takes bf16/fp16; float32 runs the torch reference on any device.
+    The kernel takes bf16/fp16; float32 runs the torch reference on any device. Batches that
+    fill the GPU without splitting requests, with 4 to 8 q heads per kv head (per subgroup) and
+    head_dim a multiple of 64, run on tensor cores (P rounded to q's dtype before P V, as flash
+    attention does); the rest, or everything under RADIXSERVE_DECODE_KERNEL=simt, on the
+    CUDA-core kernel.
     """
     if _use_attention_kernel(q):
         return torch.ops.radixserve.paged_decode_attention(_kernel_q(q), k_cache, v_cache,
