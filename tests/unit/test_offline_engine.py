@@ -78,3 +78,25 @@ def test_async_generate_in_callers_loop(smol_engine):
                                {"max_new_tokens": 4, "temperature": 0})
     assert single["output_ids"] == ref[0]["output_ids"]
     assert [o["output_ids"] for o in pair] == [r["output_ids"] for r in ref[1:]]
+
+
+def test_a_batch_larger_than_one_handoff_keeps_order_and_is_refused_whole(smol_engine):
+    """generate() hands its requests to the loop RUN_ALL_BATCH at a time (the first step can
+    start meanwhile): outputs still come back in prompt order, and a bad prompt anywhere in
+    the batch refuses the whole batch before any of it runs."""
+    from radixserve.engine.engine import RUN_ALL_BATCH
+
+    n = 2 * RUN_ALL_BATCH + 5
+    prompts = [[100 + i, 200 + 3 * i, 7] for i in range(n)]
+    sp = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    forward = smol_engine.generate(input_ids=prompts, sampling_params=sp)
+    backward = smol_engine.generate(input_ids=prompts[::-1], sampling_params=sp)
+    assert [o["output_ids"] for o in forward] == [o["output_ids"] for o in backward[::-1]]
+    sched = smol_engine.async_engine.scheduler
+    steps = sched.counters["num_prefill_steps"]
+    bad = prompts[:n - 3] + [[1, -5]] + prompts[n - 2:]
+    with pytest.raises(ValueError, match="out of range"):
+        smol_engine.generate(input_ids=bad, sampling_params=sp)
+    assert sched.counters["num_prefill_steps"] == steps
+    with pytest.raises(ValueError, match="out of range"):
+        smol_engine.generate(input_ids=[[1, True, 2]], sampling_params=sp)   # bool is not an id
