@@ -51,3 +51,21 @@ def test_short_name_drops_templates_and_arguments():
         "radixserve::attn::paged_decode_kernel"
     assert short_name("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == \
         "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT"
+
+
+def test_records_from_profile_reads_the_exported_trace():
+    import json
+
+    from radixserve.bench.timeline import records_from_profile, summarize_profile
+
+    class FakeProfile:       # what torch.profiler.profile offers: export_chrome_trace(path)
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                json.dump({"traceEvents": [
+                    {"ph": "X", "cat": "kernel", "name": "k", "ts": 5.0, "dur": 2.0,
+                     "args": {"stream": 3}},
+                    {"ph": "X", "cat": "kernel", "name": "k", "ts": 9.0, "dur": 1.0,
+                     "args": {"stream": 3}}]}, f)
+
+    assert records_from_profile(FakeProfile()) == [Record(3, 5.0, 7.0, "k"), Record(3, 9.0, 10.0, "k")]
+    assert summarize_profile(FakeProfile())["streams"]["3"]["gap_us"] == 2.0

@@ -161,19 +161,10 @@ class _DeviceProfile:
     def finish(self):
         if self.prof is None:
             return
-        import tempfile
-
         from radixserve.bench import timeline
         torch.cuda.synchronize()
         self.prof.__exit__(None, None, None)
-        fd, tmp = tempfile.mkstemp(suffix=".json")
-        os.close(fd)
-        try:
-            self.prof.export_chrome_trace(tmp)
-            with open(tmp) as f:
-                records = timeline.records_from_chrome_trace(json.load(f))
-        finally:
-            os.unlink(tmp)
+        records = timeline.records_from_profile(self.prof)
         extend_ends = [r.end for r in records if "extend" in r.name]
         cut = max(extend_ends) if extend_ends else None
         out = {"whole": timeline.summarize_records(records)}

@@ -109,15 +109,19 @@ def records_from_chrome_trace(trace: dict) -> List[Record]:
     return out
 
 
-def summarize_profile(prof, top: int = 20) -> dict:
-    """summarize_records of a finished torch.profiler.profile's device records (through its
-    chrome-trace export, which keeps each record's stream)."""
+def records_from_profile(prof) -> List[Record]:
+    """A finished torch.profiler.profile's device records (through its chrome-trace export,
+    which keeps each record's stream)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
         with open(path) as f:
-            trace = json.load(f)
+            return records_from_chrome_trace(json.load(f))
     finally:
         os.unlink(path)
-    return summarize_records(records_from_chrome_trace(trace), top)
+
+
+def summarize_profile(prof, top: int = 20) -> dict:
+    """summarize_records of a finished torch.profiler.profile's device records."""
+    return summarize_records(records_from_profile(prof), top)
