@@ -18,8 +18,6 @@ TORCH_LIBRARY(radixserve, m) {
         "Tensor top_p, Tensor min_p, Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, bool gated) -> Tensor");
-  m.def("skinny_linear_add_norm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) residual, "
-        "Tensor norm_weight, float eps) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache) -> ()");
@@ -37,7 +35,6 @@ TORCH_LIBRARY_IMPL(radixserve, CUDA, m) {
   m.impl("bitmask_sample", &radixserve::bitmask_sample);
   m.impl("argmax_rows", &radixserve::argmax_rows);
   m.impl("skinny_linear", &radixserve::skinny_linear);
-  m.impl("skinny_linear_add_norm", &radixserve::skinny_linear_add_norm);
   m.impl("rms_norm", &radixserve::rms_norm);
   m.impl("fused_add_rms_norm", &radixserve::fused_add_rms_norm);
   m.impl("rotary_embedding", &radixserve::rotary_embedding);

@@ -15,7 +15,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "ops/check.h"
-#include "ops/counters.h"
 #include "ops/ops.h"
 #include "radixserve/attention_launch.cuh"
 
@@ -78,10 +77,20 @@ void dispatch_dtype_dim(at::ScalarType st, int64_t d, F&& f) {
   }
 }
 
-}  // namespace
+// Counters a kernel finds zero and leaves zero (the split decode's last-CTA merge,
+// DecodeParams::split_counters; the extend kernel's item queue, ExtendParams::work_counters):
+// int32, one buffer per device and pool, zero-initialised once (at::zeros) and left zero by every
+// launch, so it is reused without a memset, by eager launches and CUDA-graph replays alike. Grown
+// (a new zeroed buffer) when a launch needs more than it holds, but only outside a CUDA-graph
+// capture: a capture would record the growth's memset and bake in a pointer of its own. The eager
+// warm-up that precedes every capture (model/cuda_graph_runner.py runs each bucket twice on the
+// capture stream, largest bucket first; torch.cuda.graphs' recipe) grows it first; a capture that
+// finds it too small fails. An outgrown buffer is kept alive, not freed: graphs captured with its
+// pointer still replay into it. Launches of one device share a pool's buffer: they must not run
+// concurrently (the attention ops run on one stream). The tensors are never destroyed (no
+// teardown-order issue with the caching allocator at exit).
+enum CounterPool { kDecodeSplits = 0, kExtendItems = 1, kCounterPools = 2 };
 
-// left_zero_counters (ops/counters.h has its contract): defined here, its first user's file, to keep
-// the translation units few.
 int* left_zero_counters(const at::Tensor& q, CounterPool pool, int64_t needed, const char* what) {
   static std::mutex mu;
   static auto* buffers = new std::vector<at::Tensor>();  // [device index * kCounterPools + pool]
@@ -103,8 +112,6 @@ int* left_zero_counters(const at::Tensor& q, CounterPool pool, int64_t needed, c
   }
   return buf.data_ptr<int32_t>();
 }
-
-namespace {
 
 int* decode_split_counters(const at::Tensor& q, int64_t needed) {
   return left_zero_counters(q, kDecodeSplits, needed,

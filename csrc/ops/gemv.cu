@@ -1,5 +1,4 @@
-// skinny_linear and skinny_linear_add_norm: input checks, dtype dispatch, launch on the current
-// stream.
+// skinny_linear: input checks, dtype dispatch, launch on the current stream.
 // Kernel: csrc/include/radixserve/gemv.cuh. Contract: pysrc/radixserve/ops/__init__.py.
 #include <optional>
 #include <string>
@@ -11,7 +10,6 @@
 #include <cuda_fp16.h>
 
 #include "ops/check.h"
-#include "ops/counters.h"
 #include "ops/ops.h"
 #include "radixserve/gemv.cuh"
 
@@ -44,10 +42,15 @@ void check_skinny_inputs(const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-gemv::SkinnyParams skinny_params(const at::Tensor& x, const at::Tensor& weight,
-                                 const std::optional<at::Tensor>& bias, const at::Tensor& out,
-                                 int64_t n) {
-  gemv::SkinnyParams p = {};
+}  // namespace
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, bool gated) {
+  check_skinny_inputs(x, weight, bias, gated);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = gated ? weight.size(0) / 2 : weight.size(0);
+  auto out = at::empty({x.size(0), n}, x.options());  // [m, n]
+  gemv::SkinnyParams p;
   p.x = x.data_ptr();
   p.x_stride = x.stride(0);
   p.w = weight.data_ptr();
@@ -58,71 +61,15 @@ gemv::SkinnyParams skinny_params(const at::Tensor& x, const at::Tensor& weight,
   p.n = n;
   p.k = x.size(1);
   p.pdl = at::cuda::getCurrentDeviceProperties()->major >= 9;
-  p.arrivals = nullptr;
-  return p;
-}
-
-void launch(const gemv::SkinnyParams& p, at::ScalarType dtype, bool gated) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaError_t err;
-  if (dtype == at::kBFloat16)
+  if (x.scalar_type() == at::kBFloat16)
     err = gated ? gemv::launch_skinny_gemm<__nv_bfloat16, true>(p, stream)
                 : gemv::launch_skinny_gemm<__nv_bfloat16, false>(p, stream);
   else
     err = gated ? gemv::launch_skinny_gemm<__half, true>(p, stream)
                 : gemv::launch_skinny_gemm<__half, false>(p, stream);
   RS_CHECK(err == cudaSuccess, "skinny_linear launch failed: ", cudaGetErrorString(err));
-}
-
-void check_add_norm_inputs(const at::Tensor& x, const at::Tensor& weight,
-                           const at::Tensor& residual, const at::Tensor& norm_weight) {
-  const int64_t m = x.size(0), n = weight.size(0);
-  RS_CHECK(n % 8 == 0 && n / 8 <= gemv::kNormMaxChunks, "skinny_linear_add_norm serves rows of ",
-           "a multiple of 8 elements up to ", gemv::kNormMaxChunks * 8, ", got ", n);
-  RS_CHECK(residual.is_cuda() && residual.device() == x.device() &&
-               residual.scalar_type() == at::kFloat,
-           "residual must be a float32 CUDA tensor on x's device");
-  RS_CHECK(residual.dim() == 2 && residual.size(0) == m && residual.size(1) == n &&
-               residual.stride(1) == 1 && residual.stride(0) % 4 == 0 &&
-               aligned16(residual.data_ptr()),
-           "residual must be [", m, ", ", n, "] with contiguous 16-byte-aligned rows, got ",
-           residual.sizes());
-  RS_CHECK(norm_weight.is_cuda() && norm_weight.device() == x.device() &&
-               norm_weight.scalar_type() == x.scalar_type(),
-           "norm_weight must be a CUDA tensor of x's device and dtype");
-  RS_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == n && norm_weight.is_contiguous() &&
-               aligned16(norm_weight.data_ptr()),
-           "norm_weight must be contiguous, 16-byte aligned [", n, "], got ", norm_weight.sizes());
-}
-
-}  // namespace
-
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias, bool gated) {
-  check_skinny_inputs(x, weight, bias, gated);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t n = gated ? weight.size(0) / 2 : weight.size(0);
-  auto out = at::empty({x.size(0), n}, x.options());  // [m, n]
-  launch(skinny_params(x, weight, bias, out, n), x.scalar_type(), gated);
-  return out;
-}
-
-at::Tensor skinny_linear_add_norm(const at::Tensor& x, const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& bias, at::Tensor residual,
-                                  const at::Tensor& norm_weight, double eps) {
-  check_skinny_inputs(x, weight, bias, false);
-  check_add_norm_inputs(x, weight, residual, norm_weight);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t n = weight.size(0);
-  auto out = at::empty({x.size(0), n}, x.options());  // [m, n]
-  gemv::SkinnyParams p = skinny_params(x, weight, bias, out, n);
-  p.arrivals = left_zero_counters(x, kGemvArrivals, 1,
-                                  "skinny_linear_add_norm: the arrival counter");
-  p.residual = residual.data_ptr<float>();
-  p.res_stride = residual.stride(0);
-  p.norm_w = norm_weight.data_ptr();
-  p.eps = static_cast<float>(eps);
-  launch(p, x.scalar_type(), false);
   return out;
 }
 

@@ -39,9 +39,6 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 // gemv.cu
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias, bool gated);
-at::Tensor skinny_linear_add_norm(const at::Tensor& x, const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& bias, at::Tensor residual,
-                                  const at::Tensor& norm_weight, double eps);
 
 // elementwise.cu
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -1,11 +1,8 @@
-"""skinny_linear (plain, gated, and with the add + norm epilogue) and argmax_rows kernels against
-the reference.
+"""skinny_linear (plain and gated) and argmax_rows kernels against the reference.
 
 The skinny GEMM accumulates in fp32 in its own order, so it is compared with an fp64 product of
 the same (rounded) inputs, within one rounding of the output dtype; the gated form must also
-equal silu_and_mul of its own plain projections, since it rounds them as the unfused path does;
-the add + norm form must equal skinny_linear followed by fused_add_rms_norm bit for bit, since its
-last CTA replays that kernel's arithmetic and reduction order."""
+equal silu_and_mul of its own plain projections, since it rounds them as the unfused path does."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,120 +87,6 @@ def test_skinny_linear_rejects_what_it_cannot_serve():
         torch.ops.radixserve.skinny_linear(x[:1], w[:31], None, True)
     # the seam falls back to the reference for a shape the kernel does not take
     torch.testing.assert_close(ops.skinny_linear(x, w), F.linear(x, w))
-
-
-def _add_norm_case(m, n, k, dtype, seed):
-    x, w, b = _case(m, n, k, dtype, seed)
-    g = torch.Generator(device="cuda").manual_seed(seed + 1)
-    residual = torch.randn(m, n, generator=g, device="cuda") * 3            # [m, n] float32
-    gamma = (torch.rand(n, generator=g, device="cuda") + 0.5).to(dtype)     # [n]
-    return x, w, b, residual, gamma
-
-
-def _split_add_norm(x, w, bias, residual, gamma, eps):
-    """The two kernels the fused op replaces: (out, residual after)."""
-    out = torch.ops.radixserve.skinny_linear(x, w, bias, False)
-    res = residual.clone()
-    torch.ops.radixserve.fused_add_rms_norm(out, res, gamma, eps)
-    return out, res
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 4])
-# n: one CTA (8), a partial chunk warp (19 chunks), SmolLM2's 576, 8B's 4096 (after o and
-# down), the largest row (1024 chunks)
-@pytest.mark.parametrize("n,k", [(8, 64), (152, 64), (576, 1536), (4096, 4096), (4096, 14336),
-                                 (8192, 72)])
-def test_skinny_linear_add_norm_equals_the_two_kernels(dtype, m, n, k):
-    x, w, b, residual, gamma = _add_norm_case(m, n, k, dtype, seed=n + 3 * m)
-    eps = 1e-5
-    assert ops.skinny_add_norm_fits(x, w, residual, gamma)
-    for bias in (None, b):
-        want, res_want = _split_add_norm(x, w, bias, residual, gamma, eps)
-        res = residual.clone()
-        got = torch.ops.radixserve.skinny_linear_add_norm(x, w, bias, res, gamma, eps)
-        assert got.shape == (m, n) and got.dtype == dtype
-        assert torch.equal(got, want), f"max diff {(got.float() - want.float()).abs().max()}"
-        assert torch.equal(res, res_want)
-        # and both are the add + norm of the projection (fp64 oracles): the residual grew by
-        # the projection rounded once to dtype, the output is the norm of that residual
-        proj = x.double() @ w.double().t() + (0 if bias is None else bias.double())
-        _expect_close(res.double() - residual.double(), proj, dtype)
-        r64 = res.double()
-        n64 = r64 * torch.rsqrt(r64.pow(2).mean(-1, keepdim=True) + eps) * gamma.double()
-        _expect_close(got, n64, dtype)
-
-
-def test_skinny_add_norm_chain_is_race_free_and_graph_safe():
-    """A batch-1 block three times over: o projection + add + norm -> gated gate|up -> down
-    projection + add + norm, launched back to back (programmatic dependent launch: each kernel
-    may start before its producer ends; every add + norm kernel shares one arrival counter) and
-    inside a CUDA graph. Every run equals the two-kernel chain with a device sync between ops,
-    bit for bit; a counter left non-zero would leave a later launch without a last CTA and its
-    rows un-normalised."""
-    g = torch.Generator(device="cuda").manual_seed(5)
-    hidden, inter = 4096, 14336
-    w_o = (torch.randn(hidden, hidden, generator=g, device="cuda") / 64).bfloat16()
-    w_gu = (torch.randn(2 * inter, hidden, generator=g, device="cuda") / 64).bfloat16()
-    w_dn = (torch.randn(hidden, inter, generator=g, device="cuda") / 120).bfloat16()
-    g1 = (torch.rand(hidden, generator=g, device="cuda") + 0.5).bfloat16()
-    g2 = (torch.rand(hidden, generator=g, device="cuda") + 0.5).bfloat16()
-
-    def chain(x0, res, fused, sync):
-        t = x0
-        for _ in range(3):
-            for w, gamma in ((w_o, g1), (None, None), (w_dn, g2)):
-                if w is None:
-                    t = ops.skinny_gated_linear(t, w_gu)
-                elif fused:
-                    t = torch.ops.radixserve.skinny_linear_add_norm(t, w, None, res, gamma, 1e-5)
-                else:
-                    t = ops.skinny_linear(t, w)
-                    ops.fused_add_rms_norm(t, res, gamma, 1e-5)
-                if sync:
-                    torch.cuda.synchronize()
-        return t
-
-    x0 = torch.randn(1, hidden, generator=g, device="cuda").bfloat16()
-    r0 = torch.randn(1, hidden, generator=g, device="cuda")
-    res_want = r0.clone()
-    want = chain(x0, res_want, fused=False, sync=True)
-    assert torch.isfinite(want.float()).all() and want.float().abs().max() > 0
-    for _ in range(20):
-        res = r0.clone()
-        assert torch.equal(chain(x0, res, fused=True, sync=False), want)
-        assert torch.equal(res, res_want)
-    static_x, static_res = x0.clone(), r0.clone()
-    chain(static_x, static_res, fused=True, sync=False)    # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(static_x, static_res, fused=True, sync=False)
-    for _ in range(5):
-        static_res.copy_(r0)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want) and torch.equal(static_res, res_want)
-
-
-def test_skinny_linear_add_norm_rejects_what_it_cannot_serve():
-    x, w, b, residual, gamma = _add_norm_case(1, 8200, 64, torch.bfloat16, seed=2)
-    with pytest.raises(RuntimeError, match="rows of"):                # 1025 chunks
-        torch.ops.radixserve.skinny_linear_add_norm(x, w, None, residual, gamma, 1e-5)
-    # the seam runs what the kernel does not take as the two ops
-    assert not ops.skinny_add_norm_fits(x, w, residual, gamma)
-    res = residual.clone()
-    got = ops.skinny_linear_add_norm(x, w, None, res, gamma, 1e-5)
-    want, res_want = _split_add_norm(x, w, None, residual, gamma, 1e-5)
-    assert torch.equal(got, want) and torch.equal(res, res_want)
-    x, w, b, residual, gamma = _add_norm_case(1, 64, 64, torch.bfloat16, seed=3)
-    with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.radixserve.skinny_linear_add_norm(x, w, None, residual.bfloat16(), gamma, 1e-5)
-    with pytest.raises(RuntimeError, match="residual must be"):
-        torch.ops.radixserve.skinny_linear_add_norm(x, w, None, residual[:, :32], gamma, 1e-5)
-    with pytest.raises(RuntimeError, match="norm_weight"):
-        torch.ops.radixserve.skinny_linear_add_norm(x, w, None, residual, gamma.half(), 1e-5)
-    with pytest.raises(RuntimeError, match="norm_weight"):
-        torch.ops.radixserve.skinny_linear_add_norm(x, w, None, residual, gamma[:32], 1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 300])

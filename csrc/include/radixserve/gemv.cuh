@@ -21,22 +21,18 @@
 // first trip of weight loads already issued; it waits for that kernel only before reading x. At
 // batch 1 the launch and the first DRAM round trip were a visible share of a 10-15 us projection.
 //
-// ADD + NORM (SkinnyParams::arrivals set; plain form only): the decoder block's residual add and
-// rms_norm run in this kernel's epilogue, by its last CTA to finish. Every CTA writes its output
-// columns, fences and arrives on a counter; the CTA that arrives last reads the whole output rows
-// back from L2, forms residual += out (fp32) and out = rms_norm(residual) * norm_w exactly as
-// fused_add_rms_norm does (elementwise.cuh's one-chunk-per-thread path, its reduction order
-// replayed over the same chunks, so the two are bit-identical), and resets the counter. At batch 1
-// a separate norm kernel was a launch plus a chain of dependent loads between two weight
-// streams, 64 times a step; here it is one CTA's tail, while the next projection (launched with
-// PDL) already streams its weights.
-//
 // Tried and dropped: the block's pre-norm fused into this kernel's prologue (every CTA forms
 // residual + x and its rms_norm in shared memory, bit-identical to the norm kernel; commit
 // f47f4d7). On the H200 the batch-1 decode step took 4.74 ms against 4.39 with the separate
 // norm: the q|k|v launch went from ~16 to ~28 us, its 768 CTAs all reading the same 24 KB of
 // the row from L2 at the same moment (bench/results/logs/fused-norm-ab-h200.txt). A norm fused
 // here needs one CTA to compute it (the producer's last CTA) and the others to read its output.
+// That was tried too (commit 4cd8383): the residual add + norm in the epilogue of o_proj and
+// down_proj, run by the last CTA to arrive (fence, one atomic, then that CTA reads the row back
+// from L2 and replays the norm kernel's reduction, bit-identical). On the H200 the batch-1
+// step took 5.03 ms against 4.67 ms with the fusion switched off in the same build and call:
+// the fences, the arrival and one CTA's chain of dependent loads and reductions all sit on the
+// critical path after the last column, which costs more than the separate norm kernel did.
 //
 // Accumulation order: each lane sums its chunks in k order, then the 32 lane sums are combined
 // by a butterfly; this differs from cuBLAS's order, so outputs agree with F.linear to fp32
@@ -65,20 +61,10 @@ struct SkinnyParams {
   int64_t n;           // output columns
   int64_t k;           // reduction length, a multiple of 8 (16-byte chunks of T)
   bool pdl;            // launch with programmatic dependent launch (sm_90+ only; see below)
-  // ADD + NORM epilogue (plain form only; arrivals == nullptr: none). residual [m, n] float32,
-  // row stride res_stride, updated in place; norm_w [n] of T; out receives the norm's output.
-  int* arrivals;       // one int32, zero on entry, left zero (the last CTA resets it)
-  float* residual;
-  int64_t res_stride;
-  const void* norm_w;
-  float eps;
 };
 
 constexpr int kMaxRows = 4;        // the largest m this kernel serves (the caller checks)
 constexpr int kWarps = 8;          // warps (output columns) per CTA
-// ADD + NORM: rows of up to this many 16-byte chunks (8192 bf16/fp16 elements), the norm
-// kernel's one-chunk-per-thread range (up to 1024 threads, elementwise.cuh)
-constexpr int kNormMaxChunks = 1024;
 
 // How a warp streams its rows: LOADS 16-byte weight loads per lane per loop trip (over all its
 // rows), and whether trip t + 1's loads are issued before trip t's arithmetic (PREFETCH: two
@@ -109,14 +95,6 @@ __device__ __forceinline__ float2 unpack2(uint32_t v, __half*) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 
-// Two floats rounded to T, packed in a 32-bit word (low half first, as in memory).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const T l = from_f<T>(lo), h = from_f<T>(hi);
-  return (uint32_t)*reinterpret_cast<const uint16_t*>(&l) |
-         ((uint32_t)*reinterpret_cast<const uint16_t*>(&h) << 16);
-}
-
 // acc += dot(8 elements of w, 8 elements of x), both 16-byte words of T.
 template <typename T>
 __device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
@@ -140,16 +118,20 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Output column j of every activation row, computed by one warp: ROWS weight rows per warp (1
-// plain, 2 GATED: gate and up); M activation rows (p.m, one instantiation each).
+// One warp per output column j; ROWS weight rows per warp (1 plain, 2 GATED: gate and up); M
+// activation rows (p.m, one instantiation each).
 // Lane l owns chunks l, l + 32, l + 64, ... of each row; a trip covers U = LOADS / ROWS of them
 // per row. With PREFETCH the next trip's loads are issued before this trip's
-// arithmetic (two register buffers), so a warp always has loads in flight. Lane 0 writes out[:, j].
+// arithmetic (two register buffers), so a warp always has loads in flight.
 template <typename T, bool GATED, int M, int LOADS, bool PREFETCH>
-__device__ __forceinline__ void skinny_column(const SkinnyParams& p, int64_t j, int lane) {
+__global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(SkinnyParams p) {
   constexpr int ROWS = GATED ? 2 : 1;
   constexpr int U = LOADS / ROWS;
   constexpr int64_t kStep = 32 * U;  // chunks per trip per row (whole warp)
+  pdl_launch_dependents();
+  const int lane = threadIdx.x & 31;
+  const int64_t j = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (j >= p.n) return;  // whole warps leave together: no shuffle below misses a lane
   const int64_t chunks = p.k / 8;
   const uint4* wrow[ROWS];
   wrow[0] = reinterpret_cast<const uint4*>(static_cast<const T*>(p.w) + j * p.k);
@@ -218,110 +200,6 @@ __device__ __forceinline__ void skinny_column(const SkinnyParams& p, int64_t j, 
       v = g / (1.f + __expf(-g)) * up;
     }
     out[mi * p.out_stride + j] = from_f<T>(v);
-  }
-  // ADD + NORM: the column is visible device-wide before this CTA arrives (add_norm_epilogue)
-  if (p.arrivals != nullptr) __threadfence();
-}
-
-// ADD + NORM of one activation row mi, by the whole (last) CTA: residual += out; out =
-// rms_norm(residual) * norm_w, equal bit for bit to elementwise.cuh's rms_norm_kernel<T, true,
-// THREADS, true, float> on its one-chunk-per-thread path. That kernel's thread c owns 16-byte
-// chunk c and sums the squares of its 8 elements in order; warp w's butterfly sums chunks 32 w
-// .. 32 w + 31; a second butterfly sums the warp totals (zeros past the last warp). Here thread
-// t plays chunks t, t + 256, t + 512, t + 768, which sit in the same lane of warps w, w + 8,
-// w + 16, w + 24: the same partial sums meet in the same order. The out row is read from L2
-// (__ldcg): other CTAs wrote it during this kernel.
-template <typename T>
-__device__ __forceinline__ void add_norm_row(const SkinnyParams& p, int mi, float* red /* [32] */) {
-  constexpr int N = 8;                       // elements of T per 16-byte chunk
-  constexpr int kThreads = kWarps * 32;
-  constexpr int R = kNormMaxChunks / kThreads;
-  static_assert(kNormMaxChunks / 32 == 32, "one second-level butterfly lane per chunk warp");
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int chunks = (int)(p.n / N);
-  T* out = static_cast<T*>(p.out) + mi * p.out_stride;
-  float* res = p.residual + mi * p.res_stride;
-  const uint4* w = static_cast<const uint4*>(p.norm_w);
-  float a[R][N], ss[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int c = t + r * kThreads;
-    ss[r] = 0.f;
-    if (c < chunks) {
-      const uint4 xv = __ldcg(reinterpret_cast<const uint4*>(out) + c);
-      const float4 r0 = reinterpret_cast<const float4*>(res)[2 * c];
-      const float4 r1 = reinterpret_cast<const float4*>(res)[2 * c + 1];
-      const float rv[N] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
-      const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-      for (int i = 0; i < N / 2; ++i) {
-        const float2 f = unpack2(xw[i], static_cast<T*>(nullptr));
-        a[r][2 * i] = f.x;
-        a[r][2 * i + 1] = f.y;
-      }
-#pragma unroll
-      for (int i = 0; i < N; ++i) a[r][i] += rv[i];
-#pragma unroll
-      for (int i = 0; i < N; ++i) ss[r] += a[r][i] * a[r][i];
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    ss[r] = warp_sum(ss[r]);
-    if (lane == 0) red[warp + r * kWarps] = ss[r];
-  }
-  __syncthreads();
-  const float total = warp_sum(red[lane]);
-  __syncthreads();  // red is reused by the next row
-  const float scale = rsqrtf(total / (float)p.n + p.eps);
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int c = t + r * kThreads;
-    if (c >= chunks) continue;
-    reinterpret_cast<float4*>(res)[2 * c] = make_float4(a[r][0], a[r][1], a[r][2], a[r][3]);
-    reinterpret_cast<float4*>(res)[2 * c + 1] = make_float4(a[r][4], a[r][5], a[r][6], a[r][7]);
-    const uint4 wv = w[c];
-    const uint32_t ww[4] = {wv.x, wv.y, wv.z, wv.w};
-    uint32_t o[4];
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-      const float2 g = unpack2(ww[i], static_cast<T*>(nullptr));
-      o[i] = pack2<T>((a[r][2 * i] * scale) * g.x, (a[r][2 * i + 1] * scale) * g.y);
-    }
-    reinterpret_cast<uint4*>(out)[c] = make_uint4(o[0], o[1], o[2], o[3]);
-  }
-}
-
-// ADD + NORM: every CTA arrives once its columns are written and fenced; the last to arrive
-// resets the counter and normalises every row (as the split decode's last-CTA merge does,
-// decode_attention.cuh). Uniform over the CTA.
-template <typename T>
-__device__ __forceinline__ void add_norm_epilogue(const SkinnyParams& p) {
-  __shared__ float red[32];
-  __syncthreads();  // this CTA's columns written and fenced (skinny_column)
-  bool last = false;
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(p.arrivals, 1) == (int)gridDim.x - 1;
-    if (last) {
-      *p.arrivals = 0;  // every CTA arrived: none of this launch touches it again
-      __threadfence();
-    }
-  }
-  if (!__syncthreads_or(last)) return;
-  pdl_wait();  // the residual belongs to the kernels before this one (a no-op by now)
-  for (int mi = 0; mi < p.m; ++mi) add_norm_row<T>(p, mi, red);
-}
-
-template <typename T, bool GATED, int M, int LOADS, bool PREFETCH>
-__global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(SkinnyParams p) {
-  pdl_launch_dependents();
-  const int lane = threadIdx.x & 31;
-  const int64_t j = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
-  // whole warps skip together: no shuffle misses a lane
-  if (j < p.n) skinny_column<T, GATED, M, LOADS, PREFETCH>(p, j, lane);
-  if constexpr (!GATED) {
-    if (p.arrivals != nullptr) add_norm_epilogue<T>(p);
   }
 }
 

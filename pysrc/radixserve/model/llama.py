@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
@@ -223,21 +222,6 @@ class RowParallelLinear(nn.Module):
         out = tp_all_reduce(linear(x, self.weight), self.tp_size)     # [num_tokens, output_size]
         return out + self.bias if self.bias is not None else out
 
-    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: "RMSNorm",
-                         fuse: bool = True) -> torch.Tensor:
-        """norm.forward_add(self(x), residual), returning the normalised rows: residual [n,
-        output_size] float32 += self(x); the result is norm(residual) in x's dtype. A batch-1
-        decode step on the GPU (skinny_gemm_ok, one rank, no bias, fuse) runs it as one kernel
-        whose last CTA computes the norm, with the same values bit for bit
-        (ops.skinny_linear_add_norm)."""
-        if (fuse and self.tp_size == 1 and self.bias is None and skinny_gemm_ok(x, self.weight)
-                and ops.skinny_add_norm_fits(x, self.weight, residual, norm.weight)):
-            return ops.skinny_linear_add_norm(x, self.weight, None, residual, norm.weight,
-                                              norm.eps)
-        out = self(x)                                      # [num_tokens, output_size]
-        norm.forward_add(out, residual)
-        return out
-
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary rows are split across ranks (padded to a multiple of tp_size).
@@ -362,10 +346,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor, cos_sin_cache: torch.Tensor,
                 cpu_attn: Optional[CpuDecodeAttention] = None) -> torch.Tensor:
-        """hidden [num_tokens, hidden_size] (normalised) -> the attention output before o_proj
-        [num_tokens, local heads * head_dim]; the caller applies o_proj (with the add + norm
-        after it: LlamaDecoderLayer). cpu_attn: the step's CPU decode table (fp32 decode on the
-        CPU), else None."""
+        """cpu_attn: the step's CPU decode table (fp32 decode on the CPU), else None."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)                        # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -386,7 +367,7 @@ class LlamaAttention(nn.Module):
         else:
             out = ops.paged_extend_attention(q, k_cache, v_cache, fb.qo_indptr, fb.kv_indptr,
                                              fb.kv_indices, self.scaling)
-        return out.view(num_tokens, self.q_size)           # [num_tokens, q_size]
+        return self.o_proj(out.view(num_tokens, self.q_size))     # [num_tokens, hidden_size]
 
 
 class LlamaMLP(nn.Module):
@@ -402,14 +383,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, params_dtype,
                                            tp_rank, tp_size)
 
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, hidden_size] -> silu(gate) * up [num_tokens, inter / tp]; the caller
-        applies down_proj (with the add + norm after it: LlamaDecoderLayer)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
         if skinny_gemm_ok(x, weight):                      # batch-1 decode on the GPU: one kernel
-            return ops.skinny_gated_linear(x, weight, bias)  # [num_tokens, inter / tp]
-        gate_up = self.gate_up_proj(x, contiguous=False)   # [num_tokens, 2 * inter / tp]
-        return ops.silu_and_mul(gate_up)                   # [num_tokens, inter / tp]
+            act = ops.skinny_gated_linear(x, weight, bias)  # [num_tokens, inter / tp]
+        else:
+            gate_up = self.gate_up_proj(x, contiguous=False)   # [num_tokens, 2 * inter / tp]
+            act = ops.silu_and_mul(gate_up)                    # [num_tokens, inter / tp]
+        return self.down_proj(act)                         # [num_tokens, hidden_size]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -422,18 +403,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
 
-    def forward(self, fb: ForwardBatch, hidden: torch.Tensor, residual: torch.Tensor,
-                cos_sin_cache: torch.Tensor, next_norm: "RMSNorm",
-                cpu_attn: Optional[CpuDecodeAttention] = None,
-                fuse_add_norm: bool = True) -> torch.Tensor:
-        """Pre-norm block, written to end with its successor's norm. hidden: this block's
-        normalised input [num_tokens, hidden_size] (its input_layernorm already applied);
-        residual [num_tokens, hidden_size]: the un-normalised stream, updated in place (+= the
-        attention and MLP outputs). Returns next_norm(residual): the next block's normalised
-        input, or after the last block the final norm's output. Ending each block with the next
-        norm puts every residual add + norm right after a projection (o_proj, down_proj), where a
-        batch-1 decode step fuses the two (RowParallelLinear.forward_add_norm; fuse_add_norm
-        False keeps them apart, for A/B runs).
+    def forward(self, fb: ForwardBatch, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                cos_sin_cache: torch.Tensor,
+                cpu_attn: Optional[CpuDecodeAttention] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block. residual carries the un-normalised stream between layers (None before
+        the first layer); returns (block output not yet added to residual, residual).
 
         residual is always float32, also in bf16/fp16 models, while hidden (a GEMM input or
         output) stays in the model dtype: the residual sums the outputs of every block, and
@@ -441,12 +415,14 @@ class LlamaDecoderLayer(nn.Module):
         avoidable error of the bf16 model against fp32. On the default model (bf16 vs fp32,
         teacher forced) it takes the mean |logit diff| from 0.13 to 0.08 and the 99.9th
         percentile from 0.94 to 0.43. It costs 4 bytes per hidden element of the batch."""
-        attn = self.self_attn(fb, hidden, cos_sin_cache, cpu_attn)   # [num_tokens, q_size]
-        hidden = self.self_attn.o_proj.forward_add_norm(attn, residual,
-                                                        self.post_attention_layernorm,
-                                                        fuse_add_norm)
-        act = self.mlp.activation(hidden)                  # [num_tokens, inter / tp]
-        return self.mlp.down_proj.forward_add_norm(act, residual, next_norm, fuse_add_norm)
+        if residual is None:
+            residual = hidden.float()          # [num_tokens, hidden_size] f32 (hidden if f32)
+            hidden = self.input_layernorm(hidden)
+        else:
+            self.input_layernorm.forward_add(hidden, residual)
+        hidden = self.self_attn(fb, hidden, cos_sin_cache, cpu_attn)
+        self.post_attention_layernorm.forward_add(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -459,9 +435,6 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size)
             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
-        # batch-1 decode fuses each residual add + norm into the projection before it
-        # (LlamaDecoderLayer.forward); RADIXSERVE_FUSE_ADD_NORM=0 keeps them apart, for A/B runs
-        self.fuse_add_norm = os.environ.get("RADIXSERVE_FUSE_ADD_NORM", "1") != "0"
         # [max_position_embeddings, head_dim] float32 = [cos | sin]
         cache = build_cos_sin_cache(config.head_dim, config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling,
@@ -470,13 +443,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(fb.input_ids)           # [num_tokens, hidden_size]
-        residual = hidden.float()          # [num_tokens, hidden_size] f32 (hidden itself if f32)
-        hidden = self.layers[0].input_layernorm(hidden)
+        residual = None
         cpu_attn = CpuDecodeAttention.for_batch(fb, hidden.dtype)   # built once for all layers
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm in zip(self.layers, next_norms):
-            hidden = layer(fb, hidden, residual, self.cos_sin_cache, next_norm, cpu_attn,
-                           self.fuse_add_norm)
+        for layer in self.layers:
+            hidden, residual = layer(fb, hidden, residual, self.cos_sin_cache, cpu_attn)
+        self.norm.forward_add(hidden, residual)
         return hidden
 
 

@@ -199,45 +199,6 @@ def skinny_gated_linear(x: torch.Tensor, weight: torch.Tensor,
     return ref.skinny_gated_linear(x, weight, bias)
 
 
-# skinny_linear_add_norm's kernel normalises rows of up to this many elements (gemv.cuh,
-# kNormMaxChunks 16-byte chunks)
-SKINNY_NORM_MAX_HIDDEN = 8192
-
-
-def skinny_add_norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                         norm_weight: torch.Tensor) -> bool:
-    """Whether skinny_linear_add_norm runs as one kernel: skinny_linear_fits(x, weight), an
-    output width n = weight.shape[0] that is a multiple of 8 and at most
-    SKINNY_NORM_MAX_HIDDEN, a float32 residual [m, n] with contiguous 16-byte-aligned rows
-    on x's device, and a contiguous norm_weight [n] of x's dtype, 16-byte aligned."""
-    n = weight.shape[0]
-    return (skinny_linear_fits(x, weight) and n % 8 == 0 and n <= SKINNY_NORM_MAX_HIDDEN
-            and residual.dtype == torch.float32 and residual.device == x.device
-            and tuple(residual.shape) == (x.shape[0], n) and residual.stride(1) == 1
-            and residual.stride(0) % 4 == 0 and residual.data_ptr() % 16 == 0
-            and norm_weight.dtype == x.dtype and norm_weight.device == x.device
-            and tuple(norm_weight.shape) == (n,) and norm_weight.is_contiguous()
-            and norm_weight.data_ptr() % 16 == 0)
-
-
-def skinny_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                           residual: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float) -> torch.Tensor:
-    """A projection followed by the decoder's residual add and rms_norm, as one kernel:
-        out = skinny_linear(x, weight, bias); fused_add_rms_norm(out, residual, norm_weight, eps)
-    x [m, k], weight [n, k], bias None or [n], residual [m, n] (mutated: += the projection, as
-    rounded to x's dtype), norm_weight [n] -> out [m, n] = rms_norm(residual) * norm_weight in x's
-    dtype. The kernel's last CTA runs the norm with fused_add_rms_norm's arithmetic and
-    reduction order: out and residual equal the two separate kernels' bit for bit. Inputs the
-    kernel does not take (skinny_add_norm_fits) run as those two ops."""
-    if skinny_add_norm_fits(x, weight, residual, norm_weight):
-        return torch.ops.radixserve.skinny_linear_add_norm(x, weight, bias, residual, norm_weight,
-                                                           eps)
-    out = skinny_linear(x, weight, bias)
-    fused_add_rms_norm(out, residual, norm_weight, eps)
-    return out
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [num_tokens, hidden], weight: [hidden] -> [num_tokens, hidden] (new tensor)."""
     if _use_kernel(x):
