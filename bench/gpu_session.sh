@@ -396,25 +396,33 @@ print(max(runs)[1] if runs else 0)")
       (flashinfer_env
        timeout "${FI_TIMEOUT:-240}" python3 bench/flashinfer_peer.py --parts "${FI_PARTS:-decode,sampling}" \
          --json "$OUT/flashinfer-h200.json" 2>&1 | grep -v "^ \|^{\|^}" | tail -30 | tee "$OUT/flashinfer.txt") ;;
-    pdlsmall)
-      # the small kernels between a decode step's projections (rms norms, rope + store_kv,
-      # decode attention) launched with programmatic dependent launch, chosen per process by
-      # RADIXSERVE_PDL_SMALL: bench/variants/pdl-small-kernels.patch (written without a GPU, not
-      # yet run) applied to this copy and _C rebuilt; the GPU tests with all three on; then
-      # decode_steps at bs 1 and 8 under each of $PDL_SETTINGS, in $PDL_ROUNDS interleaved rounds.
-      # The patched build stays: run this stage last.
-      patch -p1 --forward < bench/variants/pdl-small-kernels.patch 2>&1 | tee -a "$OUT/pdlsmall.txt"
+    patchab)
+      # kernel experiments kept as patches under bench/variants/ (written without a GPU, not yet
+      # run; bench/variants/README.md): each of $PATCHES applied to this copy and _C rebuilt; the
+      # GPU tests under the patched defaults and again with every small kernel launched with PDL;
+      # then decode_steps at bs 1 and 8 under each setting of $AB_SETTINGS (';'-separated, each a
+      # space-separated list of VAR=VALUE), in $AB_ROUNDS interleaved rounds. The patched build
+      # stays: run this stage last.
+      for patch in ${PATCHES:-skinny-qkv-rope pdl-small-kernels}; do
+        patch -p1 --forward < "bench/variants/$patch.patch" 2>&1 | tee -a "$OUT/patchab.txt"
+      done
       rm -rf pysrc/radixserve/_C*.so build/cuda-objects-*
       RADIXSERVE_CUDA=1 RADIXSERVE_CUDA_ARCHS=90a MAX_JOBS=16 python3 setup.py build_ext --inplace \
-        2>&1 | tail -2 | tee -a "$OUT/pdlsmall.txt"
+        2>&1 | tail -2 | tee -a "$OUT/patchab.txt"
+      python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu 2>&1 \
+        | tee "$OUT/gpu_tests_patched.txt" | tail -3 | tee -a "$OUT/patchab.txt"
       RADIXSERVE_PDL_SMALL=norm,rope,attn python3 -m pytest -q -p no:cacheprovider -m "not slow" \
-        tests/gpu 2>&1 | tee "$OUT/gpu_tests_pdl.txt" | tail -3 | tee -a "$OUT/pdlsmall.txt"
-      for r in $(seq "${PDL_ROUNDS:-2}"); do
-        for v in ${PDL_SETTINGS:-none rope,attn norm,rope,attn norm rope attn}; do
-          echo "round $r RADIXSERVE_PDL_SMALL=$v" | tee -a "$OUT/pdlsmall.txt"
-          RADIXSERVE_PDL_SMALL=$v python3 bench/decode_steps.py --preset llama-3.1-8b \
-            --batch-sizes 1,8 --modes overlap --out "$OUT/pdl-$v-$r.json" 2>&1 \
-            | grep -E "bs |over_floor" | tee -a "$OUT/pdlsmall.txt"
+        tests/gpu 2>&1 | tee "$OUT/gpu_tests_patched_pdl.txt" | tail -3 | tee -a "$OUT/patchab.txt"
+      F=RADIXSERVE_FUSE_QKV_ROPE; P=RADIXSERVE_PDL_SMALL
+      IFS=';' read -ra settings <<< "${AB_SETTINGS:-$F=0 $P=none;$F=1 $P=none;$F=0 $P=rope,attn;$F=1 $P=attn;$F=1 $P=norm,attn;$F=0 $P=norm,rope,attn}"
+      for r in $(seq "${AB_ROUNDS:-2}"); do
+        i=0
+        for setting in "${settings[@]}"; do
+          echo "round $r setting $i: $setting" | tee -a "$OUT/patchab.txt"
+          env $setting python3 bench/decode_steps.py --preset llama-3.1-8b --batch-sizes 1,8 \
+            --modes overlap --out "/tmp/ab-$i-$r.json" 2>&1 | grep -E "bs |over_floor" \
+            | tee -a "$OUT/patchab.txt"
+          i=$((i + 1))
         done
       done ;;
     *) echo "unknown stage $stage" ;;
