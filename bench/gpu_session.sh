@@ -399,7 +399,8 @@ print(max(runs)[1] if runs else 0)")
     patchab)
       # kernel experiments kept as patches under bench/variants/ (written without a GPU, not yet
       # run; bench/variants/README.md): each of $PATCHES applied to this copy and _C rebuilt; the
-      # GPU tests under the patched defaults and again with every small kernel launched with PDL;
+      # GPU tests under the patched defaults and again with every small kernel launched with PDL
+      # and the q|k|v + rope kernel's other stream plan;
       # then decode_steps at bs 1 and 8 under each setting of $AB_SETTINGS (';'-separated, each a
       # space-separated list of VAR=VALUE), in $AB_ROUNDS interleaved rounds. The patched build
       # stays: run this stage last.
@@ -411,10 +412,11 @@ print(max(runs)[1] if runs else 0)")
         2>&1 | tail -2 | tee -a "$OUT/patchab.txt"
       python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu 2>&1 \
         | tee "$OUT/gpu_tests_patched.txt" | tail -3 | tee -a "$OUT/patchab.txt"
-      RADIXSERVE_PDL_SMALL=norm,rope,attn python3 -m pytest -q -p no:cacheprovider -m "not slow" \
-        tests/gpu 2>&1 | tee "$OUT/gpu_tests_patched_pdl.txt" | tail -3 | tee -a "$OUT/patchab.txt"
-      F=RADIXSERVE_FUSE_QKV_ROPE; P=RADIXSERVE_PDL_SMALL
-      IFS=';' read -ra settings <<< "${AB_SETTINGS:-$F=0 $P=none;$F=1 $P=none;$F=0 $P=rope,attn;$F=1 $P=attn;$F=1 $P=norm,attn;$F=0 $P=norm,rope,attn}"
+      RADIXSERVE_PDL_SMALL=norm,rope,attn RADIXSERVE_QKV_ROPE_PLAN=16 python3 -m pytest -q \
+        -p no:cacheprovider -m "not slow" tests/gpu 2>&1 | tee "$OUT/gpu_tests_patched_pdl.txt" \
+        | tail -3 | tee -a "$OUT/patchab.txt"
+      F=RADIXSERVE_FUSE_QKV_ROPE; P=RADIXSERVE_PDL_SMALL; Q=RADIXSERVE_QKV_ROPE_PLAN
+      IFS=';' read -ra settings <<< "${AB_SETTINGS:-$F=0 $P=none;$F=1 $P=none;$F=1 $Q=16 $P=none;$F=0 $P=rope,attn;$F=1 $P=attn;$F=1 $P=norm,attn;$F=0 $P=norm,rope,attn}"
       for r in $(seq "${AB_ROUNDS:-2}"); do
         i=0
         for setting in "${settings[@]}"; do
