@@ -404,7 +404,8 @@ print(max(runs)[1] if runs else 0)")
       # then decode_steps at bs 1 and 8 under each setting of $AB_SETTINGS (';'-separated, each a
       # space-separated list of VAR=VALUE), in $AB_ROUNDS interleaved rounds. The patched build
       # stays: run this stage last.
-      for patch in ${PATCHES:-graph-context-classes skinny-qkv-rope pdl-small-kernels}; do
+      # (decode-short-no-split.patch is made against the tree with pdl-small-kernels applied)
+      for patch in ${PATCHES:-graph-context-classes skinny-qkv-rope pdl-small-kernels decode-short-no-split}; do
         patch -p1 --forward < "bench/variants/$patch.patch" 2>&1 | tee -a "$OUT/patchab.txt"
       done
       rm -rf pysrc/radixserve/_C*.so build/cuda-objects-*
@@ -416,8 +417,8 @@ print(max(runs)[1] if runs else 0)")
         -p no:cacheprovider -m "not slow" tests/gpu 2>&1 | tee "$OUT/gpu_tests_patched_pdl.txt" \
         | tail -3 | tee -a "$OUT/patchab.txt"
       F=RADIXSERVE_FUSE_QKV_ROPE; P=RADIXSERVE_PDL_SMALL; Q=RADIXSERVE_QKV_ROPE_PLAN
-      G=RADIXSERVE_GRAPH_CONTEXT_CLASSES
-      IFS=';' read -ra settings <<< "${AB_SETTINGS:-$G=0 $F=0 $P=none;$G=1 $F=0 $P=none;$G=1 $F=1 $P=none;$G=1 $F=1 $Q=16 $P=none;$G=1 $F=1 $P=attn;$G=1 $F=1 $P=norm,attn;$G=1 $F=0 $P=norm,rope,attn}"
+      G=RADIXSERVE_GRAPH_CONTEXT_CLASSES; S=RADIXSERVE_DECODE_NO_SPLIT_TOKENS
+      IFS=';' read -ra settings <<< "${AB_SETTINGS:-$G=0 $S=0 $F=0 $P=none;$G=1 $S=0 $F=0 $P=none;$G=1 $F=0 $P=none;$G=1 $F=1 $P=none;$G=1 $F=1 $Q=16 $P=none;$G=1 $F=1 $P=attn;$G=1 $F=1 $P=norm,attn;$G=1 $F=0 $P=norm,rope,attn}"
       for r in $(seq "${AB_ROUNDS:-2}"); do
         i=0
         for setting in "${settings[@]}"; do
