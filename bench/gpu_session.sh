@@ -404,9 +404,10 @@ print(max(runs)[1] if runs else 0)")
       # then decode_steps at bs 1 and 8 under each setting of $AB_SETTINGS (';'-separated, each a
       # space-separated list of VAR=VALUE), in $AB_ROUNDS interleaved rounds. The patched build
       # stays: run this stage last.
-      # (decode-short-no-split.patch is made against the tree with pdl-small-kernels applied)
+      # (decode-short-no-split.patch is made against the tree with pdl-small-kernels applied;
+      # apply_patch.py because the image may lack `patch` and the copy has no git repository)
       for patch in ${PATCHES:-graph-context-classes skinny-qkv-rope pdl-small-kernels decode-short-no-split}; do
-        patch -p1 --forward < "bench/variants/$patch.patch" 2>&1 | tee -a "$OUT/patchab.txt"
+        python3 bench/variants/apply_patch.py "bench/variants/$patch.patch" 2>&1 | tee -a "$OUT/patchab.txt"
       done
       rm -rf pysrc/radixserve/_C*.so build/cuda-objects-*
       RADIXSERVE_CUDA=1 RADIXSERVE_CUDA_ARCHS=90a MAX_JOBS=16 python3 setup.py build_ext --inplace \
