@@ -41,13 +41,21 @@ build_harness() {
     -o "$1/test_$2" > "$1/harness_$2.txt" 2>&1 &
 }
 run_harness() { (timeout 200 "$1/test_$2" || cat "$1/harness_$2.txt") 2>&1 | tail -"$3"; }
+# radixserve._C for sm_90a, in place; the last $1 lines of the build's output
+build_ext() {
+  RADIXSERVE_CUDA=1 RADIXSERVE_CUDA_ARCHS=90a MAX_JOBS=16 python3 setup.py build_ext --inplace \
+    2>&1 | tail -"$1"
+}
+# the GPU tests (not the slow ones), the log in $1; the last $2 lines printed
+gpu_tests() {
+  python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu 2>&1 | tee "$1" | tail -"$2"
+}
 for stage in "$@"; do
   echo "=== stage $stage" | tee -a "$OUT/log.txt"
   case $stage in
     build)
       if ! ls pysrc/radixserve/_C*.so >/dev/null 2>&1; then
-        RADIXSERVE_CUDA=1 RADIXSERVE_CUDA_ARCHS=90a MAX_JOBS=16 python3 setup.py build_ext --inplace \
-          2>&1 | tail -20 | tee -a "$OUT/log.txt"
+        build_ext 20 | tee -a "$OUT/log.txt"
       fi
       python3 -c "import torch, radixserve._C; print('ext ok', torch.__version__)" 2>&1 | tee -a "$OUT/log.txt" ;;
     wheel)
@@ -76,7 +84,7 @@ for stage in "$@"; do
         sha256sum /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a "$OUT/log.txt"
       fi ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15 ;;
+      gpu_tests "$OUT/gpu_tests.txt" 15 ;;
     grammar)
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_constrained_cuda.py \
         tests/gpu/test_overlap_cuda.py tests/gpu/test_sampling.py 2>&1 | tee "$OUT/gpu_grammar_tests.txt" | tail -15 ;;
@@ -410,13 +418,10 @@ print(max(runs)[1] if runs else 0)")
         python3 bench/variants/apply_patch.py "bench/variants/$patch.patch" 2>&1 | tee -a "$OUT/patchab.txt"
       done
       rm -rf pysrc/radixserve/_C*.so build/cuda-objects-*
-      RADIXSERVE_CUDA=1 RADIXSERVE_CUDA_ARCHS=90a MAX_JOBS=16 python3 setup.py build_ext --inplace \
-        2>&1 | tail -2 | tee -a "$OUT/patchab.txt"
-      python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu 2>&1 \
-        | tee "$OUT/gpu_tests_patched.txt" | tail -3 | tee -a "$OUT/patchab.txt"
-      RADIXSERVE_PDL_SMALL=norm,rope,attn RADIXSERVE_QKV_ROPE_PLAN=16 python3 -m pytest -q \
-        -p no:cacheprovider -m "not slow" tests/gpu 2>&1 | tee "$OUT/gpu_tests_patched_pdl.txt" \
-        | tail -3 | tee -a "$OUT/patchab.txt"
+      build_ext 2 | tee -a "$OUT/patchab.txt"
+      gpu_tests "$OUT/gpu_tests_patched.txt" 3 | tee -a "$OUT/patchab.txt"
+      RADIXSERVE_PDL_SMALL=norm,rope,attn RADIXSERVE_QKV_ROPE_PLAN=16 \
+        gpu_tests "$OUT/gpu_tests_patched_pdl.txt" 3 | tee -a "$OUT/patchab.txt"
       F=RADIXSERVE_FUSE_QKV_ROPE; P=RADIXSERVE_PDL_SMALL; Q=RADIXSERVE_QKV_ROPE_PLAN
       G=RADIXSERVE_GRAPH_CONTEXT_CLASSES; S=RADIXSERVE_DECODE_NO_SPLIT_TOKENS
       IFS=';' read -ra settings <<< "${AB_SETTINGS:-$G=0 $S=0 $F=0 $P=none;$G=1 $S=0 $F=0 $P=none;$G=1 $F=0 $P=none;$G=1 $F=1 $P=none;$G=1 $F=1 $Q=16 $P=none;$G=1 $F=1 $P=attn;$G=1 $F=1 $P=norm,attn;$G=1 $F=0 $P=norm,rope,attn}"

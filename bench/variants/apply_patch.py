@@ -5,8 +5,8 @@
 
 Each hunk's old lines (context and removals) must occur in the file exactly: they are looked for
 at the hunk's line number first, then nearest to it (earlier patches may have shifted it). A new
-file (`--- /dev/null`) is created. Anything that does not match stops with exit status 1 before
-any file is written. Files are taken to end with a newline (`\ No newline at end of file` is
+file (`--- /dev/null`) is created. A hunk that does not match stops with exit status 1 before any
+file of its patch is written (patches named before it stay applied). Files are taken to end with a newline (`\ No newline at end of file` is
 not supported: the tree's sources all end with one).
 """
 from __future__ import annotations
@@ -57,12 +57,12 @@ def apply(files: List[Tuple[str, bool, List[Hunk]]]) -> Dict[str, str]:
     """The patched text of every file; raises ValueError naming a hunk that does not match."""
     out: Dict[str, str] = {}
     for path, new_file, hunks in files:
-        content = [] if new_file else open(path).read().split("\n")
+        if new_file:                                   # one hunk, every line added
+            out[path] = "\n".join(hunks[0][2] + [""])  # "" : the last line's newline
+            continue
+        content = open(path).read().split("\n")
         offset = 0
         for start, old, new in hunks:
-            if new_file:
-                content = new + [""]                   # the last line's newline
-                continue
             at = find(content, old, start - 1 + offset)
             if at is None:
                 raise ValueError(f"{path}: hunk at line {start} does not match")
