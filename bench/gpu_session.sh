@@ -410,11 +410,13 @@ print(max(runs)[1] if runs else 0)")
       # GPU tests under the patched defaults and again with every small kernel launched with PDL
       # and the q|k|v + rope kernel's other stream plan;
       # then decode_steps at bs 1 and 8 under each setting of $AB_SETTINGS (';'-separated, each a
-      # space-separated list of VAR=VALUE), in $AB_ROUNDS interleaved rounds. The patched build
-      # stays: run this stage last.
-      # (decode-short-no-split.patch is made against the tree with pdl-small-kernels applied;
-      # apply_patch.py because the image may lack `patch` and the copy has no git repository)
-      for patch in ${PATCHES:-graph-context-classes skinny-qkv-rope pdl-small-kernels decode-short-no-split}; do
+      # space-separated list of VAR=VALUE), in $AB_ROUNDS interleaved rounds (~15 s a setting a
+      # round: 10 settings x 2 rounds with the build and tests take ~8 min, so run this stage in
+      # a call of its own, after one that measured main with `build tests decode`). The patched
+      # build stays: run this stage last.
+      # (each patch is made against the tree with the ones before it applied; apply_patch.py
+      # because the image may lack `patch` and the copy has no git repository)
+      for patch in ${PATCHES:-graph-context-classes skinny-qkv-rope pdl-small-kernels decode-short-no-split l2-prefetch-next}; do
         python3 bench/variants/apply_patch.py "bench/variants/$patch.patch" 2>&1 | tee -a "$OUT/patchab.txt"
       done
       rm -rf pysrc/radixserve/_C*.so build/cuda-objects-*
@@ -422,9 +424,12 @@ print(max(runs)[1] if runs else 0)")
       gpu_tests "$OUT/gpu_tests_patched.txt" 3 | tee -a "$OUT/patchab.txt"
       RADIXSERVE_PDL_SMALL=norm,rope,attn RADIXSERVE_QKV_ROPE_PLAN=16 \
         gpu_tests "$OUT/gpu_tests_patched_pdl.txt" 3 | tee -a "$OUT/patchab.txt"
-      F=RADIXSERVE_FUSE_QKV_ROPE; P=RADIXSERVE_PDL_SMALL; Q=RADIXSERVE_QKV_ROPE_PLAN
+      F=RADIXSERVE_FUSE_QKV_ROPE; P=RADIXSERVE_PDL_SMALL; L=RADIXSERVE_L2_PREFETCH
       G=RADIXSERVE_GRAPH_CONTEXT_CLASSES; S=RADIXSERVE_DECODE_NO_SPLIT_TOKENS
-      IFS=';' read -ra settings <<< "${AB_SETTINGS:-$G=0 $S=0 $F=0 $P=none;$G=1 $S=0 $F=0 $P=none;$G=1 $F=0 $P=none;$G=1 $F=1 $P=none;$G=1 $F=1 $Q=16 $P=none;$G=1 $F=1 $P=attn;$G=1 $F=1 $P=norm,attn;$G=1 $F=0 $P=norm,rope,attn}"
+      # 0 all off (main's kernels); then each patch added: 1 graph classes, 2 no split, 3 fused
+      # q|k|v + rope, 4-5 PDL on attention / norms + attention, 6-8 L2 prefetch (default, o only,
+      # half), 9 everything
+      IFS=';' read -ra settings <<< "${AB_SETTINGS:-$G=0 $S=0 $F=0 $P=none $L=0;$G=1 $S=0 $F=0 $P=none $L=0;$G=1 $F=0 $P=none $L=0;$G=1 $F=1 $P=none $L=0;$G=1 $F=1 $P=attn $L=0;$G=1 $F=1 $P=norm,attn $L=0;$G=1 $F=1 $P=none;$G=1 $F=1 $P=none $L=o=32;$G=1 $F=1 $P=none $L=o=16,gu=8,qkv=8;$G=1 $F=1 $P=norm,attn}"
       for r in $(seq "${AB_ROUNDS:-2}"); do
         i=0
         for setting in "${settings[@]}"; do
