@@ -1,7 +1,8 @@
 """The acceptance of `radixserve bench serving` (issue 14): the same command, --backend
 completions, against radixserve and against a stand-in OpenAI-compatible server (the test double
 of tests/unit/test_bench_standin.py) writes JSONL lines with the same keys, SGLang's among them,
-and numbers that add up; the stand-in is asked for no radixserve-only route."""
+and numbers that add up; the stand-in is asked for no radixserve-only route (nor /metrics:
+server_steps is radixserve's alone)."""
 import importlib.util
 import json
 import os
@@ -60,4 +61,11 @@ def test_same_keys_against_radixserve_and_a_stand_in(server, standin, tmp_path):
         assert line["mean_ttft_ms"] > 0 and line["mean_e2e_latency_ms"] >= line["mean_ttft_ms"]
         assert line["output_throughput"] == pytest.approx(
             line["total_output_tokens"] / line["duration"])
+    # radixserve's own step counters over the run (bench/server_steps.py); none from the peer
+    steps = a["server_steps"]
+    assert b["server_steps"] is None
+    assert steps["generation_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+    assert steps["decode_steps"] >= OUTPUT_LEN - 1 and steps["prefill_steps"] >= 1
+    assert steps["decode_device_s"] > 0 and steps["extend_device_s"] > 0
+    assert 0 < steps["device_busy"] < 1.5 and steps["mean_decode_step_ms"] > 0
     server.wait_idle()

@@ -155,3 +155,35 @@ def test_plots_read_results_written_with_the_old_key_names(tmp_path):
                                  for c in (1, 2)]}}
     paths = plots.write_plots(old, str(tmp_path / "old.json"))
     assert [os.path.basename(p) for p in paths] == ["old-throughput.png"]
+
+
+METRICS_TEXT = """# HELP {p}num_decode_steps_total Decode steps run
+# TYPE {p}num_decode_steps counter
+{p}num_decode_steps_total{{model_name="m"}} {decode}
+{p}num_prefill_steps_total{{model_name="m"}} 4.0
+{p}decode_device_seconds_total{{model_name="m"}} {dev}
+{p}extend_device_seconds_total{{model_name="m"}} 0.5
+{p}device_idle_before_decode_seconds_total{{model_name="m"}} 0.25
+{p}device_idle_before_extend_seconds_total{{model_name="m"}} 0.0
+{p}generation_tokens_total{{model_name="m"}} {tokens}
+{p}num_running_reqs{{model_name="m"}} 3.0
+"""
+
+
+@pytest.mark.parametrize("prefix", ["radixserve:", "sglang:"])
+def test_server_steps_are_the_counters_deltas_over_the_run(prefix):
+    from radixserve.bench import server_steps
+    before = server_steps.parse(METRICS_TEXT.format(p=prefix, decode=10.0, dev=1.0, tokens=40.0))
+    after = server_steps.parse(METRICS_TEXT.format(p=prefix, decode=110.0, dev=3.0, tokens=840.0))
+    assert before["decode_steps"] == 10.0 and before["idle_before_decode_s"] == 0.25
+    d = server_steps.over_run(before, after, duration=4.0)
+    assert d["decode_steps"] == 100 and d["prefill_steps"] == 0 and d["generation_tokens"] == 800
+    assert d["decode_device_s"] == pytest.approx(2.0) and d["extend_device_s"] == 0.0
+    assert d["device_busy"] == pytest.approx(0.5)
+    assert d["mean_decode_step_ms"] == pytest.approx(20.0)
+    assert d["tokens_per_decode_step"] == pytest.approx(8.0)
+    # a server without one of the counters (another engine), or a failed scrape: no account
+    partial = "\n".join(line for line in METRICS_TEXT.format(p=prefix, decode=1, dev=1, tokens=1)
+                        .splitlines() if "decode_device" not in line)
+    assert server_steps.parse(partial) is None
+    assert server_steps.over_run(before, None, 4.0) is None

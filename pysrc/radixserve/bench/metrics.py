@@ -80,6 +80,14 @@ def print_metrics(name: str, m: Dict) -> None:
     for what, label in zip(LATENCIES, ("TTFT", "TPOT", "ITL", "E2E Latency")):
         for stat in ("mean", "median", "p90", "p99"):
             rows.append((f"{stat.capitalize()} {label} (ms)", m[f"{stat}_{what}_ms"]))
+    steps = m.get("server_steps")
+    if steps:   # the server's own counters over the run (server_steps.py)
+        rows += [("Server device busy (fraction)", steps["device_busy"]),
+                 ("Server decode steps", steps["decode_steps"]),
+                 ("Server mean decode step (ms)", steps["mean_decode_step_ms"]),
+                 ("Server tokens per decode step", steps["tokens_per_decode_step"]),
+                 ("Server prefill device time (s)", steps["extend_device_s"]),
+                 ("Server idle before decode (s)", steps["idle_before_decode_s"])]
     for label, v in rows:
         print(f"{label:<40}{v:>14.3f}" if isinstance(v, float) else f"{label:<40}{v:>14}")
     for e in m["error_samples"]:

@@ -36,6 +36,9 @@ directory of `radixserve bench presets NAME` with --load-format dummy. --sweep-c
 --output-file X.jsonl appends one JSON line per run (per configuration and concurrency level), as
 SGLang's bench_serving does; any other name (X.json) gets the whole result as one JSON document
 (with per-request TTFT and ITL lists). Either way the PNG plots of plots.py go next to it.
+Against radixserve each run also records "server_steps", the server's own step counters over
+the run (device busy fraction, decode steps and their mean device time, idle before decode
+steps; server_steps.py), which say whether a run was bound by the kernels or by the host loop.
 
 Examples (see bench/README.md):
   radixserve bench serving --port 30000 --dataset random --num-prompts 64 --request-rate 8
@@ -62,7 +65,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import httpx
 from tqdm.asyncio import tqdm
 
-from radixserve.bench import BenchError
+from radixserve.bench import BenchError, server_steps
 from radixserve.bench.backends import BACKENDS, RequestResult, auth_headers, send
 from radixserve.bench.discovery import ServerFacts, discover
 from radixserve.bench.launcher import (LaunchedServer, free_port, radixserve_command,
@@ -149,8 +152,15 @@ class Runner:
 
 async def benchmark_once(args, base_url: str, workload: Workload, facts: ServerFacts,
                          max_concurrency: Optional[int] = None) -> Dict:
-    """Run workload once against base_url; its metrics (summarize)."""
-    return await Runner(args, base_url, facts.model, max_concurrency).run(workload)
+    """Run workload once against base_url; its metrics (summarize), with "server_steps": the
+    server's own step counters over the run (server_steps.py) when it is radixserve, else
+    None."""
+    ours = (facts.info.get("model_card") or {}).get("owned_by") == "radixserve"
+    before = await server_steps.scrape(base_url) if ours else None
+    metrics = await Runner(args, base_url, facts.model, max_concurrency).run(workload)
+    after = await server_steps.scrape(base_url) if before is not None else None
+    metrics["server_steps"] = server_steps.over_run(before, after, metrics["duration"])
+    return metrics
 
 
 async def warm_up(args, base_url: str, facts: ServerFacts, flush: bool) -> None:

@@ -61,6 +61,19 @@ _COUNTERS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "num_decode_steps": (("num_decode_steps_total",), "Decode steps run"),
     "num_retractions": (("num_retractions_total", "num_retracted_requests_total"),
                         "Running requests retracted to the queue for lack of KV slots"),
+    # the device's own time, split by step kind (bench serving reports them over a run)
+    "decode_device_seconds": (("decode_device_seconds_total",),
+                              "Device seconds of decode steps (CUDA events; on the CPU the "
+                              "forward's wall time)"),
+    "extend_device_seconds": (("extend_device_seconds_total",),
+                              "Device seconds of prefill (extend) steps, mixed steps included"),
+    "device_idle_before_decode_seconds": (
+        ("device_idle_before_decode_seconds_total",),
+        "Seconds the device sat idle before a decode step, from the previous step's end "
+        "(time without work counts too; 0 on the CPU)"),
+    "device_idle_before_extend_seconds": (
+        ("device_idle_before_extend_seconds_total",),
+        "Seconds the device sat idle before a prefill step, from the previous step's end"),
 }
 _GAUGES: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "num_running_reqs": (("num_running_reqs",), "Requests running"),

@@ -337,7 +337,11 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
                  num_waiting_reqs=len(self.waiting), token_usage=self.token_usage(),
                  num_used_tokens=self.num_used_tokens(), max_total_tokens=self.kv_pool.num_slots,
                  evictable_tokens=self.cache.evictable_size(),
-                 gen_throughput=self.gen_throughput, gpu_busy_fraction=self.gpu_busy_fraction)
+                 gen_throughput=self.gen_throughput, gpu_busy_fraction=self.gpu_busy_fraction,
+                 decode_device_seconds=self.device_time_by_kind["decode"],
+                 extend_device_seconds=self.device_time_by_kind["extend"],
+                 device_idle_before_decode_seconds=self.device_idle_before_kind["decode"],
+                 device_idle_before_extend_seconds=self.device_idle_before_kind["extend"])
         return m
 
     def check_integrity(self) -> None:

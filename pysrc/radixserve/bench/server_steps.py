@@ -1,0 +1,76 @@
+"""The server's own account of a benchmark run, when the server is radixserve: its step counters
+on GET /metrics (server/metrics.py) scraped before and after the run, as deltas.
+
+    decode_steps, prefill_steps          steps run
+    decode_device_s, extend_device_s     device seconds of each kind (CUDA events)
+    idle_before_decode_s, ..._extend_s   device seconds idle just before a step of each kind
+    generation_tokens                    tokens generated
+    device_busy                          (decode_device_s + extend_device_s) / the run's duration
+    mean_decode_step_ms                  decode_device_s / decode_steps
+    tokens_per_decode_step               generation_tokens / decode_steps (prefill steps also
+                                         sample one token each: a slight overcount)
+
+They say where a serving run's time went on the server: a device busy well below 1 with
+requests waiting, or idle before decode steps, points at the host loop, not the kernels. Only a
+server whose /v1/models card is owned_by radixserve is asked (other servers name these
+counters differently, or not at all); any metric-name prefix (--metrics-prefix) is accepted.
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional
+
+import httpx
+
+from radixserve.bench.backends import auth_headers
+
+# /metrics counter (without its prefix) -> key of the result
+COUNTERS = {
+    "num_decode_steps_total": "decode_steps",
+    "num_prefill_steps_total": "prefill_steps",
+    "decode_device_seconds_total": "decode_device_s",
+    "extend_device_seconds_total": "extend_device_s",
+    "device_idle_before_decode_seconds_total": "idle_before_decode_s",
+    "device_idle_before_extend_seconds_total": "idle_before_extend_s",
+    "generation_tokens_total": "generation_tokens",
+}
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)")
+
+
+def parse(text: str) -> Optional[Dict[str, float]]:
+    """Prometheus exposition text -> {result key: value} for every name in COUNTERS (matched
+    as a suffix, so under any prefix), or None when one is missing."""
+    found: Dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        for name, key in COUNTERS.items():
+            if m.group(1).endswith(name):
+                found[key] = float(m.group(2))
+    return found if len(found) == len(COUNTERS) else None
+
+
+async def scrape(base_url: str) -> Optional[Dict[str, float]]:
+    """parse() of GET base_url/metrics; None when it does not answer 200."""
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.get(base_url + "/metrics", headers=auth_headers())
+    except httpx.HTTPError:
+        return None
+    return parse(r.text) if r.status_code == 200 else None
+
+
+def over_run(before: Optional[Dict[str, float]], after: Optional[Dict[str, float]],
+             duration: float) -> Optional[Dict[str, float]]:
+    """The module doc's deltas of one run of `duration` seconds; None without both scrapes."""
+    if before is None or after is None:
+        return None
+    d = {key: after[key] - before[key] for key in COUNTERS.values()}
+    for key in ("decode_steps", "prefill_steps", "generation_tokens"):
+        d[key] = int(round(d[key]))
+    d["device_busy"] = (d["decode_device_s"] + d["extend_device_s"]) / duration if duration else 0.0
+    steps = d["decode_steps"]
+    d["mean_decode_step_ms"] = 1e3 * d["decode_device_s"] / steps if steps else 0.0
+    d["tokens_per_decode_step"] = d["generation_tokens"] / steps if steps else 0.0
+    return d
