@@ -186,8 +186,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "openai", "httpx",
-                 "matplotlib", "schemathesis", "jsonschema", "nvidia-cuda-cuobjdump", "pyelftools"],
-        "bench": ["httpx", "matplotlib"],
+                 "aiohttp", "matplotlib", "schemathesis", "jsonschema", "nvidia-cuda-cuobjdump",
+                 "pyelftools"],
+        "bench": ["httpx", "aiohttp", "matplotlib"],
         "build": ["pybind11", "ninja", "nvidia-cutlass"],
     },
     entry_points={"console_scripts": ["radixserve=radixserve.cli:main"]},

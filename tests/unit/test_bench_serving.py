@@ -187,3 +187,44 @@ def test_server_steps_are_the_counters_deltas_over_the_run(prefix):
                         .splitlines() if "decode_device" not in line)
     assert server_steps.parse(partial) is None
     assert server_steps.over_run(before, None, 4.0) is None
+
+
+class _Blocks:
+    """A stand-in for an aiohttp response: .content.iter_any() yields the given byte blocks."""
+
+    def __init__(self, blocks):
+        self.content = self
+        self.blocks = blocks
+
+    async def iter_any(self):
+        for b in self.blocks:
+            yield b
+
+
+def _read(blocks, backend="generate"):
+    import asyncio
+    from radixserve.bench import backends
+    res, state = backends.RequestResult(), {}
+    ok = asyncio.run(backends._read(_Blocks(blocks), backends.BACKENDS[backend], res, state,
+                                    start=0.0))
+    return ok, res, state
+
+
+def test_sse_reader_splits_lines_across_blocks_without_a_length_limit():
+    """Events split anywhere across network blocks, one line of 300k cumulative ids (past any
+    reader's line limit), comment and blank lines; chunks that add no ids are not counted."""
+    import orjson
+    events = [{"output_ids": [7]}, {"output_ids": [7]},           # the second adds nothing
+              {"output_ids": list(range(300_000)), "meta_info": {"completion_tokens": 300_000}}]
+    stream = b": comment\n\n" + b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
+    stream += b"data: [DONE]\n\n"
+    blocks = [stream[i:i + 4093] for i in range(0, len(stream), 4093)]
+    ok, res, state = _read(blocks)
+    assert ok and res.num_chunks == 2 and len(res.output_ids) == 300_000 and len(res.itl) == 1
+    assert res.ttft > 0 and state["meta"]["completion_tokens"] == 300_000
+
+
+def test_sse_reader_stops_at_an_error_chunk():
+    ok, res, _ = _read([b'data: {"output_ids": [1]}\n\ndata: {"error": {"message": "boom"}}\n\n',
+                        b'data: {"output_ids": [1, 2]}\n\n'])
+    assert not ok and "boom" in res.error and res.num_chunks == 1

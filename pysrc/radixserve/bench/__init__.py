@@ -7,8 +7,8 @@
     radixserve bench plots ...     redraw the PNG plots of a saved serving result
 
 `radixserve bench --port 30000 ...` (no subcommand) is `radixserve bench serving --port 30000
-...`. Importing this package is cheap: each subcommand's module (httpx, matplotlib, torch) is
-imported when it runs. `python -m radixserve.bench` is the same dispatcher.
+...`. Importing this package is cheap: each subcommand's module (httpx, aiohttp, matplotlib,
+torch) is imported when it runs. `python -m radixserve.bench` is the same dispatcher.
 """
 from __future__ import annotations
 
@@ -58,10 +58,10 @@ def run(name: str, argv: List[str]) -> int:
         print(f"radixserve bench {name}: error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
-        if e.name not in ("httpx", "matplotlib", "transformers"):
+        if e.name not in ("httpx", "aiohttp", "matplotlib", "transformers"):
             raise
         print(f"radixserve bench {name}: error: {e}; pip install 'radixserve[bench]' "
-              f"(httpx, matplotlib)", file=sys.stderr)
+              f"(httpx, aiohttp, matplotlib)", file=sys.stderr)
         return 2
     return 0
 

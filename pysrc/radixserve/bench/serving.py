@@ -66,7 +66,7 @@ import httpx
 from tqdm.asyncio import tqdm
 
 from radixserve.bench import BenchError, server_steps
-from radixserve.bench.backends import BACKENDS, RequestResult, auth_headers, send
+from radixserve.bench.backends import BACKENDS, RequestResult, auth_headers, send, session
 from radixserve.bench.discovery import ServerFacts, discover
 from radixserve.bench.launcher import (LaunchedServer, free_port, radixserve_command,
                                        source_revision, stop_servers_on_sigterm)
@@ -74,6 +74,11 @@ from radixserve.bench.metrics import (finite, pair_ratios, print_metrics, ratio,
                                       to_json)
 from radixserve.bench.workloads import (BenchRequest, Conversation, Workload, add_text,
                                         build_workload, head, size, token_range)
+
+try:                                   # the client's loop: uvloop (backends.session says why)
+    from uvloop import run as run_async
+except ImportError:                    # an older uvloop: the stdlib loop
+    run_async = asyncio.run
 
 __all__ = ["BenchRequest", "Conversation", "RequestResult", "Runner", "summarize", "ratio",
            "pair_ratios", "to_json", "parse_args", "main"]
@@ -92,7 +97,8 @@ class Runner:
         limit = max_concurrency or args.max_concurrency
         self.sem = asyncio.Semaphore(limit) if limit else None
 
-    async def send(self, client: httpx.AsyncClient, req: BenchRequest) -> RequestResult:
+    async def send(self, client, req: BenchRequest) -> RequestResult:
+        """req through client (self.client()), within the concurrency limit."""
         call = send(client, self.base_url, self.args.backend, req, self.model,
                     not self.args.disable_ignore_eos)
         if self.sem is None:
@@ -107,10 +113,9 @@ class Runner:
             if math.isfinite(self.args.request_rate) and i + 1 < n:
                 await asyncio.sleep(rng.expovariate(self.args.request_rate))
 
-    def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(timeout=httpx.Timeout(self.args.request_timeout),
-                                 limits=httpx.Limits(max_connections=None,
-                                                     max_keepalive_connections=None))
+    def client(self):
+        """The streaming session (backends.session) of one run."""
+        return session(self.args.request_timeout)
 
     async def run(self, workload: Workload) -> Dict:
         """Send workload once (a tqdm bar unless --disable-tqdm); its metrics (summarize)."""
@@ -209,8 +214,8 @@ def run_sweep(args, base_url: str, workload: Workload, facts: ServerFacts,
         n = min(total, c * args.sweep_prompts_per_concurrency) \
             if args.sweep_prompts_per_concurrency else total
         if flush:
-            asyncio.run(flush_cache(base_url))
-        m = asyncio.run(benchmark_once(args, base_url, head(workload, n), facts,
+            run_async(flush_cache(base_url))
+        m = run_async(benchmark_once(args, base_url, head(workload, n), facts,
                                        max_concurrency=c))
         points.append({"max_concurrency": c, "num_requests": n, **m})
         print(f"{c:>11} {n:>9} {m['output_throughput']:>11.1f} "
@@ -229,15 +234,15 @@ def _workload(args, facts: ServerFacts, token_limit: Optional[int] = None) -> Wo
 def run_running(args) -> Dict:
     """Against the server at --base-url (or --host/--port): {"server", "metrics" | "sweep"}."""
     base_url = args.base_url or f"http://{args.host}:{args.port}"
-    facts = asyncio.run(discover(base_url, args))
+    facts = run_async(discover(base_url, args))
     workload = _workload(args, facts)
     flush = wants_flush(args, launched=False)
-    asyncio.run(warm_up(args, base_url, facts, flush))
+    run_async(warm_up(args, base_url, facts, flush))
     out: Dict = {"server": facts.record()}
     if args.sweep_concurrency:
         out["sweep"] = {"default": run_sweep(args, base_url, workload, facts, flush)}
     else:
-        out["metrics"] = asyncio.run(benchmark_once(args, base_url, workload, facts))
+        out["metrics"] = run_async(benchmark_once(args, base_url, workload, facts))
         print_metrics(args.dataset, out["metrics"])
     return out
 
@@ -285,16 +290,16 @@ class ConfigRun(NamedTuple):
 def _run_config(args, server: LaunchedServer, workload: Optional[Workload],
                 token_limit: Optional[int], server_args: List[str]) -> ConfigRun:
     """One launched server: warm-up, then the run or the sweep."""
-    facts = asyncio.run(discover(server.base_url, args))
+    facts = run_async(discover(server.base_url, args))
     workload = workload if workload is not None else _workload(args, facts, token_limit)
     flush = wants_flush(args, launched=True)
-    asyncio.run(warm_up(args, server.base_url, facts, flush))
+    run_async(warm_up(args, server.base_url, facts, flush))
     if args.sweep_concurrency:
         points = run_sweep(args, server.base_url, workload, facts, flush)
         for point in points:
             point["server_args"] = server_args
         return ConfigRun(facts, workload, points)
-    metrics = asyncio.run(benchmark_once(args, server.base_url, workload, facts))
+    metrics = run_async(benchmark_once(args, server.base_url, workload, facts))
     metrics["server_args"] = server_args
     return ConfigRun(facts, workload, metrics)
 
