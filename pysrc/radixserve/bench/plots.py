@@ -104,16 +104,23 @@ def plot_latency_cdfs(result: Dict, path: str, concurrency: Optional[int] = None
         raise ValueError("the result has no per-request TTFT/ITL lists (metrics['per_request'])")
     plt = _pyplot()
     fig, (ax_ttft, ax_itl) = plt.subplots(1, 2, figsize=(11, 4.5))
+    lowest = {ax_ttft: float("inf"), ax_itl: float("inf")}
     for config, m in series.items():
         per = m["per_request"]
         _cdf(ax_ttft, per["ttft_ms"], _label(config))
+        lowest[ax_ttft] = min(lowest[ax_ttft], *per["ttft_ms"])
         itl = [x for gaps in per["itl_ms"] for x in gaps]
         if itl:
             _cdf(ax_itl, itl, _label(config))
+            lowest[ax_itl] = min(lowest[ax_itl], *itl)
     for ax, what in ((ax_ttft, "time to first token (ms)"), (ax_itl, "inter-token latency (ms)")):
         ax.set_xlabel(what)
         ax.set_ylabel("fraction")
-        ax.set_xscale("log")
+        # chunks that arrive in one read have a gap of 0 ms: linear below 0.1 ms, then log
+        if lowest[ax] > 0:
+            ax.set_xscale("log")
+        else:
+            ax.set_xscale("symlog", linthresh=0.1)
         ax.set_ylim(0, 1.01)
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=8, loc="lower right")
