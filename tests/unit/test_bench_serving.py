@@ -210,14 +210,17 @@ def _read(blocks, backend="generate"):
     return ok, res, state
 
 
-def test_sse_reader_splits_lines_across_blocks_without_a_length_limit():
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n"])
+def test_sse_reader_splits_lines_across_blocks_without_a_length_limit(eol):
     """Events split anywhere across network blocks, one line of 300k cumulative ids (past any
-    reader's line limit), comment and blank lines; chunks that add no ids are not counted."""
+    reader's line limit), comment and blank lines, LF or CRLF line ends; chunks that add no ids
+    are not counted."""
     import orjson
     events = [{"output_ids": [7]}, {"output_ids": [7]},           # the second adds nothing
               {"output_ids": list(range(300_000)), "meta_info": {"completion_tokens": 300_000}}]
-    stream = b": comment\n\n" + b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
-    stream += b"data: [DONE]\n\n"
+    stream = b": comment" + eol + eol
+    stream += b"".join(b"data: " + orjson.dumps(e) + eol + eol for e in events)
+    stream += b"data: [DONE]" + eol + eol
     blocks = [stream[i:i + 4093] for i in range(0, len(stream), 4093)]
     ok, res, state = _read(blocks)
     assert ok and res.num_chunks == 2 and len(res.output_ids) == 300_000 and len(res.itl) == 1
