@@ -121,6 +121,13 @@ for stage in "$@"; do
         --random-input-len 1024 --random-output-len 1024 --num-prompts 200 --request-rate 16 \
         --server-log-dir "$OUT/serving-logs" --output-file "$OUT/serving-h200.json" 2>&1 \
         | tee "$OUT/serving.txt" | tail -40 ;;
+    servab)
+      # the server's step orders on the serving workload above (--compare schedule: alternate,
+      # --enable-mixed-chunk, --step-order prefill-first), with each run's server_steps; ~5 min
+      python3 bench/serving.py --preset llama-3.1-8b --compare schedule --dataset random \
+        --random-input-len 1024 --random-output-len 1024 --num-prompts 200 --request-rate 16 \
+        --server-log-dir "$OUT/servab-logs" --output-file "$OUT/servab-h200.json" 2>&1 \
+        | tee "$OUT/servab.txt" | grep -E "^---|Output token|TTFT|TPOT|Server" ;;
     offline8b)
       python3 bench/offline.py --device cuda --preset llama-3.1-8b --num-prompts 256 \
         --input-len 1024 --output-len 256 --hf-mode generate_batch \

@@ -21,6 +21,11 @@ def test_compare_takes_a_value_and_stays_backwards_compatible():
     assert serving.parse_args(["--compare", "--dataset", "random"]).compare == "radix"
     a = serving.parse_args(["--compare", "overlap"])
     assert a.compare == "overlap" and a.launch
+    # every ratio of every set names two of the set's configurations
+    for name, pairs in serving.COMPARE_PAIRS.items():
+        configs = [c for c, _ in serving.COMPARE_SETS[name]]
+        assert all(this in configs and peer in configs for _, this, peer in pairs), name
+    assert serving.parse_args(["--compare", "schedule"]).compare == "schedule"
     assert serving.parse_args([]).compare is None and not serving.parse_args([]).launch
     with pytest.raises(SystemExit):
         serving.parse_args(["--compare", "bogus"])

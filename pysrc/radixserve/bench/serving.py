@@ -29,7 +29,9 @@ route); --no-flush-cache turns it off.
 one configuration after another), runs the same workload against each, and reports throughput and
 mean TTFT / ITL ratios from that one run. NAME radix (the default): radix cache + fcfs,
 --disable-radix-cache, radix cache + lpm; NAME overlap: overlap scheduling,
---disable-overlap-schedule. --launch does the same for one server; --preset NAME serves the model
+--disable-overlap-schedule; NAME schedule: the server's step order (one prefill step, one
+decode step), --enable-mixed-chunk (decodes ride in the prefill's forward), --step-order
+prefill-first (SGLang's order). --launch does the same for one server; --preset NAME serves the model
 directory of `radixserve bench presets NAME` with --load-format dummy. --sweep-concurrency
 1,2,4,... runs the workload at each max-concurrency.
 
@@ -256,12 +258,17 @@ COMPARE_SETS: Dict[str, List[Tuple[str, List[str]]]] = {
               ("radix-lpm", ["--schedule-policy", "lpm"])],
     "overlap": [("overlap", []),
                 ("no-overlap", ["--disable-overlap-schedule"])],
+    "schedule": [("alternate", []),
+                 ("mixed-chunk", ["--enable-mixed-chunk"]),
+                 ("prefill-first", ["--step-order", "prefill-first"])],
 }
 # ... and the ratios reported: (name, this configuration, its peer)
 COMPARE_PAIRS: Dict[str, List[Tuple[str, str, str]]] = {
     "radix": [("radix_over_no_radix", "radix-fcfs", "no-radix-fcfs"),
               ("lpm_over_fcfs", "radix-lpm", "radix-fcfs")],
     "overlap": [("overlap_over_no_overlap", "overlap", "no-overlap")],
+    "schedule": [("mixed_chunk_over_alternate", "mixed-chunk", "alternate"),
+                 ("prefill_first_over_alternate", "prefill-first", "alternate")],
 }
 # kept for callers of the old module-level name
 COMPARE_CONFIGS = COMPARE_SETS["radix"]
