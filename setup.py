@@ -174,6 +174,7 @@ setup(
         "jinja2",
         "starlette",
         "uvicorn",
+        "httptools",       # uvicorn's HTTP parser when installed (server/app.py says why)
         "uvloop",
         "xgrammar",
         "prometheus_client",

@@ -118,6 +118,9 @@ def serve(server_args: ServerArgs) -> int:
     engine = AsyncEngine(server_args)
     app = create_app(engine)
     _log_door(server_args, app.state.door_policy)
+    # http "auto" is httptools (a dependency) where it imports, else h11: with httptools the
+    # loop spends ~8% less time per streamed token (2-core CPU, 128 streams: 52.9 against
+    # 57.4 us of loop-thread CPU per token), time the steps share with every stream
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, loop="uvloop",
         log_level=server_args.log_level, access_log=server_args.log_level == "debug",
