@@ -123,10 +123,11 @@ def session(timeout: float) -> aiohttp.ClientSession:
     semaphore is the concurrency limit), `timeout` seconds to connect and between reads.
 
     aiohttp, as SGLang's bench_serving uses, and not httpx: at ~10k streamed chunks a second
-    the client's own CPU is the limit, and per chunk httpx's stack (httpcore, anyio, h11) took
-    ~120 us of it against ~32 us for aiohttp on uvloop with orjson (2-core CPU, 128 streams,
-    /generate; the cumulative output ids SGLang's native route sends make each chunk grow with
-    the output, so stdlib json would cost more the longer the run)."""
+    the client's own CPU is the limit. Per chunk the whole client took ~117 us of CPU with
+    httpx's stack (httpcore, anyio, h11) and stdlib json, ~35 us with aiohttp on uvloop and
+    orjson (2-core CPU, 128 streams of 256 tokens over /generate: bench/README.md). The
+    cumulative output ids SGLang's native route sends make a chunk grow with the output, so
+    the parser's speed matters more the longer the outputs."""
     return aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout),
         connector=aiohttp.TCPConnector(limit=0))

@@ -31,9 +31,9 @@ mean TTFT / ITL ratios from that one run. NAME radix (the default): radix cache 
 --disable-radix-cache, radix cache + lpm; NAME overlap: overlap scheduling,
 --disable-overlap-schedule; NAME schedule: the server's step order (one prefill step, one
 decode step), --enable-mixed-chunk (decodes ride in the prefill's forward), --step-order
-prefill-first (SGLang's order). --launch does the same for one server; --preset NAME serves the model
-directory of `radixserve bench presets NAME` with --load-format dummy. --sweep-concurrency
-1,2,4,... runs the workload at each max-concurrency.
+prefill-first (SGLang's order). --launch does the same for one server; --preset NAME serves
+the model directory of `radixserve bench presets NAME` with --load-format dummy.
+--sweep-concurrency 1,2,4,... runs the workload at each max-concurrency.
 
 --output-file X.jsonl appends one JSON line per run (per configuration and concurrency level), as
 SGLang's bench_serving does; any other name (X.json) gets the whole result as one JSON document
@@ -218,7 +218,7 @@ def run_sweep(args, base_url: str, workload: Workload, facts: ServerFacts,
         if flush:
             run_async(flush_cache(base_url))
         m = run_async(benchmark_once(args, base_url, head(workload, n), facts,
-                                       max_concurrency=c))
+                                     max_concurrency=c))
         points.append({"max_concurrency": c, "num_requests": n, **m})
         print(f"{c:>11} {n:>9} {m['output_throughput']:>11.1f} "
               f"{m['mean_ttft_ms']:>13.1f} {m['mean_itl_ms']:>12.2f} {m['failed']:>7}")
