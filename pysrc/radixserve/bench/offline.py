@@ -28,6 +28,8 @@ import time
 import radixserve  # noqa: F401  (before torch: sets the process's OpenMP wait policy, for both sides)
 import torch
 
+from radixserve.bench import server_steps
+
 
 def make_prompts(num: int, length: int, vocab: int, seed: int):
     rng = random.Random(seed)
@@ -36,15 +38,10 @@ def make_prompts(num: int, length: int, vocab: int, seed: int):
 
 
 def _step_totals(sched) -> dict:
-    """The scheduler's running totals that say where the engine's time went: device seconds of
-    decode steps and of extend (prefill) steps, the device's idle seconds just before each kind
-    (CUDA), and how many of each ran."""
-    return {"decode_device_s": sched.device_time_by_kind["decode"],
-            "extend_device_s": sched.device_time_by_kind["extend"],
-            "idle_before_decode_s": sched.device_idle_before_kind["decode"],
-            "idle_before_extend_s": sched.device_idle_before_kind["extend"],
-            "decode_steps": sched.counters["num_decode_steps"],
-            "prefill_steps": sched.counters["num_prefill_steps"]}
+    """The scheduler's running totals that say where the engine's time went (server_steps's
+    keys: device seconds of decode and of extend (prefill) steps, the device's idle seconds
+    just before each kind (CUDA), how many of each ran, tokens generated)."""
+    return server_steps.engine_totals(sched.metrics())
 
 
 def run_engine(args, prompts):

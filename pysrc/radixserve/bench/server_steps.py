@@ -17,42 +17,48 @@ counters differently, or not at all); any metric-name prefix (--metrics-prefix) 
 """
 from __future__ import annotations
 
-import re
 from typing import Dict, Optional
 
-import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.bench.backends import auth_headers
-
-# /metrics counter (without its prefix) -> key of the result
-COUNTERS = {
-    "num_decode_steps_total": "decode_steps",
-    "num_prefill_steps_total": "prefill_steps",
-    "decode_device_seconds_total": "decode_device_s",
-    "extend_device_seconds_total": "extend_device_s",
-    "device_idle_before_decode_seconds_total": "idle_before_decode_s",
-    "device_idle_before_extend_seconds_total": "idle_before_extend_s",
-    "generation_tokens_total": "generation_tokens",
+# engine.metrics() key (the scheduler's running totals) -> key of the result. /metrics exposes
+# each as the counter `<prefix><key>_total` (server/metrics.py); bench offline reads them from
+# the engine in-process.
+ENGINE_KEYS = {
+    "num_decode_steps": "decode_steps",
+    "num_prefill_steps": "prefill_steps",
+    "decode_device_seconds": "decode_device_s",
+    "extend_device_seconds": "extend_device_s",
+    "device_idle_before_decode_seconds": "idle_before_decode_s",
+    "device_idle_before_extend_seconds": "idle_before_extend_s",
+    "generation_tokens": "generation_tokens",
 }
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)")
+
+
+def engine_totals(metrics: Dict[str, float]) -> Dict[str, float]:
+    """engine.metrics() -> {result key: total} (the running totals a run's deltas come from)."""
+    return {key: metrics[name] for name, key in ENGINE_KEYS.items()}
 
 
 def parse(text: str) -> Optional[Dict[str, float]]:
-    """Prometheus exposition text -> {result key: value} for every name in COUNTERS (matched
-    as a suffix, so under any prefix), or None when one is missing."""
+    """Prometheus exposition text -> {result key: value} for every counter of ENGINE_KEYS
+    (matched as a name suffix, so under any prefix), or None when one is missing."""
+    wanted = {name + "_total": key for name, key in ENGINE_KEYS.items()}
     found: Dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or line.startswith("#"):
-            continue
-        for name, key in COUNTERS.items():
-            if m.group(1).endswith(name):
-                found[key] = float(m.group(2))
-    return found if len(found) == len(COUNTERS) else None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for name, key in wanted.items():
+                if sample.name.endswith(name):
+                    found[key] = sample.value
+    return found if len(found) == len(wanted) else None
 
 
 async def scrape(base_url: str) -> Optional[Dict[str, float]]:
-    """parse() of GET base_url/metrics; None when it does not answer 200."""
+    """parse() of GET base_url/metrics; None when it does not answer 200. (The HTTP client is
+    imported here: bench offline uses this module's other parts without one.)"""
+    import httpx
+
+    from radixserve.bench.backends import auth_headers
     try:
         async with httpx.AsyncClient(timeout=30) as client:
             r = await client.get(base_url + "/metrics", headers=auth_headers())
@@ -66,7 +72,7 @@ def over_run(before: Optional[Dict[str, float]], after: Optional[Dict[str, float
     """The module doc's deltas of one run of `duration` seconds; None without both scrapes."""
     if before is None or after is None:
         return None
-    d = {key: after[key] - before[key] for key in COUNTERS.values()}
+    d = {key: after[key] - before[key] for key in ENGINE_KEYS.values()}
     for key in ("decode_steps", "prefill_steps", "generation_tokens"):
         d[key] = int(round(d[key]))
     d["device_busy"] = (d["decode_device_s"] + d["extend_device_s"]) / duration if duration else 0.0
