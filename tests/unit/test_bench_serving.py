@@ -171,6 +171,7 @@ METRICS_TEXT = """# HELP {p}num_decode_steps_total Decode steps run
 {p}device_idle_before_decode_seconds_total{{model_name="m"}} 0.25
 {p}device_idle_before_extend_seconds_total{{model_name="m"}} 0.0
 {p}generation_tokens_total{{model_name="m"}} {tokens}
+{p}loop_thread_cpu_seconds_total{{model_name="m"}} {loop}
 {p}num_running_reqs{{model_name="m"}} 3.0
 """
 
@@ -178,8 +179,10 @@ METRICS_TEXT = """# HELP {p}num_decode_steps_total Decode steps run
 @pytest.mark.parametrize("prefix", ["radixserve:", "sglang:"])
 def test_server_steps_are_the_counters_deltas_over_the_run(prefix):
     from radixserve.bench import server_steps
-    before = server_steps.parse(METRICS_TEXT.format(p=prefix, decode=10.0, dev=1.0, tokens=40.0))
-    after = server_steps.parse(METRICS_TEXT.format(p=prefix, decode=110.0, dev=3.0, tokens=840.0))
+    before = server_steps.parse(METRICS_TEXT.format(p=prefix, decode=10.0, dev=1.0, tokens=40.0,
+                                                    loop=7.0))
+    after = server_steps.parse(METRICS_TEXT.format(p=prefix, decode=110.0, dev=3.0, tokens=840.0,
+                                                   loop=7.04))
     assert before["decode_steps"] == 10.0 and before["idle_before_decode_s"] == 0.25
     d = server_steps.over_run(before, after, duration=4.0)
     assert d["decode_steps"] == 100 and d["prefill_steps"] == 0 and d["generation_tokens"] == 800
@@ -187,8 +190,18 @@ def test_server_steps_are_the_counters_deltas_over_the_run(prefix):
     assert d["device_busy"] == pytest.approx(0.5)
     assert d["mean_decode_step_ms"] == pytest.approx(20.0)
     assert d["tokens_per_decode_step"] == pytest.approx(8.0)
+    assert d["loop_cpu_s"] == pytest.approx(0.04) and "forward_cpu_s" not in d
+    assert d["loop_cpu_us_per_token"] == pytest.approx(50.0)
+    # the host counters are optional: without them the account has the rest
+    no_host = "\n".join(line for line in METRICS_TEXT.format(p=prefix, decode=1, dev=1, tokens=1,
+                                                             loop=1).splitlines()
+                        if "loop_thread" not in line)
+    assert "loop_cpu_s" not in server_steps.parse(no_host)
+    assert "loop_cpu_us_per_token" not in server_steps.over_run(server_steps.parse(no_host),
+                                                                after, 4.0)
     # a server without one of the counters (another engine), or a failed scrape: no account
-    partial = "\n".join(line for line in METRICS_TEXT.format(p=prefix, decode=1, dev=1, tokens=1)
+    partial = "\n".join(line for line in METRICS_TEXT.format(p=prefix, decode=1, dev=1, tokens=1,
+                                                             loop=1)
                         .splitlines() if "decode_device" not in line)
     assert server_steps.parse(partial) is None
     assert server_steps.over_run(before, None, 4.0) is None

@@ -88,6 +88,8 @@ def print_metrics(name: str, m: Dict) -> None:
                  ("Server tokens per decode step", steps["tokens_per_decode_step"]),
                  ("Server prefill device time (s)", steps["extend_device_s"]),
                  ("Server idle before decode (s)", steps["idle_before_decode_s"])]
+        if "loop_cpu_us_per_token" in steps:
+            rows.append(("Server loop CPU per token (us)", steps["loop_cpu_us_per_token"]))
     for label, v in rows:
         print(f"{label:<40}{v:>14.3f}" if isinstance(v, float) else f"{label:<40}{v:>14}")
     for e in m["error_samples"]:

@@ -9,6 +9,11 @@ on GET /metrics (server/metrics.py) scraped before and after the run, as deltas.
     mean_decode_step_ms                  decode_device_s / decode_steps
     tokens_per_decode_step               generation_tokens / decode_steps (prefill steps also
                                          sample one token each: a slight overcount)
+    loop_cpu_s, forward_cpu_s            CPU seconds of the server's loop thread and forward
+                                         worker (only from a server that reports them)
+    loop_cpu_us_per_token                loop_cpu_s per generated token, in microseconds: the
+                                         host's per-token cost (HTTP, detokenizing, streaming,
+                                         scheduling), which bounds a fast device's throughput
 
 They say where a serving run's time went on the server: a device busy well below 1 with
 requests waiting, or idle before decode steps, points at the host loop, not the kernels. Only a
@@ -33,6 +38,11 @@ ENGINE_KEYS = {
     "device_idle_before_extend_seconds": "idle_before_extend_s",
     "generation_tokens": "generation_tokens",
 }
+# Reported alongside when the server has them (AsyncEngine on Linux; not the offline scheduler).
+HOST_KEYS = {
+    "loop_thread_cpu_seconds": "loop_cpu_s",
+    "forward_thread_cpu_seconds": "forward_cpu_s",
+}
 
 
 def engine_totals(metrics: Dict[str, float]) -> Dict[str, float]:
@@ -42,15 +52,16 @@ def engine_totals(metrics: Dict[str, float]) -> Dict[str, float]:
 
 def parse(text: str) -> Optional[Dict[str, float]]:
     """Prometheus exposition text -> {result key: value} for every counter of ENGINE_KEYS
-    (matched as a name suffix, so under any prefix), or None when one is missing."""
-    wanted = {name + "_total": key for name, key in ENGINE_KEYS.items()}
+    (matched as a name suffix, so under any prefix), or None when one is missing; HOST_KEYS'
+    counters are added where present."""
+    wanted = {name + "_total": key for name, key in {**ENGINE_KEYS, **HOST_KEYS}.items()}
     found: Dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             for name, key in wanted.items():
                 if sample.name.endswith(name):
                     found[key] = sample.value
-    return found if len(found) == len(wanted) else None
+    return found if all(key in found for key in ENGINE_KEYS.values()) else None
 
 
 async def scrape(base_url: str) -> Optional[Dict[str, float]]:
@@ -79,4 +90,9 @@ def over_run(before: Optional[Dict[str, float]], after: Optional[Dict[str, float
     steps = d["decode_steps"]
     d["mean_decode_step_ms"] = 1e3 * d["decode_device_s"] / steps if steps else 0.0
     d["tokens_per_decode_step"] = d["generation_tokens"] / steps if steps else 0.0
+    for key in HOST_KEYS.values():
+        if key in before and key in after:
+            d[key] = after[key] - before[key]
+    if "loop_cpu_s" in d and d["generation_tokens"]:
+        d["loop_cpu_us_per_token"] = 1e6 * d["loop_cpu_s"] / d["generation_tokens"]
     return d

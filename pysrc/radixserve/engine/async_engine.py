@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import logging
 import os
+import threading
 from typing import Any, AsyncIterator, Callable, Dict, Optional
 
 from radixserve.config import ModelConfig, ServerArgs
@@ -28,6 +29,7 @@ from radixserve.constrained import GrammarBackend
 from radixserve.engine.io import EngineOverloaded, GenerateOutput, GenerateReqInput, RequestError
 from radixserve.engine.req import Req
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.thread_cpu import ThreadCPU
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,7 @@ class AsyncEngine:
         self._gc_thresholds: Optional[tuple] = None   # set by start(): restored at shutdown
         self._stopping = False
         self._loop_error: Optional[BaseException] = None
+        self._thread_cpu = ThreadCPU()      # loop thread and forward worker, while started
 
     def _make_detokenizer(self, req: Req):
         from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -134,6 +137,9 @@ class AsyncEngine:
             max_workers=1, thread_name_prefix="radixserve-wait")
         self._wakeup = asyncio.Event()
         self._stopping = False
+        self._thread_cpu.add_current("loop_thread_cpu_seconds")
+        self._thread_cpu.add("forward_thread_cpu_seconds",
+                             self._executor.submit(threading.get_ident).result())
         self._task = asyncio.get_running_loop().create_task(self._run_loop(),
                                                             name="radixserve-scheduler")
         self._gc_thresholds = freeze_startup_objects()
@@ -169,6 +175,7 @@ class AsyncEngine:
         except BaseException:   # the loop's own error was logged already
             pass
         self._task = None
+        self._thread_cpu.forget()
         self._executor.shutdown(wait=True)
         self._waiter.shutdown(wait=True)
         self._executor = self._waiter = None
@@ -387,7 +394,12 @@ class AsyncEngine:
         }
 
     def metrics(self) -> Dict[str, Any]:
-        return self.scheduler.metrics()
+        """The scheduler's totals and gauges, plus the CPU seconds of the loop thread and the
+        forward worker (`loop_thread_cpu_seconds`, `forward_thread_cpu_seconds`; while started,
+        on Linux)."""
+        m = self.scheduler.metrics()
+        m.update(self._thread_cpu.seconds())
+        return m
 
     @property
     def loop_error(self) -> Optional[BaseException]:

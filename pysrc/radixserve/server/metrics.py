@@ -74,6 +74,13 @@ _COUNTERS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "device_idle_before_extend_seconds": (
         ("device_idle_before_extend_seconds_total",),
         "Seconds the device sat idle before a prefill step, from the previous step's end"),
+    # host CPU of the engine's two busy threads (engine/thread_cpu.py)
+    "loop_thread_cpu_seconds": (("loop_thread_cpu_seconds_total",),
+                                "CPU seconds of the event-loop thread (HTTP, scheduling, "
+                                "detokenizing, streaming)"),
+    "forward_thread_cpu_seconds": (("forward_thread_cpu_seconds_total",),
+                                   "CPU seconds of the forward worker thread (step launches; "
+                                   "on the CPU the forward itself)"),
 }
 _GAUGES: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "num_running_reqs": (("num_running_reqs",), "Requests running"),
