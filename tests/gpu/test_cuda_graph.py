@@ -1,7 +1,7 @@
 """Decode as CUDA graphs (model/cuda_graph_runner.py) against the eager forward.
 
 A ModelRunner on a random-weight Llama (load_format dummy, weights rescaled so logits are O(1)),
-bf16 and fp16, head_dim 64 and 128, GQA 2: requests are prefilled eagerly, then one decode
+bf16 and fp16, head_dim 64 and 128, GQA 2, and a Qwen3 (q/k norms) in bf16: requests are prefilled eagerly, then one decode
 batch runs eagerly and through the graph of its bucket (which also runs the decode prologue:
 table writes, kv indices, input ids read from the runner's next_ids). The logits must agree
 (the only difference is the decode kernel's split count, fixed by the graph's KV capacity), a
@@ -23,10 +23,10 @@ from radixserve.model.forward_batch import ForwardBatch, ForwardMode
 pytestmark = requires_kernels
 
 
-def _model_dir(tmp_path_factory, head_dim: int) -> str:
-    path = tmp_path_factory.mktemp(f"llama_d{head_dim}")
+def _model_dir(tmp_path_factory, head_dim: int, arch: str = "LlamaForCausalLM") -> str:
+    path = tmp_path_factory.mktemp(f"{arch}_d{head_dim}")
     heads = 4
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
+    cfg = {"architectures": [arch], "model_type": "llama", "vocab_size": 1000,
            "hidden_size": heads * head_dim, "intermediate_size": 384, "num_hidden_layers": 2,
            "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": head_dim,
            "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
@@ -35,13 +35,15 @@ def _model_dir(tmp_path_factory, head_dim: int) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module", params=[(torch.bfloat16, 64), (torch.float16, 128)],
-                ids=["bf16_d64", "fp16_d128"])
+@pytest.fixture(scope="module", params=[(torch.bfloat16, 64, "LlamaForCausalLM"),
+                                        (torch.float16, 128, "LlamaForCausalLM"),
+                                        (torch.bfloat16, 128, "Qwen3ForCausalLM")],
+                ids=["bf16_d64", "fp16_d128", "qwen3_bf16_d128"])
 def runner(request, tmp_path_factory):
     from radixserve.model.runner import ModelRunner
 
-    dtype, head_dim = request.param
-    path = _model_dir(tmp_path_factory, head_dim)
+    dtype, head_dim, arch = request.param
+    path = _model_dir(tmp_path_factory, head_dim, arch)
     args = ServerArgs(model_path=path, load_format="dummy", device="cuda",
                       dtype="bfloat16" if dtype == torch.bfloat16 else "float16",
                       max_total_tokens=6000, max_running_requests=32, cuda_graph_max_bs=24)

@@ -19,6 +19,7 @@ EXPECTED = {
     "llama-3.1-8b": (128256, 128000, 128009, False),
     "llama-3.2-1b": (128256, 128000, 128009, True),
     "qwen2.5-7b": (152064, 151643, 151645, False),
+    "qwen3-8b": (151936, 151643, 151645, False),
     "smollm2-135m": (49152, 1, 2, True),
 }
 
@@ -71,6 +72,9 @@ def test_llama3_special_ids_and_rope(built):
     qwen = Tokenizer.from_path(built["qwen2.5-7b"])
     assert qwen.encode("<|im_end|>", add_special_tokens=False) == [151645]
     assert qwen.encode("x") == qwen.encode("x", add_special_tokens=False)   # no BOS for Qwen
+    qwen3 = Tokenizer.from_path(built["qwen3-8b"])
+    assert qwen3.encode("<think>", add_special_tokens=False) == [151667]
+    assert ModelConfig.from_path(built["qwen3-8b"]).architecture == "Qwen3ForCausalLM"
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

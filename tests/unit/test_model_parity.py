@@ -3,8 +3,9 @@
 (a) The default model (SmolLM2-135M-Instruct): greedy decoding of 8 chat prompts x 48 tokens,
     all 8 run as ONE batch through our ForwardBatch path (batched prefill, batched decode), equals
     HF generate(do_sample=False) run per prompt on the GGUF; prefill logits close to HF's.
-(b) Tiny random Llama (llama3 rope scaling, GQA), Qwen2 (qkv bias, tied embeddings) and Mistral
-    (head_dim != hidden / heads) checkpoints written by transformers and read by our loader:
+(b) Tiny random Llama (llama3 rope scaling, GQA), Qwen2 (qkv bias, tied embeddings), Mistral
+    (head_dim != hidden / heads) and Qwen3 (per-head q/k norms, head_dim != hidden / heads)
+    checkpoints written by transformers and read by our loader:
     logits within 1e-4 for a 2-request prefill of different lengths, a chunked prefill (second
     extend over a cached prefix) and decode steps.
 (c) The default model in bf16 on the CPU (torch references) against itself in fp32, teacher
@@ -190,7 +191,19 @@ def _tiny_mistral():
     return MistralForCausalLM(cfg)
 
 
-TINY = {"llama3": _tiny_llama, "qwen2": _tiny_qwen2, "mistral": _tiny_mistral}
+def _tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # head_dim 32 is not hidden / heads (16), as in Qwen3-0.6B (1024 / 16 heads, head_dim 128)
+    cfg = Qwen3Config(vocab_size=103, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      max_position_embeddings=256, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                      rope_theta=1000000.0)
+    return Qwen3ForCausalLM(cfg)
+
+
+TINY = {"llama3": _tiny_llama, "qwen2": _tiny_qwen2, "mistral": _tiny_mistral,
+        "qwen3": _tiny_qwen3}
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))

@@ -60,6 +60,12 @@ def _qwen2_specials() -> List[str]:
             "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
 
 
+def _qwen3_specials() -> List[str]:
+    """Qwen3's 26 added tokens, in id order from 151643: Qwen2.5's and the tool-response and
+    thinking tags."""
+    return _qwen2_specials() + ["<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
 def _smollm2_specials() -> List[str]:
     """SmolLM2's 17 special tokens, ids 0..16."""
     return ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>",
@@ -138,6 +144,23 @@ PRESETS: Dict[str, Preset] = {
                     "pad_token_id": 151643, "do_sample": True, "temperature": 0.7,
                     "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
         num_params=7_615_616_512),
+    "qwen3-8b": Preset(
+        hf_name="Qwen/Qwen3-8B",
+        config={"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
+                "initializer_range": 0.02, "hidden_size": 4096, "intermediate_size": 12288,
+                "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+                "max_window_layers": 36, "rms_norm_eps": 1e-06, "rope_theta": 1000000,
+                "rope_scaling": None, "sliding_window": None, "use_sliding_window": False,
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+                "bos_token_id": 151643, "eos_token_id": 151645},
+        special_tokens=_qwen3_specials(), special_start=151643,
+        bos_token=None, eos_token="<|im_end|>", chat_template=CHATML_TEMPLATE, add_bos=False,
+        generation={"bos_token_id": 151643, "eos_token_id": [151645, 151643],
+                    "pad_token_id": 151643, "do_sample": True, "temperature": 0.6,
+                    "top_p": 0.95, "top_k": 20},
+        num_params=8_190_735_360),
     "smollm2-135m": Preset(
         hf_name="HuggingFaceTB/SmolLM2-135M-Instruct",
         config={**_LLAMA_COMMON, "hidden_size": 576, "intermediate_size": 1536,

@@ -1,4 +1,4 @@
-"""Llama-family decoder over the paged KV pool: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2.
+"""Llama-family decoder over the paged KV pool: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2, Qwen3.
 
 One file in the gpt-fast spirit: the tensor-parallel linear layers, the attention/MLP blocks,
 the decoder and the architecture registry. Every compute op goes through radixserve.ops, so the
@@ -21,6 +21,9 @@ are gathered. With tp_size 1 (the only size ServerArgs accepts today) no collect
 Mistral: HF applies a sliding-window mask when config.sliding_window is set; we attend to the
 whole context, which is identical for every sequence no longer than the window (4096 or more in
 released Mistral checkpoints). Longer contexts would differ from HF.
+
+Qwen3 (dense): Llama-shaped without biases, plus an RMSNorm over head_dim applied to every query
+and key head before rope (q_norm / k_norm, one weight [head_dim] each, shared by the heads).
 """
 from __future__ import annotations
 
@@ -329,7 +332,8 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool,
-                 params_dtype: torch.dtype, tp_rank: int, tp_size: int):
+                 params_dtype: torch.dtype, tp_rank: int, tp_size: int, qk_norm: bool = False):
+        """qk_norm: Qwen3's per-head RMSNorm of q and k before rope (q_norm, k_norm)."""
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = config.head_dim
@@ -343,6 +347,10 @@ class LlamaAttention(nn.Module):
         self.scaling = self.head_dim ** -0.5
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim,
                                         config.hidden_size, o_bias, params_dtype, tp_rank, tp_size)
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype)
 
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor, cos_sin_cache: torch.Tensor,
                 cpu_attn: Optional[CpuDecodeAttention] = None) -> torch.Tensor:
@@ -353,6 +361,8 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)       # strided views into qkv
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self._norm_heads(q, k)
         k_cache = fb.kv_pool.k_buffers[self.layer_id]     # [num_slots + 1, num_kv_heads, head_dim]
         v_cache = fb.kv_pool.v_buffers[self.layer_id]
         # k, v, q stay strided views into qkv: the rope + store kernel and attention read each
@@ -368,6 +378,14 @@ class LlamaAttention(nn.Module):
             out = ops.paged_extend_attention(q, k_cache, v_cache, fb.qo_indptr, fb.kv_indptr,
                                              fb.kv_indices, self.scaling)
         return self.o_proj(out.view(num_tokens, self.q_size))     # [num_tokens, hidden_size]
+
+    def _norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3: q [num_tokens, heads, head_dim] and k [num_tokens, kv_heads, head_dim] (views
+        into qkv) -> each head's row RMS-normed over head_dim, as new contiguous tensors of the
+        same shapes (v stays a view into qkv)."""
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        return q, k
 
 
 class LlamaMLP(nn.Module):
@@ -395,10 +413,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool,
-                 mlp_bias: bool, params_dtype: torch.dtype, tp_rank: int, tp_size: int):
+                 mlp_bias: bool, params_dtype: torch.dtype, tp_rank: int, tp_size: int,
+                 qk_norm: bool = False):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, params_dtype,
-                                        tp_rank, tp_size)
+                                        tp_rank, tp_size, qk_norm)
         self.mlp = LlamaMLP(config, mlp_bias, params_dtype, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
@@ -427,12 +446,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 params_dtype: torch.dtype, tp_rank: int, tp_size: int):
+                 params_dtype: torch.dtype, tp_rank: int, tp_size: int, qk_norm: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    params_dtype, tp_rank, tp_size)
         self.layers = nn.ModuleList([
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size)
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size,
+                              qk_norm)
             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
         # [max_position_embeddings, head_dim] float32 = [cos | sin]
@@ -465,6 +485,7 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias_default = False   # q/k/v bias when config.json says nothing (Llama: attention_bias)
     o_proj_follows_attention_bias = True
+    qk_norm = False            # per-head RMSNorm of q and k before rope (Qwen3)
 
     def __init__(self, config: ModelConfig, params_dtype: torch.dtype = torch.float32,
                  tp_rank: int = 0, tp_size: int = 1):
@@ -474,7 +495,8 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self._qkv_bias(config)
         o_bias = config.attention_bias and self.o_proj_follows_attention_bias
         mlp_bias = bool(config.hf_config.get("mlp_bias", False))
-        self.model = LlamaModel(config, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size)
+        self.model = LlamaModel(config, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size,
+                                self.qk_norm)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -547,10 +569,18 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         return True
 
 
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (dense): q_norm / k_norm on every head before rope; biases as attention_bias says
+    (false in released checkpoints), on q/k/v and o alike."""
+
+    qk_norm = True
+
+
 MODEL_REGISTRY: Dict[str, Type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 
