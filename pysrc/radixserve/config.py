@@ -118,7 +118,6 @@ REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     "--warmups": _NO_WARMUP,
     "--tool-call-parser": "tool calls are read as the JSON inside <tool_call> tags (Hermes/Qwen "
                           "style); no other parser yet",
-    "--reasoning-parser": "reasoning text is not separated from the answer",
     "--enable-cache-report": "cached prompt tokens are always reported "
                              "(usage.prompt_tokens_details.cached_tokens); drop the flag",
     "--allow-auto-truncate": "a prompt longer than the context is refused with a 400 (a request "
@@ -247,6 +246,12 @@ class ServerArgs:
         None, "chat template of the chat routes, replacing the model's: the path of a Jinja file, "
         "or the Jinja text itself (it holds {{ or {%); SGLang's built-in template names are not "
         "supported yet; default: the model's own template", metavar="PATH_OR_JINJA")
+    reasoning_parser: str = _flag(
+        "none", "chat routes put a reasoning model's <think> ... </think> text in "
+        "message.reasoning_content (streamed as delta.reasoning_content), the answer in content: "
+        "qwen3 when the output opens with <think>; deepseek-r1 and qwen3-thinking when the "
+        "output starts inside the reasoning (the template opened it); none: no split",
+        choices=("none", "deepseek-r1", "qwen3", "qwen3-thinking"))
     # server
     host: str = _flag("127.0.0.1", "address the HTTP server binds (0.0.0.0: every interface)",
                       metavar="ADDR", group="server")

@@ -231,7 +231,11 @@ def test_ignored_fields_are_accepted_and_change_nothing(oai, server, http):
                                     prediction={"type": "content", "content": "Paris"},
                                     reasoning_effort="none", modalities=["text"],
                                     extra_body={"request_id": "mine", "guided_decoding_backend": "x",
-                                                "use_beam_search": False, "cache_salt": "salt-1"},
+                                                "use_beam_search": False, "cache_salt": "salt-1",
+                                                # variables the default model's template never
+                                                # reads; a server without --reasoning-parser
+                                                "chat_template_kwargs": {"enable_thinking": False},
+                                                "separate_reasoning": True},
                                     **kw)
     assert r.choices[0].message.content == plain
     c = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
@@ -248,7 +252,6 @@ REFUSED = [("/v1/chat/completions", "use_beam_search", True),
            ("/v1/chat/completions", "web_search_options", {}),
            ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
            ("/v1/chat/completions", "reasoning_effort", "high"),
-           ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": True}),
            ("/v1/completions", "allowed_token_ids", [1, 2]),
            ("/v1/completions", "bad_words", ["Paris"]),
            ("/v1/completions", "priority", 5)]

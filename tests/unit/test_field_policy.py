@@ -122,7 +122,6 @@ REFUSED = [  # (field, a refused value, the neutral value accepted or None, chat
     ("continue_final_message", True, False, True),
     ("add_special_tokens", True, False, True),
     ("chat_template", "{{ x }}", None, True),
-    ("chat_template_kwargs", {"enable_thinking": False}, None, True),
 ]
 
 

@@ -33,15 +33,18 @@ class FakeTokenizer:
     def token_text(self, tid):
         return bytes([tid]).decode("latin-1")
 
-    def encode_chat(self, messages, add_generation_prompt=True, tools=None, render_limits=None):
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None, render_limits=None,
+                    **template_kwargs):
+        """<role>content... then <assistant>; template variables render as <name=value>."""
         if any("BADTEMPLATE" in m["content"] for m in messages):
             raise ValueError("the template cannot render this conversation")
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        text = "".join(f"<{k}={v}>" for k, v in sorted(template_kwargs.items()))
+        text += "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
 
 class FakeEngine:
-    """Emits REPLY (rotated by the seed) one byte-token per step; honours max_new_tokens,
+    """Emits self.reply (REPLY unless a test sets it; rotated by the seed) one byte-token per step; honours max_new_tokens,
     stop strings and logprobs; 'BOOM' in the prompt raises after the first output; 'ABORTME'
     makes the engine abort the request at its second token; 'HANG'
     makes every step sleep 10 ms."""
@@ -57,6 +60,7 @@ class FakeEngine:
         self.aborted = []
         self.seen = []
         self.started = False
+        self.reply = REPLY
 
     def start(self):
         self.started = True
@@ -91,8 +95,8 @@ class FakeEngine:
         finished = False
         try:
             prompt = bytes(req.input_ids)
-            shift = (sp.seed or 0) % len(REPLY)
-            reply = REPLY[shift:] + REPLY[:shift]
+            shift = (sp.seed or 0) % len(self.reply)
+            reply = self.reply[shift:] + self.reply[:shift]
             limit = sp.max_new_tokens if sp.max_new_tokens is not None else self.context_len - len(req.input_ids)
             text = ""
             step = 0

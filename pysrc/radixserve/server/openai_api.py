@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import AsyncIterator, List, Optional, Sequence
+from typing import AsyncIterator, List, Optional, Sequence, Tuple
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -25,6 +25,7 @@ from radixserve.server.generation import (ClientDisconnected, check_grammars, co
                                           expand_requests, merge_generations, off_loop,
                                           validate_all)
 from radixserve.server.metrics import RequestMetrics, request_metrics
+from radixserve.server.reasoning import ReasoningSplitter, split_reasoning
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
 from radixserve.server import tool_calls as T
@@ -76,19 +77,22 @@ def render_limits(engine) -> RenderLimits:
 async def _render_chat(engine, req: P.ChatRequest, tools: "_Tools") -> List[int]:
     """The chat's prompt ids (see render_messages)."""
     return await render_messages(engine, tools.messages, req.add_generation_prompt,
-                                 tools.template_tools)
+                                 tools.template_tools, template_kwargs=req.template_kwargs)
 
 
 async def render_messages(engine, messages: List[dict], add_generation_prompt: bool = True,
-                          template_tools: Optional[list] = None, param: str = "messages") -> List[int]:
+                          template_tools: Optional[list] = None, param: str = "messages",
+                          template_kwargs: Optional[dict] = None) -> List[int]:
     """Chat messages as prompt ids: template rendering and tokenization, always on a worker
     thread (a template's cost need not follow the input's size), bounded by render_limits:
     past the time limit the client gets a 400 (naming `param`) while the render stops at its
-    next check point. Also used by /v1/responses (responses_api.py)."""
+    next check point. template_kwargs: the template's extra variables (chat_template_kwargs,
+    names checked by schemas.ChatTemplateKwargs). Also used by /v1/responses."""
     limits = render_limits(engine)
     work = asyncio.to_thread(engine.tokenizer.encode_chat, messages,
                              add_generation_prompt=add_generation_prompt,
-                             tools=template_tools, render_limits=limits)
+                             tools=template_tools, render_limits=limits,
+                             **(template_kwargs or {}))
     try:
         return await asyncio.wait_for(work, limits.max_seconds)
     except asyncio.TimeoutError:
@@ -105,6 +109,7 @@ class _Tools:
     functions: List[dict]          # [] when tool_choice is none or there are no tools
     messages: List[dict]           # what the template renders
     template_tools: Optional[list]  # tools handed to a template that renders them itself
+    free_start: bool = True        # the tool grammar (if any) leaves the output's start free
 
     @property
     def active(self) -> bool:
@@ -124,7 +129,28 @@ def _chat_tools(engine, body: dict, req: P.ChatRequest) -> _Tools:
     used = functions if choice != "none" else []
     knows = engine.tokenizer.template_handles_tools
     return _Tools(used, T.messages_for_template(req.messages, used, knows),
-                  req.tools if (knows and used) else None)
+                  req.tools if (knows and used) else None, free_start=choice in ("auto", "none"))
+
+
+def _reasoning_parser(engine, req: P.ChatRequest, tools: _Tools) -> Optional[str]:
+    """--reasoning-parser for this request, or None: the request asked for no split
+    (separate_reasoning false), or a grammar constrains its output from the first token
+    (response_format, a required or named tool choice: no room for a <think> block)."""
+    parser = getattr(engine.server_args, "reasoning_parser", "none")
+    if parser in (None, "none") or not req.separate_reasoning:
+        return None
+    from_tools_auto = tools.active and tools.free_start
+    if req.sampling.grammar_key is not None and not from_tools_auto:
+        return None
+    return parser
+
+
+def _with_reasoning(response: dict, parser: str) -> dict:
+    """Split each choice's content into message.reasoning_content and the answer."""
+    for choice in response["choices"]:
+        msg = choice["message"]
+        msg["reasoning_content"], msg["content"] = split_reasoning(msg["content"] or "", parser)
+    return response
 
 
 def _with_tool_calls(response: dict) -> dict:
@@ -156,10 +182,11 @@ async def chat_completions(request: Request, engine) -> Response:
     await check_grammars(engine, reqs, body)
     created = int(time.time())
     model = engine.served_model_name
+    parser = _reasoning_parser(engine, req, tools)
     if req.stream:
         return EventStreamResponse(_stream_errors_as_events(
             _chat_events(engine, rid, created, model, req, reqs, prompt_ids,
-                         request_metrics(request), tools.active)))
+                         request_metrics(request), tools.active, parser)))
     results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
     try:
         await collect(engine, reqs, results, request.receive, request_metrics(request))
@@ -168,6 +195,8 @@ async def chat_completions(request: Request, engine) -> Response:
     _raise_if_aborted(results)
     response = P.chat_response(rid, created, model, results, req.n, req.logprobs,
                                req.top_logprobs, engine.tokenizer.token_text, req.extras)
+    if parser is not None:
+        response = _with_reasoning(response, parser)
     return JSONResponse(_with_tool_calls(response) if tools.active else response)
 
 
@@ -185,14 +214,54 @@ def _logprob_args(logprobs: bool, top: int, echo_logprobs: bool, extras: P.Outpu
             "return_text_in_logprobs": True}
 
 
+class _ChoiceText:
+    """One streamed choice's text: the model's text deltas -> (reasoning, content) pieces to
+    send now. With a reasoning parser the <think> block goes to reasoning (held until it ends
+    when stream_reasoning is false); with tools, <tool_call> blocks are cut out of the content
+    and parsed at the end. finish() -> (reasoning, content, tool calls) held back."""
+
+    def __init__(self, parser: Optional[str], stream_reasoning: bool, with_tools: bool):
+        self._split = ReasoningSplitter(parser) if parser else None
+        self._stream_reasoning = stream_reasoning
+        self._held_reasoning = ""
+        self._tools = T.ToolCallStream() if with_tools else None
+
+    def feed(self, text: str) -> Tuple[str, str]:
+        if self._split is None:
+            return "", self._content(text)
+        reasoning, content = self._split.feed(text)
+        return self._reasoning(reasoning, self._split.reasoning_done), self._content(content)
+
+    def finish(self) -> Tuple[str, str, List[dict]]:
+        reasoning, content = self._split.finish() if self._split is not None else ("", "")
+        reasoning, content = self._reasoning(reasoning, True), self._content(content)
+        calls: List[dict] = []
+        if self._tools is not None:
+            rest, calls = self._tools.finish()
+            content += rest
+        return reasoning, content, calls
+
+    def _reasoning(self, piece: str, release: bool) -> str:
+        if self._stream_reasoning:
+            return piece
+        self._held_reasoning += piece
+        if not release:
+            return ""
+        out, self._held_reasoning = self._held_reasoning, ""
+        return out
+
+    def _content(self, piece: str) -> str:
+        return self._tools.feed(piece) if self._tools is not None else piece
+
+
 async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRequest,
                        reqs: Sequence[GenerateReqInput], prompt_ids: List[int],
-                       metrics: Optional[RequestMetrics] = None,
-                       with_tools: bool = False) -> AsyncIterator[bytes]:
+                       metrics: Optional[RequestMetrics] = None, with_tools: bool = False,
+                       reasoning_parser: Optional[str] = None) -> AsyncIterator[bytes]:
     results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
     usage_null = req.include_usage
     ex = req.extras
-    streams = [T.ToolCallStream() for _ in reqs] if with_tools else None
+    texts = [_ChoiceText(reasoning_parser, req.stream_reasoning, with_tools) for _ in reqs]
 
     def usage(i: int) -> Optional[dict]:          # continuous_usage_stats: on every chunk
         return P.seq_usage(results[i]) if ex.continuous_usage else None
@@ -208,20 +277,20 @@ async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRe
         if req.logprobs and out.output_token_logprobs_delta:
             logprobs = P.chat_logprobs(out.output_token_logprobs_delta, out.output_top_logprobs_delta,
                                        req.top_logprobs, engine.tokenizer.token_text)
-        text = out.text_delta
+        reasoning, text = texts[i].feed(out.text_delta)
         ids = list(out.output_ids_delta) if ex.return_token_ids else []
         finish = P.finish_reason_str(out.finish_reason) if out.finished else None
-        if streams is not None:
-            text = streams[i].feed(text)
-            if out.finished:
-                rest, calls = streams[i].finish()
-                text += rest
-                for chunk in _tool_call_chunks(rid, created, model, i, calls, usage_null, usage(i)):
-                    yield chunk
-                finish = "tool_calls" if calls else finish
-        if not (text or logprobs or ids or out.finished):
+        if out.finished:
+            more_reasoning, rest, calls = texts[i].finish()
+            reasoning, text = reasoning + more_reasoning, text + rest
+            for chunk in _tool_call_chunks(rid, created, model, i, calls, usage_null, usage(i)):
+                yield chunk
+            finish = "tool_calls" if calls else finish
+        if not (reasoning or text or logprobs or ids or out.finished):
             continue
-        delta = {"content": text} if text else {}
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        if text:
+            delta["content"] = text
         extra = {"matched_stop": P.matched_stop(out.finish_reason)} if out.finished else {}
         if ex.return_token_ids:
             extra["token_ids"] = ids

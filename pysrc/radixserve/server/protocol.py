@@ -105,6 +105,9 @@ class ChatRequest:
     extras: OutputExtras = field(default_factory=lambda: OutputExtras())
     parallel_tool_calls: bool = True
     cache_salt: Optional[str] = None   # prefix sharing only with requests of the same salt
+    template_kwargs: Dict[str, Any] = field(default_factory=dict)   # chat_template_kwargs
+    separate_reasoning: bool = True    # with --reasoning-parser (server/reasoning.py)
+    stream_reasoning: bool = True
 
 
 @dataclass
@@ -287,6 +290,9 @@ def parse_chat_request(body: dict) -> ChatRequest:
         extras=_output_extras(req),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         cache_salt=req.cache_salt,
+        template_kwargs=dict(req.chat_template_kwargs or {}),
+        separate_reasoning=req.separate_reasoning is not False,
+        stream_reasoning=req.stream_reasoning is not False,
     )
 
 

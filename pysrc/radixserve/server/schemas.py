@@ -28,7 +28,8 @@ import difflib
 import math
 from typing import Any, Callable, Dict, List, Literal, Optional, Type, TypeVar, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WrapValidator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
+                      WrapValidator, model_validator)
 from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
@@ -56,6 +57,7 @@ MAX_GRAMMAR_CHARS = _sp.MAX_GRAMMAR_CHARS  # a regex / ebnf / json_schema / stru
 MAX_CHOICES = 1024                       # guided_choice alternatives
 MAX_CACHE_SALT_CHARS = 256               # cache_salt on the OpenAI routes
 MAX_METADATA = 16                        # metadata pairs (OpenAI's limits)
+MAX_TEMPLATE_KWARGS = 32                 # chat_template_kwargs entries
 MAX_METADATA_KEY = 64
 # The sampler divides positive logits by repetition_penalty and all by the temperature (at least
 # MIN_TEMPERATURE): from 1e-20 up, a logit of 1e13 stays finite in float32 (the same bound as
@@ -562,8 +564,9 @@ Audio = _refused("is not supported: the served models write text only; leave it 
 WebSearch = _refused("is not supported: there is no web search; leave it out")
 Functions = _refused("(deprecated by OpenAI) is not supported; send tools instead")
 FunctionCall = _refused("(deprecated by OpenAI) is not supported; send tool_choice instead")
-ReasoningEffort = _only(Name, lambda v: v == "none", "is not supported: the served models do not "
-                        'reason separately; leave it out or send "none"', {"const": "none"})
+ReasoningEffort = _only(Name, lambda v: v == "none", "is not supported: the server does not bound "
+                        "a model's reasoning (chat_template_kwargs can switch a template's "
+                        'thinking mode); leave it out or send "none"', {"const": "none"})
 Verbosity = _refused("is not supported: output length follows max_tokens and the prompt only; "
                      "leave it out")
 Moderation = _refused("is not supported: the server runs no moderation; leave it out")
@@ -572,8 +575,24 @@ ContinueFinalMessage = _off("is not supported: the chat always ends with the gen
                             "(add_generation_prompt)")
 ChatSpecialTokens = _off("is not supported on chat: the chat template writes the special tokens")
 ChatTemplate = _refused("is not supported: the server renders with the model's own chat template")
-ChatTemplateKwargs = _refused("is not supported: the chat template gets the messages, tools and "
-                              "add_generation_prompt only")
+# The chat template's own arguments have their own fields; render()'s keyword parameters would
+# be shadowed. Names are identifiers not starting with "_" (the template context's internals).
+TEMPLATE_ARGS_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                    "special_tokens", "render_limits"})
+
+
+def _check_template_kwargs(v: Dict[str, Any]) -> Dict[str, Any]:
+    taken = sorted(TEMPLATE_ARGS_RESERVED.intersection(v))
+    if taken:
+        raise _error(f"sets {taken[0]!r}, which the request's own fields set; use those fields")
+    return v
+
+
+TemplateArgName = Annotated[str, Field(min_length=1, max_length=64,
+                                       pattern=r"^[A-Za-z][A-Za-z0-9_]*$")]
+# extra variables of the chat template, e.g. {"enable_thinking": false} (Qwen3)
+ChatTemplateKwargs = Annotated[Dict[TemplateArgName, Any], Field(max_length=MAX_TEMPLATE_KWARGS),
+                               AfterValidator(_check_template_kwargs)]
 
 
 class StructuredOutputs(_Closed):
@@ -691,6 +710,10 @@ class ChatCompletionRequest(_OpenAIRequest):
     add_special_tokens: Optional[ChatSpecialTokens] = None
     chat_template: Optional[ChatTemplate] = None
     chat_template_kwargs: Optional[ChatTemplateKwargs] = None
+    # SGLang's reasoning switches (--reasoning-parser): the <think> block in
+    # message.reasoning_content (separate_reasoning), streamed as it comes (stream_reasoning)
+    separate_reasoning: Optional[bool] = None
+    stream_reasoning: Optional[bool] = None
 
 
 class CompletionRequest(_OpenAIRequest):

@@ -1,0 +1,138 @@
+"""The chain of thought split from the answer (--reasoning-parser), for reasoning models that
+wrap it in <think> ... </think> (Qwen3, DeepSeek-R1 and its distills).
+
+The contract is DeepSeek's API, as SGLang serves it: a chat message carries the reasoning in
+`reasoning_content` and the answer in `content`; a stream sends `delta.reasoning_content`
+pieces, then `delta.content` pieces.
+
+Parsers (PARSERS: name -> whether the output starts inside the reasoning):
+  qwen3           reasoning only when the output opens with <think> (after optional
+                  whitespace); otherwise it is all answer (Qwen3's template with
+                  enable_thinking=false closes an empty block in the prompt).
+  deepseek-r1,    the output starts inside the reasoning: R1's template opens <think> in the
+  qwen3-thinking  prompt (a <think> the model writes anyway is dropped).
+The reasoning ends at the first </think>; without one it runs to the end of the output (the
+answer is then empty). Whitespace around the reasoning and at the start of the answer that
+follows it is dropped. Text that never reaches a reasoning block passes through unchanged.
+
+Streaming: ReasoningSplitter.feed(delta) returns what can be sent now; text that may be the
+start of a tag (or whitespace that may end the reasoning) is held back until the next delta
+or finish(). The concatenated pieces equal split_reasoning() of the whole text.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+START, END = "<think>", "</think>"
+PARSERS = {"qwen3": False, "deepseek-r1": True, "qwen3-thinking": True}
+
+_OPENING, _REASONING, _ANSWER = "opening", "reasoning", "answer"
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """One output's split, fed its text deltas in order: feed(delta) -> (reasoning, answer)
+    pieces to send now; finish() -> the pieces held back. Not thread-safe (one stream)."""
+
+    def __init__(self, parser: str):
+        if parser not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r}; choose from "
+                             f"{', '.join(sorted(PARSERS))}")
+        self._forced = PARSERS[parser]
+        self._state = _OPENING
+        self._held = ""               # text not yet sent (see the module doc)
+        self._reasoning_started = False   # the reasoning's first non-space was sent
+        self._answer_started = False      # after a reasoning block: the answer's first non-space
+        self.had_reasoning = False
+
+    def feed(self, delta: str) -> Tuple[str, str]:
+        self._held += delta
+        reasoning, answer = "", ""
+        if self._state == _OPENING:
+            self._open()
+        if self._state == _REASONING:
+            reasoning = self._reason()
+        if self._state == _ANSWER:
+            answer = self._answer()
+        return reasoning, answer
+
+    @property
+    def reasoning_done(self) -> bool:
+        """The reasoning block (if any) is over: everything from here on is answer."""
+        return self._state == _ANSWER
+
+    def finish(self) -> Tuple[str, str]:
+        """The end of the output: what was held back, as (reasoning, answer)."""
+        held, self._held = self._held, ""
+        if self._state == _OPENING:
+            if self._forced or held.lstrip() == START:
+                self.had_reasoning = True
+                body = held.lstrip()
+                return (body[len(START):] if body.startswith(START) else body).strip(), ""
+            return "", held
+        if self._state == _REASONING:
+            return held.rstrip(), ""            # an unclosed reasoning runs to the end
+        return "", held if self._answer_started else held.lstrip()
+
+    # ------------------------------------------------------------------ states
+    def _open(self) -> None:
+        """Decide whether the output opens with a reasoning block, once enough text is in."""
+        body = self._held.lstrip()
+        if body.startswith(START):
+            self._held = body[len(START):].lstrip()
+            self._enter_reasoning()
+        elif START.startswith(body):
+            return                              # whitespace or a partial <think>: wait
+        elif self._forced:
+            self._held = body
+            self._enter_reasoning()
+        else:
+            self._state = _ANSWER
+            self._answer_started = True         # no reasoning: the text passes unchanged
+
+    def _enter_reasoning(self) -> None:
+        self._state = _REASONING
+        self.had_reasoning = True
+
+    def _reason(self) -> str:
+        """Reasoning text that can be sent; at </think>, switch to the answer."""
+        text = self._held
+        if not self._reasoning_started:
+            text = self._held = text.lstrip()
+            self._reasoning_started = bool(text)
+        end = text.find(END)
+        if end >= 0:
+            self._held = text[end + len(END):]
+            self._state = _ANSWER
+            return text[:end].rstrip()
+        keep = _partial_suffix(text, END)
+        body = text[:len(text) - keep]
+        sendable = body.rstrip()                # trailing whitespace may precede </think>
+        self._held = text[len(sendable):]
+        return sendable
+
+    def _answer(self) -> str:
+        text, self._held = self._held, ""
+        if not self._answer_started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._answer_started = True
+        return text
+
+
+def split_reasoning(text: str, parser: str) -> Tuple[Optional[str], str]:
+    """The whole output -> (reasoning or None when there was no reasoning block, answer)."""
+    splitter = ReasoningSplitter(parser)
+    reasoning, answer = splitter.feed(text)
+    more_reasoning, more_answer = splitter.finish()
+    reasoning += more_reasoning
+    answer += more_answer
+    return (reasoning if splitter.had_reasoning else None), answer

@@ -1,0 +1,77 @@
+"""server/reasoning.py: the <think> block split from the answer, whole and streamed."""
+import random
+
+import pytest
+
+from radixserve.server.reasoning import PARSERS, ReasoningSplitter, split_reasoning
+
+CASES = [
+    # (parser, model output, reasoning (None: no block), answer)
+    ("qwen3", "<think>\nLet me add.\n2 + 2 = 4\n</think>\n\nThe answer is 4.",
+     "Let me add.\n2 + 2 = 4", "The answer is 4."),
+    ("qwen3", "The answer is 4.", None, "The answer is 4."),
+    ("qwen3", "\n\n  plain text, <think> later is text", None,
+     "\n\n  plain text, <think> later is text"),
+    ("qwen3", "<think>\n\n</think>\n\nHi!", "", "Hi!"),              # an empty block
+    ("qwen3", "<think>unfinished thought", "unfinished thought", ""),  # cut by max_tokens
+    ("qwen3", "<thi", None, "<thi"),                                  # never became a tag
+    ("qwen3", "", None, ""),
+    ("deepseek-r1", "Okay, the user asks 2+2.\n</think>\n\n4", "Okay, the user asks 2+2.", "4"),
+    ("deepseek-r1", "<think>\nR1-0528 writes the tag\n</think>answer", "R1-0528 writes the tag",
+     "answer"),
+    ("deepseek-r1", "no end tag at all", "no end tag at all", ""),
+    ("qwen3-thinking", "thinking</think>done </think> twice", "thinking", "done </think> twice"),
+    ("qwen3", "<think>a < b and </thin is not the end</think> ok", "a < b and </thin is not the end",
+     "ok"),
+]
+
+
+@pytest.mark.parametrize("parser,text,reasoning,answer", CASES)
+def test_whole_output(parser, text, reasoning, answer):
+    assert split_reasoning(text, parser) == (reasoning, answer)
+
+
+def _stream(parser, pieces):
+    s = ReasoningSplitter(parser)
+    reasoning, answer, sent = "", "", []
+    for piece in pieces:
+        r, a = s.feed(piece)
+        sent.append((r, a))
+        reasoning, answer = reasoning + r, answer + a
+    r, a = s.finish()
+    return reasoning + r, answer + a, sent, s.had_reasoning
+
+
+@pytest.mark.parametrize("parser,text,reasoning,answer", CASES)
+def test_any_split_into_deltas_streams_the_same_split(parser, text, reasoning, answer):
+    rng = random.Random(len(text))
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 8))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        r, a, _, had = _stream(parser, pieces)
+        assert (r if had else None, a) == (reasoning, answer), pieces
+
+
+def test_streaming_sends_reasoning_as_it_comes_and_holds_only_what_may_be_a_tag():
+    pieces = ["<think>", "\nStep", " one.", "\n", "</th", "ink>", "\n\n", "Four", "."]
+    _, _, sent, _ = _stream("qwen3", pieces)
+    assert sent == [("", ""), ("Step", ""), (" one.", ""), ("", ""), ("", ""), ("", ""),
+                    ("", ""), ("", "Four"), ("", ".")]
+    # without reasoning every delta goes out at once, unchanged
+    _, _, sent, had = _stream("qwen3", ["Hello", " world", "\n"])
+    assert not had and sent == [("", "Hello"), ("", " world"), ("", "\n")]
+
+
+def test_unknown_parser_names_the_choices():
+    with pytest.raises(ValueError, match="deepseek-r1"):
+        ReasoningSplitter("gpt-oss")
+    assert set(PARSERS) == {"qwen3", "deepseek-r1", "qwen3-thinking"}
+
+
+def test_the_server_flag_offers_every_parser():
+    import dataclasses
+
+    from radixserve.config import ServerArgs
+    field = {f.name: f for f in dataclasses.fields(ServerArgs)}["reasoning_parser"]
+    assert set(field.metadata["choices"]) == set(PARSERS) | {"none"}
+    assert field.default == "none"

@@ -1,0 +1,152 @@
+"""--reasoning-parser and chat_template_kwargs through the chat route, over the fake engine
+(server/reasoning.py has the splitter's own tests): message.reasoning_content and content, the
+streamed deltas, SGLang's separate_reasoning / stream_reasoning switches, the requests the
+split is skipped for, and template variables reaching the template."""
+import dataclasses
+
+import pytest
+from starlette.testclient import TestClient
+
+from radixserve.server.app import create_app
+
+from test_server_fake_engine import FakeEngine, err_of, sse_events
+
+THOUGHT = "<think>\nThe user wants a capital.\nFrance -> Paris.\n</think>\n\nParis."
+CHAT = {"messages": [{"role": "user", "content": "Capital of France?"}],
+        "max_tokens": len(THOUGHT)}
+
+
+def _client(parser, reply=THOUGHT):
+    engine = FakeEngine()
+    engine.server_args = dataclasses.replace(engine.server_args, reasoning_parser=parser)
+    engine.reply = reply
+    engine.context_len = 1024
+    return engine, TestClient(create_app(engine), raise_server_exceptions=False)
+
+
+def _stream(client, **extra):
+    r = client.post("/v1/chat/completions", json={**CHAT, "stream": True, **extra})
+    assert r.status_code == 200, r.text
+    deltas = [e["choices"][0]["delta"] for e in sse_events(r) if e["choices"]]
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    return reasoning, content, deltas
+
+
+def test_message_carries_the_reasoning_apart_from_the_answer():
+    _, client = _client("qwen3")
+    with client:
+        msg = client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
+        assert msg["reasoning_content"] == "The user wants a capital.\nFrance -> Paris."
+        assert msg["content"] == "Paris."
+        reasoning, content, deltas = _stream(client)
+    assert (reasoning, content) == (msg["reasoning_content"], msg["content"])
+    # the reasoning streams as it comes: several reasoning deltas before the first content one
+    kinds = [("r" if "reasoning_content" in d else "") + ("c" if d.get("content") else "")
+             for d in deltas]
+    first_content = kinds.index("c")
+    assert kinds[:first_content].count("r") > 5 and "r" not in kinds[first_content:]
+
+
+def test_stream_reasoning_false_sends_the_reasoning_in_one_delta():
+    _, client = _client("qwen3")
+    with client:
+        reasoning, content, deltas = _stream(client, stream_reasoning=False)
+    pieces = [d["reasoning_content"] for d in deltas if "reasoning_content" in d]
+    assert pieces == ["The user wants a capital.\nFrance -> Paris."] and content == "Paris."
+
+
+def test_separate_reasoning_false_and_no_parser_keep_the_raw_text():
+    _, client = _client("qwen3")
+    with client:
+        msg = client.post("/v1/chat/completions",
+                          json={**CHAT, "separate_reasoning": False}).json()["choices"][0]["message"]
+        assert msg["content"] == THOUGHT and "reasoning_content" not in msg
+        assert _stream(client, separate_reasoning=False)[:2] == ("", THOUGHT)
+    _, client = _client("none")
+    with client:
+        msg = client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
+        assert msg["content"] == THOUGHT and "reasoning_content" not in msg
+
+
+def test_forced_parser_reads_an_output_without_the_opening_tag():
+    reply = "Okay, France.\n</think>\n\nParis."
+    _, client = _client("deepseek-r1", reply)
+    with client:
+        msg = client.post("/v1/chat/completions",
+                          json={**CHAT, "max_tokens": len(reply)}).json()["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("Okay, France.", "Paris.")
+    # qwen3 on a reply without <think>: all answer, reasoning_content null
+    _, client = _client("qwen3", "Paris.")
+    with client:
+        msg = client.post("/v1/chat/completions",
+                          json={**CHAT, "max_tokens": 6}).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] is None and msg["content"] == "Paris."
+
+
+def test_reasoning_before_a_tool_call_is_split_and_the_call_parsed():
+    call = '<tool_call>\n{"name": "capital", "arguments": {"country": "France"}}\n</tool_call>'
+    reply = "<think>I should call the tool.</think>\n" + call
+    tools = [{"type": "function", "function": {
+        "name": "capital", "parameters": {"type": "object",
+                                          "properties": {"country": {"type": "string"}}}}}]
+    _, client = _client("qwen3", reply)
+    with client:
+        body = {**CHAT, "max_tokens": len(reply), "tools": tools}
+        choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["message"]["reasoning_content"] == "I should call the tool."
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["tool_calls"][0]["function"]["name"] == "capital"
+        r = client.post("/v1/chat/completions", json={**body, "stream": True})
+    events = [e for e in sse_events(r) if e["choices"]]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should call the tool."
+    assert any("tool_calls" in d for d in deltas)
+    assert not "".join(d.get("content") or "" for d in deltas).strip()
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "json_object"}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+     "tool_choice": "required"},
+])
+def test_no_split_when_a_grammar_fixes_the_output_from_its_first_token(extra):
+    from radixserve.server import openai_api, protocol as P
+
+    engine, _ = _client("qwen3")
+    body = {**CHAT, **extra}
+    req = P.parse_chat_request(body)
+    tools = openai_api._chat_tools(engine, body, req)
+    assert openai_api._reasoning_parser(engine, req, tools) is None
+    free = {**CHAT, "tools": extra.get("tools", [])}
+    req = P.parse_chat_request(free)
+    assert openai_api._reasoning_parser(engine, req, openai_api._chat_tools(engine, free, req)) \
+        == "qwen3"
+
+
+def test_chat_template_kwargs_reach_the_template():
+    engine, client = _client("none")
+    with client:
+        r = client.post("/v1/chat/completions",
+                        json={**CHAT, "max_tokens": 1,
+                              "chat_template_kwargs": {"enable_thinking": False, "tier": 2}})
+        assert r.status_code == 200, r.text
+        prompt = bytes(engine.seen[-1].input_ids).decode()
+        assert prompt.startswith("<enable_thinking=False><tier=2><user>")
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"messages": []}, "'messages'"),
+    ({"render_limits": 1}, "'render_limits'"),
+    ({"_guard": 1}, "chat_template_kwargs"),
+    ({"x" * 65: 1}, "chat_template_kwargs"),
+    ({f"k{i}": i for i in range(33)}, "chat_template_kwargs"),
+    ([1], "chat_template_kwargs"),
+])
+def test_chat_template_kwargs_that_would_shadow_or_overflow_are_400s(kwargs, needle):
+    _, client = _client("none")
+    with client:
+        r = client.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": kwargs})
+    body = err_of(r, 400)
+    assert needle in body["message"] and body["param"].startswith("chat_template_kwargs")
