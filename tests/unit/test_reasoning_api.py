@@ -150,3 +150,78 @@ def test_chat_template_kwargs_that_would_shadow_or_overflow_are_400s(kwargs, nee
         r = client.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": kwargs})
     body = err_of(r, 400)
     assert needle in body["message"] and body["param"].startswith("chat_template_kwargs")
+
+
+# --------------------------------------------------------------------------- /v1/responses
+
+def _sdk_events(r):
+    """The stream's events, each parsed by the openai client's own event types (what
+    client.responses.create(stream=True) yields), and the raw dicts."""
+    import json
+
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    raw = [json.loads(part.split("\n")[1][len("data: "):])
+           for part in r.content.decode().split("\n\n")[:-1]]
+    return [adapter.validate_python(e) for e in raw], raw
+
+
+def test_responses_put_the_reasoning_in_a_reasoning_item():
+    engine, client = _client("qwen3")
+    with client:
+        body = {"input": "Capital of France?", "max_output_tokens": len(THOUGHT)}
+        resp = client.post("/v1/responses", json=body).json()
+        reasoning, message = resp["output"]
+        assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
+        assert reasoning["content"] == [{"type": "reasoning_text",
+                                         "text": "The user wants a capital.\nFrance -> Paris."}]
+        assert message["type"] == "message" and message["content"][0]["text"] == "Paris."
+        # the follow-up carries the answer, not the reasoning
+        client.post("/v1/responses", json={**body, "input": "And Spain?",
+                                           "previous_response_id": resp["id"]})
+        prompt = bytes(engine.seen[-1].input_ids).decode()
+        assert "<assistant>Paris.<user>And Spain?" in prompt and "capital" not in prompt
+
+        r = client.post("/v1/responses", json={**body, "stream": True})
+    events, raw = _sdk_events(r)
+    types = [e.type for e in events]
+    item_events = ["response.output_item.added", "response.content_part.added"]
+    done = ["response.content_part.done", "response.output_item.done"]
+    n_reasoning = types.count("response.reasoning_text.delta")
+    n_text = types.count("response.output_text.delta")
+    assert types == (["response.created", "response.in_progress"] + item_events
+                     + ["response.reasoning_text.delta"] * n_reasoning
+                     + ["response.reasoning_text.done"] + done + item_events
+                     + ["response.output_text.delta"] * n_text
+                     + ["response.output_text.done"] + done + ["response.incomplete"])
+    final = raw[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    deltas = {k: "".join(e["delta"] for e in raw if e["type"] == f"response.{k}.delta")
+              for k in ("reasoning_text", "output_text")}
+    assert deltas == {"reasoning_text": final["output"][0]["content"][0]["text"],
+                      "output_text": "Paris."}
+    # the items' ids and indexes agree with the final output
+    for e in raw:
+        if "item_id" in e:
+            item = final["output"][e["output_index"]]
+            assert e["item_id"] == item["id"]
+
+
+@pytest.mark.parametrize("reply, kinds", [
+    ("Paris.", ["message"]),                               # qwen3 without <think>
+    ("<think>\n\n</think>\n\nParis.", ["reasoning", "message"]),   # an empty block
+    ("<think>still thinking", ["reasoning", "message"]),  # cut inside the reasoning
+])
+def test_responses_stream_announces_the_items_of_the_final_output(reply, kinds):
+    _, client = _client("qwen3", reply)
+    with client:
+        r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": len(reply),
+                                               "stream": True})
+    events, raw = _sdk_events(r)
+    added = [e["item"]["type"] for e in raw if e["type"] == "response.output_item.added"]
+    final = raw[-1]["response"]
+    assert added == kinds == [i["type"] for i in final["output"]]
+    done = [e["item"] for e in raw if e["type"] == "response.output_item.done"]
+    assert done == final["output"]

@@ -1,6 +1,6 @@
 """The OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{response_id}.
 
-A request runs like a chat completion with one output: `input` (a string: one user message; or
+A request runs like a chat completion with one answer: `input` (a string: one user message; or
 a list of message items with text content) after `instructions` (a system message, for this
 request only: it is not carried to follow-ups) and after the stored conversation of
 `previous_response_id`, rendered with the model's chat template (openai_api.render_messages),
@@ -8,7 +8,9 @@ sampled with `temperature` / `top_p` for at most `max_output_tokens` tokens (def
 context length), constrained by `text.format` (json_object / json_schema become the same
 json_schema grammar as chat's response_format: protocol.json_format_schema, compiled up front by
 generation.check_grammars). The answer is a Response object whose output is one assistant
-message with one output_text part; status "completed", or "incomplete" with
+message with one output_text part, after a reasoning item (one reasoning_text part) when the
+server runs a --reasoning-parser and the output has a <think> block (server/reasoning.py; not
+under text.format, whose grammar fixes the output from its first token); status "completed", or "incomplete" with
 incomplete_details.reason "max_output_tokens" when the output was cut by the token limit (or
 the context). usage: input_tokens (prompt), input_tokens_details.cached_tokens (prompt tokens
 served from the radix cache), output_tokens, total_tokens; cache_write_tokens and
@@ -18,7 +20,10 @@ stream: true sends the typed events the openai client parses, each as `event: <t
 `data: <json>` with a sequence_number counting from 0: response.created, response.in_progress,
 response.output_item.added, response.content_part.added, response.output_text.delta (one per
 piece of text), response.output_text.done, response.content_part.done,
-response.output_item.done, then response.completed (or response.incomplete). No `[DONE]`
+response.output_item.done, then response.completed (or response.incomplete). With reasoning,
+the reasoning item's events come first (output_index 0: response.reasoning_text.delta /
+.done inside the same item and part events) and the message's follow (output_index 1); each
+item is announced when its first text is known. No `[DONE]`
 (OpenAI sends none). An error after the headers went out is an `error` event {code, message,
 param} followed by response.failed (status "failed", response.error set); the stream ends there.
 
@@ -29,7 +34,8 @@ that created a response (security.ClientView.identity: the same API key, or with
 same peer address) can GET it, DELETE it, or continue it; for anyone else it does not exist
 (404, like an unknown, deleted or evicted id). `previous_response_id`: the new conversation is
 the stored one (its input messages and output, not its instructions) followed by the new input,
-so the earlier exchange is a prefix of the new prompt and comes from the radix cache
+(the answer only: reasoning is not carried, as Qwen and DeepSeek advise), so the earlier
+exchange is a prefix of the new prompt and comes from the radix cache
 (usage.input_tokens_details.cached_tokens). A response streaming or failed is not stored.
 
 Refused with a 400 naming the field (responses_schemas.py): tools (other than []), tool_choice
@@ -66,6 +72,7 @@ from radixserve.server.generation import (ClientDisconnected, check_grammars, co
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import RequestMetrics, request_metrics
 from radixserve.server.openai_api import _model_aliases, _raise_if_aborted, render_messages
+from radixserve.server.reasoning import ReasoningSplitter
 from radixserve.server.responses_schemas import ResponseCreateRequest
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import EventStreamResponse, encode_event
@@ -201,6 +208,24 @@ class _Shape:
     req: ResponseCreateRequest
     sampling: SamplingParams
     store: bool
+    parser: Optional[str] = None       # --reasoning-parser for this request (None: no split)
+    msg_id: str = dataclasses.field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    rs_id: str = dataclasses.field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
+
+    def output(self, status: str, text: str) -> List[dict]:
+        """The output items of an output's text: [reasoning item,] message. A reasoning item
+        that its </think> closed is "completed" whatever became of the answer."""
+        if not self.parser:
+            return [_message(self.msg_id, status, [_text_part(text)])]
+        split = ReasoningSplitter(self.parser)
+        reasoning, answer = split.feed(text)
+        closed = split.reasoning_done
+        more_reasoning, more_answer = split.finish()
+        items = [_message(self.msg_id, status, [_text_part(answer + more_answer)])]
+        if split.had_reasoning:
+            items.insert(0, _reasoning_item(self.rs_id, "completed" if closed else status,
+                                            reasoning + more_reasoning))
+        return items
 
     def response(self, status: str, output: List[dict], usage: Optional[dict] = None,
                  error: Optional[dict] = None, incomplete: Optional[dict] = None) -> dict:
@@ -233,6 +258,15 @@ def _message(msg_id: str, status: str, content: List[dict]) -> dict:
             "content": content}
 
 
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
+def _reasoning_item(rs_id: str, status: str, text: str) -> dict:
+    return {"id": rs_id, "type": "reasoning", "status": status, "summary": [],
+            "content": [_reasoning_part(text)]}
+
+
 def _usage(result: P.SeqResult) -> dict:
     u = P.usage_dict([result], 1)
     return {"input_tokens": u["prompt_tokens"],
@@ -249,14 +283,16 @@ def _ending(result: P.SeqResult) -> tuple:
     return "completed", None
 
 
-def _finish(shape: _Shape, result: P.SeqResult, msg_id: str, store: ResponseStore, owner: str,
+def _finish(shape: _Shape, result: P.SeqResult, store: ResponseStore, owner: str,
             conversation: List[dict]) -> dict:
-    """The final Response object of a finished sequence, stored when asked."""
+    """The final Response object of a finished sequence, stored when asked (the answer joins
+    the conversation; the reasoning does not)."""
     status, incomplete = _ending(result)
-    message = _message(msg_id, status, [_text_part(result.text)])
-    response = shape.response(status, [message], _usage(result), incomplete=incomplete)
+    output = shape.output(status, result.text)
+    response = shape.response(status, output, _usage(result), incomplete=incomplete)
     if shape.store:
-        full = conversation + [{"role": "assistant", "content": result.text}]
+        answer = output[-1]["content"][0]["text"]
+        full = conversation + [{"role": "assistant", "content": answer}]
         chars = _chars(full) + len(shape.req.instructions or "") + len(result.text)
         if not store.put(shape.rid, owner, response, full, chars):
             logger.warning("response %s not stored: %d characters exceed the store's %d",
@@ -296,11 +332,12 @@ async def create_response(request: Request, engine) -> Response:
     except ApiError as e:           # the only grammar source here
         e.param = "text.format.schema" if sampling.json_schema else "text.format"
         raise
+    parser = getattr(engine.server_args, "reasoning_parser", "none")
     shape = _Shape(rid, int(time.time()), engine.served_model_name, req, sampling,
-                   store=req.store is not False)
-    msg_id = f"msg_{uuid.uuid4().hex}"
+                   store=req.store is not False,
+                   parser=None if parser in (None, "none") or sampling.grammar_key else parser)
     if stream:
-        return EventStreamResponse(_response_events(engine, shape, reqs, prompt_ids, msg_id, store,
+        return EventStreamResponse(_response_events(engine, shape, reqs, prompt_ids, store,
                                                     conversation, request_metrics(request)))
     result = P.SeqResult(0, prompt_ids)
     try:
@@ -308,7 +345,7 @@ async def create_response(request: Request, engine) -> Response:
     except ClientDisconnected:
         return Response(status_code=499)
     _raise_if_aborted([result])
-    return JSONResponse(_finish(shape, result, msg_id, store, engine.identity, conversation))
+    return JSONResponse(_finish(shape, result, store, engine.identity, conversation))
 
 
 def _event(seq: "itertools.count", obj: dict) -> bytes:
@@ -316,44 +353,131 @@ def _event(seq: "itertools.count", obj: dict) -> bytes:
     return b"event: " + obj["type"].encode() + b"\n" + encode_event(obj)
 
 
+class _StreamedItems:
+    """A stream's output items as typed events. An item (the reasoning, then the message) is
+    announced (output_item.added, content_part.added) with its first text, or at once for the
+    message of a request without a reasoning parser; each piece of text is a delta event of the
+    open item; an item is closed (text done, content_part.done, output_item.done) when the next
+    starts or by close() at the end, which makes sure the message was announced."""
+
+    def __init__(self, seq: "itertools.count", shape: _Shape):
+        self._seq, self._shape = seq, shape
+        self._kind: Optional[str] = None        # "reasoning" or "message" while one is open
+        self._started: set = set()              # kinds announced so far
+        self._index = -1
+        self._text = ""                         # the open item's text so far
+
+    def reasoning(self, piece: str) -> List[bytes]:
+        return self._piece("reasoning", piece)
+
+    def answer(self, piece: str) -> List[bytes]:
+        return self._piece("message", piece)
+
+    def close(self, output: List[dict]) -> List[bytes]:
+        """Close the open items with their final forms from the response's output (announcing
+        the message first if the output ended before its answer began)."""
+        events: List[bytes] = []
+        if self._kind == "reasoning":
+            events += self._done(output[self._index])
+            self._kind = None
+        if self._kind is None:
+            events += self._start("message")
+        return events + self._done(output[self._index])
+
+    def _piece(self, kind: str, piece: str) -> List[bytes]:
+        events: List[bytes] = []
+        if kind in self._started and kind != self._kind:
+            return events                       # an item closed earlier: nothing reopens it
+        if self._kind != kind:
+            if self._kind is not None:
+                events += self._done(self._item("completed", self._text))
+            events += self._start(kind)
+        if piece:
+            self._text += piece
+            kind_text = "reasoning_text" if kind == "reasoning" else "output_text"
+            events.append(self._event({"type": f"response.{kind_text}.delta", **self._where(),
+                                       "delta": piece, **self._logprobs()}))
+        return events
+
+    def _start(self, kind: str) -> List[bytes]:
+        self._kind, self._index, self._text = kind, self._index + 1, ""
+        self._started.add(kind)
+        empty = self._item("in_progress", "")
+        part = empty["content"][0] if kind == "reasoning" else _text_part("")
+        empty["content"] = []
+        return [self._event({"type": "response.output_item.added", "output_index": self._index,
+                             "item": empty}),
+                self._event({"type": "response.content_part.added", **self._where(),
+                             "part": part})]
+
+    def _done(self, item: dict) -> List[bytes]:
+        kind_text = "reasoning_text" if self._kind == "reasoning" else "output_text"
+        part = item["content"][0]
+        return [self._event({"type": f"response.{kind_text}.done", **self._where(),
+                             "text": part["text"], **self._logprobs()}),
+                self._event({"type": "response.content_part.done", **self._where(),
+                             "part": part}),
+                self._event({"type": "response.output_item.done", "output_index": self._index,
+                             "item": item})]
+
+    def _item(self, status: str, text: str) -> dict:
+        if self._kind == "reasoning":
+            return _reasoning_item(self._shape.rs_id, status, text)
+        return _message(self._shape.msg_id, status, [_text_part(text)])
+
+    def _where(self) -> dict:
+        item_id = self._shape.rs_id if self._kind == "reasoning" else self._shape.msg_id
+        return {"item_id": item_id, "output_index": self._index, "content_index": 0}
+
+    def _logprobs(self) -> dict:
+        return {"logprobs": []} if self._kind == "message" else {}
+
+    def _event(self, obj: dict) -> bytes:
+        return _event(self._seq, obj)
+
+
 async def _response_events(engine, shape: _Shape, reqs: Sequence[GenerateReqInput],
-                           prompt_ids: List[int], msg_id: str, store: ResponseStore,
+                           prompt_ids: List[int], store: ResponseStore,
                            conversation: List[dict],
                            metrics: Optional[RequestMetrics] = None) -> AsyncIterator[bytes]:
     seq = itertools.count()
-    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+    items = _StreamedItems(seq, shape)
+    split = ReasoningSplitter(shape.parser) if shape.parser else None
     result = P.SeqResult(0, prompt_ids)
     yield _event(seq, {"type": "response.created", "response": shape.response("in_progress", [])})
     yield _event(seq, {"type": "response.in_progress", "response": shape.response("in_progress", [])})
-    yield _event(seq, {"type": "response.output_item.added", "output_index": 0,
-                       "item": _message(msg_id, "in_progress", [])})
-    yield _event(seq, {"type": "response.content_part.added", **where, "part": _text_part("")})
+    for event in ([] if split else items.answer("")):   # no reasoning: the message at once
+        yield event
     generations = merge_generations(engine, reqs, metrics)
     try:
         async for _, out in generations:
             result.feed(out)
             _raise_if_aborted([result])
-            if out.text_delta:
-                yield _event(seq, {"type": "response.output_text.delta", **where,
-                                   "delta": out.text_delta, "logprobs": []})
+            reasoning, answer = split.feed(out.text_delta) if split else ("", out.text_delta)
+            if out.finished and split:
+                more_reasoning, more_answer = split.finish()
+                reasoning, answer = reasoning + more_reasoning, answer + more_answer
+            if reasoning or (split is not None and split.had_reasoning):
+                for event in items.reasoning(reasoning):    # announced once, even if empty
+                    yield event
+            if answer:
+                for event in items.answer(answer):
+                    yield event
     except Exception as e:  # noqa: BLE001 - the headers are out; tell the client in-band
         if not isinstance(e, ApiError):
             logger.exception("error while streaming response %s", shape.rid)
             e = ApiError(f"internal server error: {type(e).__name__}: {e}", 500)
         code = "server_error" if e.status >= 500 else "invalid_prompt"
         yield _event(seq, {"type": "error", "code": code, "message": e.message, "param": e.param})
-        partial = _message(msg_id, "incomplete", [_text_part(result.text)])
         yield _event(seq, {"type": "response.failed", "response": shape.response(
-            "failed", [partial], _usage(result), error={"code": code, "message": e.message})})
+            "failed", shape.output("incomplete", result.text), _usage(result),
+            error={"code": code, "message": e.message})})
         return
     finally:
         await generations.aclose()
-    response = _finish(shape, result, msg_id, store, engine.identity, conversation)
-    message = response["output"][0]
-    yield _event(seq, {"type": "response.output_text.done", **where, "text": result.text,
-                       "logprobs": []})
-    yield _event(seq, {"type": "response.content_part.done", **where, "part": message["content"][0]})
-    yield _event(seq, {"type": "response.output_item.done", "output_index": 0, "item": message})
+    response = _finish(shape, result, store, engine.identity, conversation)
+    for event in items.close(response["output"]):
+        yield event
     final = "response.completed" if response["status"] == "completed" else "response.incomplete"
     yield _event(seq, {"type": final, "response": response})
 
