@@ -1114,3 +1114,79 @@ def test_no_backend_is_an_error():
             _qa.run(q="x")
     finally:
         sgl.set_default_backend(previous)
+
+
+# =========================================================================== separate_reasoning
+
+def test_separate_reasoning_splits_the_variable_and_keeps_the_text():
+    """SGLang's sgl.separate_reasoning: s[name] becomes the answer, s[name +
+    "_reasoning_content"] the <think> block; the state's text keeps what the model wrote; a
+    read of either waits for the split (never sees the raw generation)."""
+    release = threading.Event()
+    raw = "<think>\n2 + 2 is 4.\n</think>\n\nFour."
+
+    def reply(text, params):
+        assert release.wait(timeout=GUARD_S)
+        return raw
+
+    @function
+    def prog(s):
+        s += sgl.user("2 + 2?")
+        s += sgl.assistant(sgl.separate_reasoning(sgl.gen("answer"), model_type="qwen3"))
+
+    be = FakeBackend(reply, model_info={"model_path": "x", "chat_template": CHATML})
+    state = prog.run(backend=be)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(state["answer_reasoning_content"]))
+    reader.start()
+    release.set()
+    reader.join(GUARD_S)
+    assert got == ["2 + 2 is 4."]
+    assert state["answer"] == "Four."
+    assert state.text().endswith(IM.format("assistant", raw))
+    # n > 1 splits each sample; a gen without reasoning gives None
+    be = FakeBackend(lambda text, params: ["<think>a</think>A", "B"])
+
+    @function
+    def many(s):
+        s += sgl.separate_reasoning(sgl.gen("x", n=2), model_type="qwen3")
+
+    state = many.run(backend=be)
+    assert state["x"] == ["A", "B"] and state["x_reasoning_content"] == ["a", None]
+
+
+def test_separate_reasoning_needs_a_known_model_type():
+    with pytest.raises(ValueError, match="deepseek-r1"):
+        sgl.separate_reasoning(sgl.gen("x"))
+    assert "separate_reasoning" in sgl.__all__
+
+
+def test_a_read_of_the_separated_variable_waits_for_the_split(monkeypatch):
+    """While the split runs, a reader of s[name] is held back, so it gets the answer, never the
+    raw generation that the gen stored just before."""
+    from radixserve.server import reasoning
+
+    splitting, go = threading.Event(), threading.Event()
+    real = reasoning.split_reasoning
+
+    def slow_split(text, parser):
+        splitting.set()
+        assert go.wait(timeout=GUARD_S)
+        return real(text, parser)
+
+    monkeypatch.setattr(reasoning, "split_reasoning", slow_split)
+
+    @function
+    def prog(s):
+        s += sgl.separate_reasoning(sgl.gen("x"), model_type="qwen3")
+
+    state = prog.run(backend=FakeBackend(lambda text, params: "<think>r</think>A"))
+    assert splitting.wait(timeout=GUARD_S)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(state["x"]))
+    reader.start()
+    reader.join(timeout=0.2)
+    held = reader.is_alive()
+    go.set()
+    reader.join(GUARD_S)
+    assert held and got == ["A"]

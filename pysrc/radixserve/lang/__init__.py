@@ -17,8 +17,8 @@ and its executor), backend (RuntimeEndpoint, EngineBackend), roles (chat-templat
 choices (select's methods), ir (the expressions).
 """
 from radixserve.lang.api import (assistant, assistant_begin, assistant_end, gen, gen_int,
-                                 gen_string, image, select, system, system_begin, system_end,
-                                 user, user_begin, user_end)
+                                 gen_string, image, select, separate_reasoning, system,
+                                 system_begin, system_end, user, user_begin, user_end)
 from radixserve.lang.backend import Backend, BackendError, EngineBackend, RuntimeEndpoint
 from radixserve.lang.choices import (greedy_token_selection, token_length_normalized,
                                      unconditional_likelihood_normalized)
@@ -37,7 +37,7 @@ def get_server_info(backend: Backend = None) -> dict:
 
 
 __all__ = ["assistant", "assistant_begin", "assistant_end", "gen", "gen_int", "gen_string",
-           "image", "select", "system", "system_begin", "system_end", "user", "user_begin",
+           "image", "select", "separate_reasoning", "system", "system_begin", "system_end", "user", "user_begin",
            "user_end", "Backend", "BackendError", "EngineBackend", "RuntimeEndpoint",
            "greedy_token_selection", "token_length_normalized",
            "unconditional_likelihood_normalized", "ProgramGroup", "ProgramState", "Program",

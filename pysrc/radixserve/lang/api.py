@@ -106,6 +106,22 @@ def assistant_end() -> ir.Expr:
     return ir.RoleEnd("assistant")
 
 
+def separate_reasoning(expr: Optional[ir.Expr] = None,
+                       model_type: Optional[str] = None) -> ir.Expr:
+    """expr (a gen, or expressions holding gens), then each of its named variables split as
+    the server's --reasoning-parser `model_type` splits (qwen3, deepseek-r1, qwen3-thinking):
+    s[name] is the answer and s[name + "_reasoning_content"] the reasoning (None when the
+    output had no reasoning block)."""
+    from radixserve.server.reasoning import PARSERS
+
+    if model_type not in PARSERS:
+        raise ValueError(f"separate_reasoning(model_type={model_type!r}): choose one of "
+                         f"{', '.join(sorted(PARSERS))}")
+    expr = ir.as_expr(expr)
+    names = [e.name for e in ir.flatten(expr) if isinstance(e, ir.Gen) and e.name is not None]
+    return ir.ExprList([expr, ir.SeparateReasoning(model_type, names)])
+
+
 def image(path: str) -> ir.Expr:
     """An image. The models radixserve serves read text only, so running it raises ValueError
     saying so."""

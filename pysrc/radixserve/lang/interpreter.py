@@ -50,6 +50,7 @@ class Executor:
         self._role: Optional[str] = None
         self._role_begin = 0
         self._role_suffix = ""
+        self._rewritten: set = set()                   # set by separate_reasoning, not by gen
         self._changed = threading.Condition()          # streaming readers wait on it
         self._finished = False
         self._ended = False
@@ -184,6 +185,7 @@ class Executor:
                 self._queue.task_done()
 
     def _execute(self, expr: ir.Expr) -> None:
+        self._rewritten = set(ir.separated_names(expr))   # their values are final only later
         for leaf in ir.flatten(expr):
             if isinstance(leaf, ir.Text):
                 self.text_ += leaf.value
@@ -199,6 +201,8 @@ class Executor:
                 for child in leaf.children:
                     child.sync()
                     self.text_ += child.text_[child.fork_start:]
+            elif isinstance(leaf, ir.SeparateReasoning):
+                self._separate_reasoning(leaf)
             elif isinstance(leaf, ir.Image):
                 raise ValueError(f"image({leaf.path!r}): the served model reads text only; "
                                  "radixserve serves no vision model")
@@ -208,7 +212,8 @@ class Executor:
     def _set(self, name: str, value: Any, meta: Any) -> None:
         self.variables[name] = value
         self.meta_info[name] = meta
-        self.done[name].set()
+        if name not in self._rewritten:
+            self.done[name].set()
 
     def _gen(self, expr: ir.Gen) -> None:
         params = expr.params.over(self.defaults)
@@ -238,6 +243,25 @@ class Executor:
         else:
             self.text_ += text
             self._set(name, ir.dtype_value(params.dtype, text), meta)
+
+    def _separate_reasoning(self, expr: ir.SeparateReasoning) -> None:
+        from radixserve.server.reasoning import split_reasoning
+
+        for name in expr.names:
+            value = self.variables.get(name)
+            if isinstance(value, str):
+                reasoning, answer = split_reasoning(value, expr.parser)
+            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+                splits = [split_reasoning(v, expr.parser) for v in value]   # n > 1
+                reasoning, answer = [r for r, _ in splits], [a for _, a in splits]
+            else:                                 # a typed value (dtype): no text to split
+                reasoning, answer = None, value
+            with self._changed:
+                self.variables[name] = answer
+                self.variables[f"{name}_reasoning_content"] = reasoning
+                self.done.setdefault(name, threading.Event()).set()
+                self.done.setdefault(f"{name}_reasoning_content", threading.Event()).set()
+                self._changed.notify_all()
 
     def _select(self, expr: ir.Select) -> None:
         if expr.temperature > 1e-5:

@@ -155,6 +155,15 @@ class Image(Expr):
 
 
 @dataclass
+class SeparateReasoning(Expr):
+    """After the gens named in `names` ran: each variable's <think> block moves to
+    `<name>_reasoning_content` and the variable keeps the answer (server/reasoning.py's split
+    under `parser`). The state's text keeps what the model wrote."""
+    parser: str
+    names: List[str]
+
+
+@dataclass
 class ExprList(Expr):
     items: List[Expr]
 
@@ -182,5 +191,17 @@ def flatten(expr: Expr) -> Sequence[Expr]:
 
 
 def variable_names(expr: Expr) -> List[str]:
-    """The variables expr will set (named gens and selects)."""
-    return [e.name for e in flatten(expr) if isinstance(e, (Gen, Select)) and e.name is not None]
+    """The variables expr will set (named gens and selects, and the reasoning variables of
+    separate_reasoning)."""
+    names = []
+    for e in flatten(expr):
+        if isinstance(e, (Gen, Select)) and e.name is not None:
+            names.append(e.name)
+        elif isinstance(e, SeparateReasoning):
+            names += [f"{name}_reasoning_content" for name in e.names]
+    return names
+
+
+def separated_names(expr: Expr) -> List[str]:
+    """The variables a separate_reasoning in expr rewrites (read only after it ran)."""
+    return [name for e in flatten(expr) if isinstance(e, SeparateReasoning) for name in e.names]
