@@ -116,8 +116,6 @@ REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     "--config": "flags are read from the command line only (no YAML config file)",
     "--skip-server-warmup": _NO_WARMUP,
     "--warmups": _NO_WARMUP,
-    "--tool-call-parser": "tool calls are read as the JSON inside <tool_call> tags (Hermes/Qwen "
-                          "style); no other parser yet",
     "--enable-cache-report": "cached prompt tokens are always reported "
                              "(usage.prompt_tokens_details.cached_tokens); drop the flag",
     "--allow-auto-truncate": "a prompt longer than the context is refused with a 400 (a request "
@@ -252,6 +250,11 @@ class ServerArgs:
         "qwen3 when the output opens with <think>; deepseek-r1 and qwen3-thinking when the "
         "output starts inside the reasoning (the template opened it); none: no split",
         choices=("none", "deepseek-r1", "qwen3", "qwen3-thinking"))
+    tool_call_parser: str = _flag(
+        "hermes", "how the model writes tool calls (the chat routes' tools): hermes (= qwen25): "
+        "<tool_call>{\"name\", \"arguments\"}</tool_call> blocks (Hermes, Qwen2.5, Qwen3, "
+        "SmolLM2); llama3 (= llama3_json): bare {\"name\", \"parameters\"} objects joined by "
+        "\"; \" (Llama 3.1-3.3)", choices=("hermes", "qwen25", "llama3", "llama3_json"))
     # server
     host: str = _flag("127.0.0.1", "address the HTTP server binds (0.0.0.0: every interface)",
                       metavar="ADDR", group="server")

@@ -107,6 +107,7 @@ async def render_messages(engine, messages: List[dict], add_generation_prompt: b
 class _Tools:
     """A chat's tools as this request uses them (server/tool_calls.py)."""
     functions: List[dict]          # [] when tool_choice is none or there are no tools
+    fmt: T.ToolFormat              # the wire format (--tool-call-parser)
     messages: List[dict]           # what the template renders
     template_tools: Optional[list]  # tools handed to a template that renders them itself
     free_start: bool = True        # the tool grammar (if any) leaves the output's start free
@@ -119,7 +120,8 @@ class _Tools:
 def _chat_tools(engine, body: dict, req: P.ChatRequest) -> _Tools:
     """Validate tools / tool_choice; the tool grammar goes into req.sampling."""
     functions, choice = T.check_tools(req.tools, body.get("tool_choice"))
-    grammar = T.tool_grammar(functions, choice, parallel=req.parallel_tool_calls)
+    fmt = T.get_format(getattr(engine.server_args, "tool_call_parser", None))
+    grammar = fmt.grammar(functions, choice, parallel=req.parallel_tool_calls)
     if grammar is not None:
         if req.sampling.grammar_key is not None:
             raise bad_request("tools (with tool_choice other than none) cannot be combined with "
@@ -128,7 +130,7 @@ def _chat_tools(engine, body: dict, req: P.ChatRequest) -> _Tools:
         req.sampling = dataclasses.replace(req.sampling, structural_tag=grammar)
     used = functions if choice != "none" else []
     knows = engine.tokenizer.template_handles_tools
-    return _Tools(used, T.messages_for_template(req.messages, used, knows),
+    return _Tools(used, fmt, T.messages_for_template(req.messages, used, knows, fmt),
                   req.tools if (knows and used) else None, free_start=choice in ("auto", "none"))
 
 
@@ -153,11 +155,11 @@ def _with_reasoning(response: dict, parser: str) -> dict:
     return response
 
 
-def _with_tool_calls(response: dict) -> dict:
-    """Turn <tool_call> blocks of each choice's content into message.tool_calls."""
+def _with_tool_calls(response: dict, fmt: T.ToolFormat) -> dict:
+    """Turn the calls in each choice's content into message.tool_calls."""
     for choice in response["choices"]:
         msg = choice["message"]
-        content, calls = T.parse_tool_calls(msg["content"] or "")
+        content, calls = fmt.parse(msg["content"] or "")
         if calls:
             msg["content"], msg["tool_calls"] = content, calls
             choice["finish_reason"] = "tool_calls"
@@ -186,7 +188,7 @@ async def chat_completions(request: Request, engine) -> Response:
     if req.stream:
         return EventStreamResponse(_stream_errors_as_events(
             _chat_events(engine, rid, created, model, req, reqs, prompt_ids,
-                         request_metrics(request), tools.active, parser)))
+                         request_metrics(request), tools.fmt if tools.active else None, parser)))
     results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
     try:
         await collect(engine, reqs, results, request.receive, request_metrics(request))
@@ -197,7 +199,7 @@ async def chat_completions(request: Request, engine) -> Response:
                                req.top_logprobs, engine.tokenizer.token_text, req.extras)
     if parser is not None:
         response = _with_reasoning(response, parser)
-    return JSONResponse(_with_tool_calls(response) if tools.active else response)
+    return JSONResponse(_with_tool_calls(response, tools.fmt) if tools.active else response)
 
 
 def _logprob_args(logprobs: bool, top: int, echo_logprobs: bool, extras: P.OutputExtras,
@@ -217,14 +219,16 @@ def _logprob_args(logprobs: bool, top: int, echo_logprobs: bool, extras: P.Outpu
 class _ChoiceText:
     """One streamed choice's text: the model's text deltas -> (reasoning, content) pieces to
     send now. With a reasoning parser the <think> block goes to reasoning (held until it ends
-    when stream_reasoning is false); with tools, <tool_call> blocks are cut out of the content
-    and parsed at the end. finish() -> (reasoning, content, tool calls) held back."""
+    when stream_reasoning is false); with tools, the calls (in the --tool-call-parser format)
+    are cut out of the content and parsed at the end. finish() -> (reasoning, content, tool
+    calls) held back."""
 
-    def __init__(self, parser: Optional[str], stream_reasoning: bool, with_tools: bool):
+    def __init__(self, parser: Optional[str], stream_reasoning: bool,
+                 tools: Optional[T.ToolFormat]):
         self._split = ReasoningSplitter(parser) if parser else None
         self._stream_reasoning = stream_reasoning
         self._held_reasoning = ""
-        self._tools = T.ToolCallStream() if with_tools else None
+        self._tools = T.ToolCallStream(tools) if tools is not None else None
 
     def feed(self, text: str) -> Tuple[str, str]:
         if self._split is None:
@@ -256,12 +260,13 @@ class _ChoiceText:
 
 async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRequest,
                        reqs: Sequence[GenerateReqInput], prompt_ids: List[int],
-                       metrics: Optional[RequestMetrics] = None, with_tools: bool = False,
+                       metrics: Optional[RequestMetrics] = None,
+                       tools: Optional[T.ToolFormat] = None,
                        reasoning_parser: Optional[str] = None) -> AsyncIterator[bytes]:
     results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
     usage_null = req.include_usage
     ex = req.extras
-    texts = [_ChoiceText(reasoning_parser, req.stream_reasoning, with_tools) for _ in reqs]
+    texts = [_ChoiceText(reasoning_parser, req.stream_reasoning, tools) for _ in reqs]
 
     def usage(i: int) -> Optional[dict]:          # continuous_usage_stats: on every chunk
         return P.seq_usage(results[i]) if ex.continuous_usage else None
