@@ -120,9 +120,9 @@ def test_unknown_architecture_names_supported(tmp_path):
 
 
 def test_unsupported_rope_scaling(tmp_path):
-    cfg = {**TINY_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    cfg = {**TINY_CONFIG, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="longrope"):
         _load(tmp_path, "dummy")
 
 

@@ -4,7 +4,8 @@
     all 8 run as ONE batch through our ForwardBatch path (batched prefill, batched decode), equals
     HF generate(do_sample=False) run per prompt on the GGUF; prefill logits close to HF's.
 (b) Tiny random Llama (llama3 rope scaling, GQA), Qwen2 (qkv bias, tied embeddings), Mistral
-    (head_dim != hidden / heads) and Qwen3 (per-head q/k norms, head_dim != hidden / heads)
+    (head_dim != hidden / heads) and Qwen3 (per-head q/k norms, head_dim != hidden / heads; also
+    with YaRN rope scaling)
     checkpoints written by transformers and read by our loader:
     logits within 1e-4 for a 2-request prefill of different lengths, a chunked prefill (second
     extend over a cached prefix) and decode steps.
@@ -202,8 +203,21 @@ def _tiny_qwen3():
     return Qwen3ForCausalLM(cfg)
 
 
+def _tiny_qwen3_yarn():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # YaRN over a pretraining length of 32: the chunked test's positions 32..89 are beyond it,
+    # and cos/sin carry the attention factor 0.1 ln 4 + 1
+    cfg = Qwen3Config(vocab_size=103, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 32})
+    return Qwen3ForCausalLM(cfg)
+
+
 TINY = {"llama3": _tiny_llama, "qwen2": _tiny_qwen2, "mistral": _tiny_mistral,
-        "qwen3": _tiny_qwen3}
+        "qwen3": _tiny_qwen3, "qwen3_yarn": _tiny_qwen3_yarn}
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))
@@ -235,6 +249,8 @@ def test_tiny_config_read(tiny_pair):
     assert config.architecture == type(hf).__name__
     if config.architecture == "LlamaForCausalLM":
         assert config.rope_scaling["rope_type"] == "llama3"
+    if config.rope_scaling and config.rope_scaling.get("rope_type") == "yarn":
+        assert config.rope_scaling["original_max_position_embeddings"] == 32
 
 
 def test_tiny_batched_prefill_two_lengths(tiny_pair):
