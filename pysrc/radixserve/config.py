@@ -238,8 +238,9 @@ class ServerArgs:
         "auto", "device of the forward; auto: cuda when a GPU is visible, else cpu",
         choices=("auto", "cpu", "cuda"))
     context_length: Optional[int] = _flag(
-        None, "most tokens (prompt + output) of one sequence; default: the model's "
-        "max_position_embeddings", metavar="TOKENS")
+        None, "most tokens (prompt + output) of one sequence; default and upper bound: the "
+        "model's max_position_embeddings (with yarn rope scaling: the pretraining length x its "
+        "factor, when larger)", metavar="TOKENS")
     chat_template: Optional[str] = _flag(
         None, "chat template of the chat routes, replacing the model's: the path of a Jinja file, "
         "or the Jinja text itself (it holds {{ or {%); SGLang's built-in template names are not "
@@ -534,6 +535,11 @@ class ModelConfig:
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) == "yarn" \
+                and not rope_scaling.get("original_max_position_embeddings"):
+            # as HF reads it: yarn's pretraining length defaults to max_position_embeddings
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings":
+                            cfg.get("max_position_embeddings", 4096)}
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -553,6 +559,17 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             hf_config=cfg,
         )
+
+    @property
+    def max_context(self) -> int:
+        """Positions the model's rope table covers: max_position_embeddings, or what yarn rope
+        scaling extends the pretraining length to (original_max_position_embeddings x factor),
+        whichever is larger. The default --context-length, and its upper bound."""
+        rs = self.rope_scaling or {}
+        if (rs.get("rope_type") or rs.get("type")) == "yarn" and rs.get("factor"):
+            original = rs.get("original_max_position_embeddings") or self.max_position_embeddings
+            return max(self.max_position_embeddings, int(original * float(rs["factor"])))
+        return self.max_position_embeddings
 
     @classmethod
     def from_path(cls, model_path: str) -> "ModelConfig":

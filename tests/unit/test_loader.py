@@ -247,3 +247,27 @@ def test_default_conversion_matches_gguf_tensors(default_model_path, default_ggu
             if heads is not None:
                 expected = unpermute(expected, heads)
             assert torch.equal(f.get_tensor(hf_name), expected), hf_name
+
+
+def test_yarn_extends_the_context_and_longer_requests_are_refused():
+    from radixserve.config import ModelConfig
+    from radixserve.engine.async_engine import check_context_length
+
+    qwen3 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+             "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+             "max_position_embeddings": 40960}
+    plain = ModelConfig.from_dict(qwen3)
+    assert plain.max_context == 40960 and check_context_length(None, plain) == 40960
+    yarn = ModelConfig.from_dict({**qwen3, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})
+    assert yarn.max_context == 131072 and check_context_length(100000, yarn) == 100000
+    with pytest.raises(ValueError, match="--context-length 131073 exceeds the model's 131072"):
+        check_context_length(131073, yarn)
+    with pytest.raises(ValueError, match="exceeds"):
+        check_context_length(40961, plain)
+    # without original_max_position_embeddings, yarn's pretraining length is the config's
+    bare = ModelConfig.from_dict({**qwen3, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+    assert bare.rope_scaling["original_max_position_embeddings"] == 40960
+    assert bare.max_context == 81920
+    table = build_cos_sin_cache(8, bare.max_context, 10000.0, bare.rope_scaling)
+    assert table.shape == (81920, 8) and torch.isfinite(table).all()

@@ -81,6 +81,16 @@ def freeze_startup_objects() -> tuple:
     return before
 
 
+def check_context_length(requested: Optional[int], model_config: ModelConfig) -> int:
+    """--context-length, or by default the model's max_context; ValueError beyond it (the rope
+    table has no rows for later positions)."""
+    limit = model_config.max_context
+    if requested is not None and requested > limit:
+        raise ValueError(f"--context-length {requested} exceeds the model's {limit} positions "
+                         f"(max_position_embeddings, or what its rope scaling extends it to)")
+    return requested or limit
+
+
 class AsyncEngine:
     def __init__(self, server_args: ServerArgs):
         """Blocking: resolves the model, loads tokenizer, config, weights, KV pool, scheduler."""
@@ -98,7 +108,7 @@ class AsyncEngine:
             self.tokenizer.set_chat_template(chat_template)
         self.served_model_name = (server_args.served_model_name
                                   or os.path.basename(os.path.normpath(self.model_path)))
-        self.context_len = server_args.context_length or self.model_config.max_position_embeddings
+        self.context_len = check_context_length(server_args.context_length, self.model_config)
         self.runner = ModelRunner(server_args, self.model_config, self.model_path,
                                   context_len=self.context_len)
         self.scheduler = Scheduler(server_args, self.runner, tokenizer=self.tokenizer,

@@ -455,8 +455,8 @@ class LlamaModel(nn.Module):
                               qk_norm)
             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
-        # [max_position_embeddings, head_dim] float32 = [cos | sin]
-        cache = build_cos_sin_cache(config.head_dim, config.max_position_embeddings,
+        # [max_context, head_dim] float32 = [cos | sin]
+        cache = build_cos_sin_cache(config.head_dim, config.max_context,
                                     config.rope_theta, config.rope_scaling,
                                     device=self.norm.weight.device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)

@@ -123,8 +123,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(server_args.resolved_device())
         self.dtype = server_args.resolved_dtype()
-        self.context_len = context_len or server_args.context_length or \
-            model_config.max_position_embeddings
+        self.context_len = context_len or server_args.context_length or model_config.max_context
         if self.device.type == "cpu" and server_args.cpu_threads:
             torch.set_num_threads(server_args.cpu_threads)
         if self.device.type == "cuda" and self.device.index is None:
