@@ -116,6 +116,11 @@ for stage in "$@"; do
     decode)
       python3 bench/decode_steps.py --preset llama-3.1-8b --out "$OUT/decode-steps-h200.json" \
         2>&1 | tee "$OUT/decode.txt" | tail -30 ;;
+    decodeqwen3)
+      # Qwen3-8B's decode steps: its per-head q/k norms run as two extra norm kernels (and a
+      # copy each) per layer, outside the fused batch-1 paths; ~2 min
+      python3 bench/decode_steps.py --preset qwen3-8b --out "$OUT/decode-steps-qwen3-h200.json" \
+        2>&1 | tee "$OUT/decode-qwen3.txt" | tail -30 ;;
     serving)
       python3 bench/serving.py --preset llama-3.1-8b --compare overlap --dataset random \
         --random-input-len 1024 --random-output-len 1024 --num-prompts 200 --request-rate 16 \
