@@ -216,8 +216,20 @@ def _tiny_qwen3_yarn():
     return Qwen3ForCausalLM(cfg)
 
 
+def _tiny_phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    # q|k|v and gate|up are stored fused in Phi-3 checkpoints
+    cfg = Phi3Config(vocab_size=107, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     original_max_position_embeddings=256, sliding_window=None,
+                     tie_word_embeddings=False, rms_norm_eps=1e-5, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=2)
+    return Phi3ForCausalLM(cfg)
+
+
 TINY = {"llama3": _tiny_llama, "qwen2": _tiny_qwen2, "mistral": _tiny_mistral,
-        "qwen3": _tiny_qwen3, "qwen3_yarn": _tiny_qwen3_yarn}
+        "qwen3": _tiny_qwen3, "qwen3_yarn": _tiny_qwen3_yarn, "phi3": _tiny_phi3}
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))
@@ -346,3 +358,14 @@ def test_cpu_lm_head_in_row_slices_equals_one_gemm(n):
     got = llama._linear_in_row_slices(hidden, weight, llama.CPU_LM_HEAD_ROWS)
     assert got.shape == (n, weight.shape[0])
     torch.testing.assert_close(got, torch.nn.functional.linear(hidden, weight), rtol=1e-5, atol=5e-4)
+
+
+def test_phi3_rope_over_part_of_the_head_is_refused():
+    from radixserve.model.llama import Phi3ForCausalLM
+
+    cfg = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 10, "hidden_size": 16,
+           "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+           "partial_rotary_factor": 0.75}
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+        Phi3ForCausalLM(ModelConfig.from_dict(cfg))
+    assert Phi3ForCausalLM(ModelConfig.from_dict({**cfg, "partial_rotary_factor": 1.0}))

@@ -1,4 +1,5 @@
-"""Llama-family decoder over the paged KV pool: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2, Qwen3.
+"""Llama-family decoder over the paged KV pool: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2, Qwen3,
+Phi-3 / Phi-4.
 
 One file in the gpt-fast spirit: the tensor-parallel linear layers, the attention/MLP blocks,
 the decoder and the architecture registry. Every compute op goes through radixserve.ops, so the
@@ -18,9 +19,10 @@ for attention, intermediate columns for the MLP, vocabulary rows for embedding a
 row-parallel outputs and the vocab-parallel embedding are summed across ranks, LM-head shards
 are gathered. With tp_size 1 (the only size ServerArgs accepts today) no collective runs.
 
-Mistral: HF applies a sliding-window mask when config.sliding_window is set; we attend to the
-whole context, which is identical for every sequence no longer than the window (4096 or more in
-released Mistral checkpoints). Longer contexts would differ from HF.
+Mistral (and Phi-3): HF applies a sliding-window mask when config.sliding_window is set; we
+attend to the whole context, which is identical for every sequence no longer than the window
+(4096 or more in released Mistral checkpoints; 2047 in Phi-3-mini-4k's). Longer contexts would
+differ from HF.
 
 Qwen3 (dense): Llama-shaped without biases, plus an RMSNorm over head_dim applied to every query
 and key head before rope (q_norm / k_norm, one weight [head_dim] each, shared by the heads).
@@ -155,6 +157,17 @@ class ColumnParallelLinear(nn.Module):
         # [sum of local rows, input_size]
         self.weight = _frozen(torch.empty(offset, input_size, dtype=params_dtype))
         self.bias = _frozen(torch.empty(offset, dtype=params_dtype)) if bias else None
+
+    def is_fused(self, name: str, loaded: torch.Tensor) -> bool:
+        """Whether loaded is the whole fused tensor (all logical outputs stacked, as Phi-3's
+        checkpoints store q|k|v and gate|up) rather than one logical output."""
+        return len(self.output_sizes) > 1 and loaded.shape[0] == sum(self.output_sizes) and \
+            (name != "weight" or loaded.dim() == 2)
+
+    def load_fused(self, name: str, loaded: torch.Tensor) -> None:
+        """Load a fused checkpoint tensor: each logical output's rows as its shard."""
+        for shard_id, part in enumerate(loaded.split(self.output_sizes, dim=0)):
+            self.load_weight(name, part, shard_id)
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         dst_offset, src_start, rows = self.shards[shard_id]
@@ -542,7 +555,13 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
                                  f"{type(self).__name__}")
             module_name, param_name = target.rsplit(".", 1)
-            self.get_submodule(module_name).load_weight(param_name, tensor, shard_id)
+            module = self.get_submodule(module_name)
+            if target == name and isinstance(module, ColumnParallelLinear) and \
+                    module.is_fused(param_name, tensor):
+                module.load_fused(param_name, tensor)
+                loaded.update((target, sid) for sid in range(len(module.shards)))
+                continue
+            module.load_weight(param_name, tensor, shard_id)
             loaded.add((target, shard_id))
         return loaded
 
@@ -569,6 +588,22 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         return True
 
 
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-4: Llama-shaped; the checkpoint stores q|k|v and gate|up fused (loaded by
+    splitting, ColumnParallelLinear.load_fused). Rope over part of the head
+    (partial_rotary_factor, Phi-4-mini) and longrope scaling (the 128k variants) are refused;
+    a sliding_window is not applied, as for Mistral (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, params_dtype: torch.dtype = torch.float32,
+                 tp_rank: int = 0, tp_size: int = 1):
+        partial = config.hf_config.get("partial_rotary_factor",
+                                       (config.rope_scaling or {}).get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (rope over the "
+                             f"whole head only)")
+        super().__init__(config, params_dtype, tp_rank, tp_size)
+
+
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense): q_norm / k_norm on every head before rope; biases as attention_bias says
     (false in released checkpoints), on q/k/v and o alike."""
@@ -581,6 +616,7 @@ MODEL_REGISTRY: Dict[str, Type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
