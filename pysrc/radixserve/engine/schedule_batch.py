@@ -35,11 +35,12 @@ class ScheduleBatch:
     offsets: List[int] = field(default_factory=list)
     epochs: List[int] = field(default_factory=list)      # req.epoch when scheduled (jump-forward)
     prompt_lp: List[Optional[Tuple[int, int]]] = field(default_factory=list)
-    new_slots: List[torch.Tensor] = field(default_factory=list)   # per req, [extend_len] int64 CPU
+    # per req, [extend_len] int64 CPU; None in a decode batch, whose slots are decode_slots
+    new_slots: List[Optional[torch.Tensor]] = field(default_factory=list)
     decode_slots: Optional[torch.Tensor] = None                   # decode: all new slots, [B]
     step_input: Optional[StepInput] = None                        # set by Scheduler.schedule()
 
-    def add(self, req: Req, start: int, length: int, slots: torch.Tensor, sample: bool,
+    def add(self, req: Req, start: int, length: int, slots: Optional[torch.Tensor], sample: bool,
             prompt_lp: Optional[Tuple[int, int]] = None, from_device: bool = False) -> None:
         self.reqs.append(req)
         self.extend_starts.append(start)

@@ -52,8 +52,8 @@ class DecodeMixin:
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
         self.req_to_token_pool.write_many(rows, cols, slots)
-        for i, req in enumerate(reqs):
-            batch.add(req, req.kv_len, 1, slots[i:i + 1], sample=True, from_device=True)
+        for req in reqs:                 # the slots travel as one tensor: batch.decode_slots
+            batch.add(req, req.kv_len, 1, None, sample=True, from_device=True)
             req.kv_len += 1
         batch.decode_slots = slots
         self._decay_new_token_ratio()
