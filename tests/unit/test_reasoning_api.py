@@ -111,18 +111,42 @@ def test_reasoning_before_a_tool_call_is_split_and_the_call_parsed():
     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
      "tool_choice": "required"},
 ])
-def test_no_split_when_a_grammar_fixes_the_output_from_its_first_token(extra):
+def test_a_grammar_constrains_the_answer_after_the_reasoning(extra):
+    """response_format and forced tool calls: the request's grammar becomes a structural tag
+    that leaves a <think> block free and constrains what follows (compiled with xgrammar)."""
+    import xgrammar as xgr
+
     from radixserve.server import openai_api, protocol as P
 
     engine, _ = _client("qwen3")
     body = {**CHAT, **extra}
     req = P.parse_chat_request(body)
-    tools = openai_api._chat_tools(engine, body, req)
-    assert openai_api._reasoning_parser(engine, req, tools) is None
-    free = {**CHAT, "tools": extra.get("tools", [])}
-    req = P.parse_chat_request(free)
-    assert openai_api._reasoning_parser(engine, req, openai_api._chat_tools(engine, free, req)) \
-        == "qwen3"
+    openai_api._chat_tools(engine, body, req)
+    before = req.sampling.grammar_key
+    assert openai_api._reasoning_parser(engine, req) == "qwen3"
+    kind, spec = req.sampling.grammar_key
+    assert kind == "structural_tag" and spec != before[1]
+    grammar = xgr.Grammar.from_structural_tag(spec)
+    answer = ('{"x": 1}' if "response_format" in extra
+              else '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+    for text, ok in ((answer, True), ("<think>\nfirst this\n</think>\n\n" + answer, True),
+                     ("<think>no answer</think>\n\nplain words", False), ("plain words", False)):
+        assert xgr.testing._is_grammar_accept_string(grammar, text) is ok, text
+    # separate_reasoning false: no split, the grammar as it was
+    req = P.parse_chat_request({**body, "separate_reasoning": False})
+    openai_api._chat_tools(engine, body, req)
+    key = req.sampling.grammar_key
+    assert openai_api._reasoning_parser(engine, req) is None and req.sampling.grammar_key == key
+
+
+def test_a_structural_tag_of_the_older_form_is_left_unsplit():
+    from radixserve.server import openai_api, protocol as P
+
+    engine, _ = _client("qwen3")
+    old = {"type": "structural_tag", "structures": [], "triggers": []}
+    req = P.parse_chat_request({**CHAT, "structural_tag": old})
+    key = req.sampling.grammar_key
+    assert openai_api._reasoning_parser(engine, req) is None and req.sampling.grammar_key == key
 
 
 def test_chat_template_kwargs_reach_the_template():
@@ -225,3 +249,48 @@ def test_responses_stream_announces_the_items_of_the_final_output(reply, kinds):
     assert added == kinds == [i["type"] for i in final["output"]]
     done = [e["item"] for e in raw if e["type"] == "response.output_item.done"]
     assert done == final["output"]
+
+
+# --------------------------------------------------------------------------- the real model
+
+@pytest.fixture(scope="module")
+def qwen3_parser_client(default_model_path):
+    """The app over an AsyncEngine on the default model with --reasoning-parser qwen3."""
+    from radixserve.config import ServerArgs
+    from radixserve.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(ServerArgs(model_path=default_model_path, device="cpu",
+                                    reasoning_parser="qwen3", max_total_tokens=4096,
+                                    context_length=1024, max_running_requests=4))
+    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+        yield client
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_answer_after_optional_reasoning_on_the_default_model(qwen3_parser_client, stream):
+    """The wrapped grammar compiles against the real tokenizer and the answer it leaves is
+    JSON of the schema (the model may open a <think> block first; its reasoning is split)."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"], "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": "What is 2 plus 3? Reply in JSON."}],
+            "temperature": 0, "max_tokens": 64, "stream": stream,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "sum", "schema": schema}}}
+    r = qwen3_parser_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [e["choices"][0] for e in sse_events(r) if e["choices"]]
+        content = "".join(c["delta"].get("content") or "" for c in chunks)
+        reasoning = "".join(c["delta"].get("reasoning_content") or "" for c in chunks)
+        finish = chunks[-1]["finish_reason"]
+    else:
+        choice = r.json()["choices"][0]
+        content, finish = choice["message"]["content"], choice["finish_reason"]
+        reasoning = choice["message"]["reasoning_content"] or ""
+    assert finish == "stop", (content, reasoning)
+    jsonschema.validate(json.loads(content), schema)
+    assert "<think>" not in content

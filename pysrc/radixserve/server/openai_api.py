@@ -25,7 +25,8 @@ from radixserve.server.generation import (ClientDisconnected, check_grammars, co
                                           expand_requests, merge_generations, off_loop,
                                           validate_all)
 from radixserve.server.metrics import RequestMetrics, request_metrics
-from radixserve.server.reasoning import ReasoningSplitter, split_reasoning
+from radixserve.server.reasoning import (ReasoningSplitter, split_reasoning,
+                                         with_reasoning_grammar)
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
 from radixserve.server import tool_calls as T
@@ -110,7 +111,6 @@ class _Tools:
     fmt: T.ToolFormat              # the wire format (--tool-call-parser)
     messages: List[dict]           # what the template renders
     template_tools: Optional[list]  # tools handed to a template that renders them itself
-    free_start: bool = True        # the tool grammar (if any) leaves the output's start free
 
     @property
     def active(self) -> bool:
@@ -131,19 +131,21 @@ def _chat_tools(engine, body: dict, req: P.ChatRequest) -> _Tools:
     used = functions if choice != "none" else []
     knows = engine.tokenizer.template_handles_tools
     return _Tools(used, fmt, T.messages_for_template(req.messages, used, knows, fmt),
-                  req.tools if (knows and used) else None, free_start=choice in ("auto", "none"))
+                  req.tools if (knows and used) else None)
 
 
-def _reasoning_parser(engine, req: P.ChatRequest, tools: _Tools) -> Optional[str]:
-    """--reasoning-parser for this request, or None: the request asked for no split
-    (separate_reasoning false), or a grammar constrains its output from the first token
-    (response_format, a required or named tool choice: no room for a <think> block)."""
+def _reasoning_parser(engine, req: P.ChatRequest) -> Optional[str]:
+    """--reasoning-parser for this request, or None when the request asked for no split
+    (separate_reasoning false). A grammar of the request (response_format, tools) is wrapped
+    so that it constrains the answer after the reasoning (reasoning.with_reasoning_grammar);
+    one that cannot be wrapped keeps the output as it is, unsplit."""
     parser = getattr(engine.server_args, "reasoning_parser", "none")
     if parser in (None, "none") or not req.separate_reasoning:
         return None
-    from_tools_auto = tools.active and tools.free_start
-    if req.sampling.grammar_key is not None and not from_tools_auto:
+    sampling = with_reasoning_grammar(parser, req.sampling)
+    if sampling is None:
         return None
+    req.sampling = sampling
     return parser
 
 
@@ -171,6 +173,7 @@ async def chat_completions(request: Request, engine) -> Response:
     P.check_model(body, engine.served_model_name, _model_aliases(engine))
     req = P.parse_chat_request(body)
     tools = _chat_tools(engine, body, req)
+    parser = _reasoning_parser(engine, req)
     prompt_ids = P.truncate_prompt(await _render_chat(engine, req, tools),
                                    req.extras.truncate_prompt_tokens)
     P.check_prompt_ids(prompt_ids, engine.model_config.vocab_size, engine.context_len,
@@ -184,7 +187,6 @@ async def chat_completions(request: Request, engine) -> Response:
     await check_grammars(engine, reqs, body)
     created = int(time.time())
     model = engine.served_model_name
-    parser = _reasoning_parser(engine, req, tools)
     if req.stream:
         return EventStreamResponse(_stream_errors_as_events(
             _chat_events(engine, rid, created, model, req, reqs, prompt_ids,

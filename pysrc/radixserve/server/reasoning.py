@@ -15,13 +15,22 @@ The reasoning ends at the first </think>; without one it runs to the end of the 
 answer is then empty). Whitespace around the reasoning and at the start of the answer that
 follows it is dropped. Text that never reaches a reasoning block passes through unchanged.
 
+Under a grammar (response_format, a forced tool call, ...) the reasoning comes first:
+reasoning_grammar wraps the request's grammar into a structural tag that leaves the <think>
+block free (optional for qwen3, from the first token to </think> for the forced parsers) and
+constrains what follows it, as vLLM and SGLang apply structured output to the answer only.
+
 Streaming: ReasoningSplitter.feed(delta) returns what can be sent now; text that may be the
 start of a tag (or whitespace that may end the reasoning) is held back until the next delta
 or finish(). The concatenated pieces equal split_reasoning() of the whole text.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import json
+from typing import TYPE_CHECKING, Optional, Tuple
+
+if TYPE_CHECKING:
+    from radixserve.sampling.params import SamplingParams
 
 START, END = "<think>", "</think>"
 PARSERS = {"qwen3": False, "deepseek-r1": True, "qwen3-thinking": True}
@@ -136,3 +145,52 @@ def split_reasoning(text: str, parser: str) -> Tuple[Optional[str], str]:
     reasoning += more_reasoning
     answer += more_answer
     return (reasoning if splitter.had_reasoning else None), answer
+
+
+# what a model writes between </think> and its answer ("\n\n" for Qwen3), bounded
+_GAP = {"type": "regex", "pattern": r"\s{0,4}"}
+
+
+def _answer_format(kind: str, spec: str) -> Optional[dict]:
+    """A SamplingParams grammar (kind, spec) as a structural-tag format, or None for a spec
+    that is not one (a structural tag in xgrammar's older form, without "format")."""
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": json.loads(spec)}
+    if kind == "regex":
+        return {"type": "regex", "pattern": spec}
+    if kind == "ebnf":
+        return {"type": "grammar", "grammar": spec}
+    tag = json.loads(spec)
+    return tag.get("format") if isinstance(tag, dict) else None
+
+
+def reasoning_grammar(parser: str, kind: str, spec: str) -> Optional[str]:
+    """The structural tag (JSON text) that lets `parser`'s reasoning block run free and
+    constrains the answer after it by (kind, spec); None when the spec cannot be wrapped."""
+    answer = _answer_format(kind, spec)
+    if answer is None:
+        return None
+    free = {"type": "any_text"}
+    if PARSERS[parser]:            # the output starts inside the reasoning
+        fmt = {"type": "sequence", "elements": [
+            {"type": "tag", "begin": "", "content": free, "end": END}, _GAP, answer]}
+    else:                          # an optional <think> block first
+        think = {"type": "tag", "begin": START, "content": free, "end": END}
+        fmt = {"type": "or", "elements": [
+            {"type": "sequence", "elements": [think, _GAP, answer]}, answer]}
+    return json.dumps({"type": "structural_tag", "format": fmt})
+
+
+def with_reasoning_grammar(parser: str, sampling: "SamplingParams") -> Optional["SamplingParams"]:
+    """sampling (SamplingParams) with its grammar wrapped by reasoning_grammar (as a structural
+    tag), sampling itself when it has no grammar, or None when its grammar cannot be wrapped."""
+    import dataclasses
+
+    key = sampling.grammar_key
+    if key is None:
+        return sampling
+    wrapped = reasoning_grammar(parser, *key)
+    if wrapped is None:
+        return None
+    return dataclasses.replace(sampling, json_schema=None, regex=None, ebnf=None,
+                               structural_tag=wrapped)

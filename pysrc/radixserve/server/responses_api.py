@@ -9,8 +9,8 @@ context length), constrained by `text.format` (json_object / json_schema become 
 json_schema grammar as chat's response_format: protocol.json_format_schema, compiled up front by
 generation.check_grammars). The answer is a Response object whose output is one assistant
 message with one output_text part, after a reasoning item (one reasoning_text part) when the
-server runs a --reasoning-parser and the output has a <think> block (server/reasoning.py; not
-under text.format, whose grammar fixes the output from its first token); status "completed", or "incomplete" with
+server runs a --reasoning-parser and the output has a <think> block (server/reasoning.py;
+text.format's grammar then constrains the answer after it); status "completed", or "incomplete" with
 incomplete_details.reason "max_output_tokens" when the output was cut by the token limit (or
 the context). usage: input_tokens (prompt), input_tokens_details.cached_tokens (prompt tokens
 served from the radix cache), output_tokens, total_tokens; cache_write_tokens and
@@ -72,7 +72,7 @@ from radixserve.server.generation import (ClientDisconnected, check_grammars, co
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import RequestMetrics, request_metrics
 from radixserve.server.openai_api import _model_aliases, _raise_if_aborted, render_messages
-from radixserve.server.reasoning import ReasoningSplitter
+from radixserve.server.reasoning import ReasoningSplitter, with_reasoning_grammar
 from radixserve.server.responses_schemas import ResponseCreateRequest
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import EventStreamResponse, encode_event
@@ -191,6 +191,17 @@ def _sampling(req: ResponseCreateRequest) -> SamplingParams:
             raise bad_request(e.message.replace("max_new_tokens", "max_output_tokens", 1),
                               param="max_output_tokens") from None
         raise
+
+
+def _with_reasoning(engine, sampling: SamplingParams) -> tuple:
+    """(sampling, --reasoning-parser or None): a text.format grammar is wrapped to constrain the
+    answer after the reasoning (reasoning.with_reasoning_grammar); without a parser, or with a
+    grammar that cannot be wrapped, the output is not split."""
+    parser = getattr(engine.server_args, "reasoning_parser", "none")
+    if parser in (None, "none"):
+        return sampling, None
+    wrapped = with_reasoning_grammar(parser, sampling)
+    return (sampling, None) if wrapped is None else (wrapped, parser)
 
 
 def _chars(messages: Sequence[dict]) -> int:
@@ -316,6 +327,8 @@ async def create_response(request: Request, engine) -> Response:
         history = previous.conversation
     conversation = history + _input_messages(req.input)
     sampling = _sampling(req)
+    schema_param = "text.format.schema" if sampling.json_schema else "text.format"
+    sampling, parser = _with_reasoning(engine, sampling)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) \
         + conversation
     prompt_ids = await render_messages(engine, messages, param="input")
@@ -330,12 +343,10 @@ async def create_response(request: Request, engine) -> Response:
     try:
         await check_grammars(engine, reqs)
     except ApiError as e:           # the only grammar source here
-        e.param = "text.format.schema" if sampling.json_schema else "text.format"
+        e.param = schema_param
         raise
-    parser = getattr(engine.server_args, "reasoning_parser", "none")
     shape = _Shape(rid, int(time.time()), engine.served_model_name, req, sampling,
-                   store=req.store is not False,
-                   parser=None if parser in (None, "none") or sampling.grammar_key else parser)
+                   store=req.store is not False, parser=parser)
     if stream:
         return EventStreamResponse(_response_events(engine, shape, reqs, prompt_ids, store,
                                                     conversation, request_metrics(request)))
