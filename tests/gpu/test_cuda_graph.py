@@ -1,9 +1,10 @@
 """Decode as CUDA graphs (model/cuda_graph_runner.py) against the eager forward.
 
 A ModelRunner on a random-weight Llama (load_format dummy, weights rescaled so logits are O(1)),
-bf16 and fp16, head_dim 64 and 128, GQA 2, and a Qwen3 (q/k norms) in bf16: requests are prefilled eagerly, then one decode
-batch runs eagerly and through the graph of its bucket (which also runs the decode prologue:
-table writes, kv indices, input ids read from the runner's next_ids). The logits must agree
+bf16 and fp16, head_dim 64 and 128, GQA 2, and a Qwen3 (q/k norms) in bf16: requests are
+prefilled eagerly, then one decode batch runs eagerly and through the graph of its bucket (which
+also runs the decode prologue: table writes, kv indices, input ids read from the runner's
+next_ids). The logits must agree
 (the only difference is the decode kernel's split count, fixed by the graph's KV capacity), a
 padded bucket must write no KV slot but the batch's own and the padding slot 0 and no table row
 but the batch's and the padding row, and the K/V the graph writes must equal the eager step's.

@@ -21,8 +21,8 @@ CASES = [
      "answer"),
     ("deepseek-r1", "no end tag at all", "no end tag at all", ""),
     ("qwen3-thinking", "thinking</think>done </think> twice", "thinking", "done </think> twice"),
-    ("qwen3", "<think>a < b and </thin is not the end</think> ok", "a < b and </thin is not the end",
-     "ok"),
+    ("qwen3", "<think>a < b and </thin is not the end</think> ok",
+     "a < b and </thin is not the end", "ok"),
 ]
 
 

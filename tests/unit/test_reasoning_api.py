@@ -59,8 +59,8 @@ def test_stream_reasoning_false_sends_the_reasoning_in_one_delta():
 def test_separate_reasoning_false_and_no_parser_keep_the_raw_text():
     _, client = _client("qwen3")
     with client:
-        msg = client.post("/v1/chat/completions",
-                          json={**CHAT, "separate_reasoning": False}).json()["choices"][0]["message"]
+        r = client.post("/v1/chat/completions", json={**CHAT, "separate_reasoning": False})
+        msg = r.json()["choices"][0]["message"]
         assert msg["content"] == THOUGHT and "reasoning_content" not in msg
         assert _stream(client, separate_reasoning=False)[:2] == ("", THOUGHT)
     _, client = _client("none")

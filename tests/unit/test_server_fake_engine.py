@@ -44,9 +44,9 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    """Emits self.reply (REPLY unless a test sets it; rotated by the seed) one byte-token per step; honours max_new_tokens,
-    stop strings and logprobs; 'BOOM' in the prompt raises after the first output; 'ABORTME'
-    makes the engine abort the request at its second token; 'HANG'
+    """Emits self.reply (REPLY unless a test sets it; rotated by the seed) one byte-token per
+    step; honours max_new_tokens, stop strings and logprobs; 'BOOM' in the prompt raises after
+    the first output; 'ABORTME' makes the engine abort the request at its second token; 'HANG'
     makes every step sleep 10 ms."""
 
     def __init__(self):

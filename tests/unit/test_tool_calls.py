@@ -44,8 +44,10 @@ LLAMA = [
     # (output, content, [(name, arguments)])
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
      [("get_weather", {"city": "Paris"})]),
-    ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', None, [("add", {"a": 1, "b": 2})]),
-    ('{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name":"get_weather","arguments":{"city":"Oslo"}}',
+    ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', None,
+     [("add", {"a": 1, "b": 2})]),
+    ('{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+     '{"name":"get_weather","arguments":{"city":"Oslo"}}',
      None, [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})]),
     ('I will check. {"name": "get_weather", "parameters": {"city": "Rome"}}', "I will check.",
      [("get_weather", {"city": "Rome"})]),
@@ -58,8 +60,8 @@ HERMES = [
     ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      "Sure.", [("get_weather", {"city": "Paris"})]),
     ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
-    ('{"name": "add", "parameters": {"a": 1, "b": 2}}', '{"name": "add", "parameters": {"a": 1, "b": 2}}',
-     []),                                                  # llama3's form is content here
+    ('{"name": "add", "parameters": {"a": 1, "b": 2}}',     # llama3's form is content here
+     '{"name": "add", "parameters": {"a": 1, "b": 2}}', []),
 ]
 CASES = [("llama3",) + c for c in LLAMA] + [("hermes",) + c for c in HERMES]
 
@@ -114,9 +116,10 @@ def test_calls_render_back_in_the_format_for_templates_without_tools():
                                   '\n</tool_call>')):
         fmt = T.get_format(name)
         out = T.messages_for_template(history, [ADD], False, fmt)
-        assert out[0]["role"] == "system" and fmt.call_text("<function name>", "<arguments object>")\
-            .replace('"<function name>"', "<function name>")\
-            .replace('"<arguments object>"', "<arguments object>") in out[0]["content"]
+        shown = fmt.call_text("<function name>", "<arguments object>") \
+            .replace('"<function name>"', "<function name>") \
+            .replace('"<arguments object>"', "<arguments object>")
+        assert out[0]["role"] == "system" and shown in out[0]["content"]
         assert out[2]["content"] == fmt.joiner.join([text, text])
         assert _calls(fmt.parse(out[2]["content"])[1]) == [("add", {"a": 1, "b": 2})] * 2
     assert T.messages_for_template(history, [ADD], True, T.get_format("llama3")) is history

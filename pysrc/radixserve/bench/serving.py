@@ -534,7 +534,8 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
                         "and stop it afterwards (implied by --preset and --compare)")
     g.add_argument("--preset", default=None, metavar="NAME",
                    help="serve the real shapes of NAME (radixserve bench presets: llama-3.1-8b, "
-                        "llama-3.2-1b, qwen2.5-7b, qwen3-8b, smollm2-135m) with dummy weights; implies --launch")
+                        "llama-3.2-1b, qwen2.5-7b, qwen3-8b, smollm2-135m) with dummy weights; "
+                        "implies --launch")
     g.add_argument("--preset-dir", default=None,
                    help="build the preset here (default: inside the server log directory)")
     g.add_argument("--compare", nargs="?", const="radix", default=None, choices=sorted(COMPARE_SETS),

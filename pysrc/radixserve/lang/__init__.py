@@ -37,7 +37,8 @@ def get_server_info(backend: Backend = None) -> dict:
 
 
 __all__ = ["assistant", "assistant_begin", "assistant_end", "gen", "gen_int", "gen_string",
-           "image", "select", "separate_reasoning", "system", "system_begin", "system_end", "user", "user_begin",
+           "image", "select", "separate_reasoning",
+           "system", "system_begin", "system_end", "user", "user_begin",
            "user_end", "Backend", "BackendError", "EngineBackend", "RuntimeEndpoint",
            "greedy_token_selection", "token_length_normalized",
            "unconditional_likelihood_normalized", "ProgramGroup", "ProgramState", "Program",

@@ -596,8 +596,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, params_dtype: torch.dtype = torch.float32,
                  tp_rank: int = 0, tp_size: int = 1):
+        rope = config.rope_scaling or {}
         partial = config.hf_config.get("partial_rotary_factor",
-                                       (config.rope_scaling or {}).get("partial_rotary_factor", 1.0))
+                                       rope.get("partial_rotary_factor", 1.0))
         if partial not in (None, 1, 1.0):
             raise ValueError(f"partial_rotary_factor {partial} is not supported (rope over the "
                              f"whole head only)")

@@ -87,7 +87,8 @@ def _yarn_inv_freq(head_dim: int, rope_theta: float, scaling: dict,
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
-        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope_theta))
+        turns = original / (rotations * 2 * math.pi)
+        return (head_dim * math.log(turns)) / (2 * math.log(rope_theta))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     if scaling.get("truncate", True):
@@ -95,7 +96,8 @@ def _yarn_inv_freq(head_dim: int, rope_theta: float, scaling: dict,
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    dims = torch.arange(head_dim // 2, dtype=torch.float32)                  # [head_dim // 2]
+    ramp = torch.clamp((dims - low) / (high - low), 0, 1)
     pos_freqs = rope_theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float32) / head_dim)
     extrapolation = 1 - ramp                                                  # [head_dim // 2]
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
@@ -132,5 +134,5 @@ def build_cos_sin_cache(head_dim: int, max_position: int, rope_theta: float,
     cos, sin = freqs.cos(), freqs.sin()
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
-    cache = torch.cat([cos, sin], dim=-1)                                     # [max_position, head_dim]
+    cache = torch.cat([cos, sin], dim=-1)                  # [max_position, head_dim]
     return cache.to(device)

@@ -193,7 +193,7 @@ def _sampling(req: ResponseCreateRequest) -> SamplingParams:
         raise
 
 
-def _with_reasoning(engine, sampling: SamplingParams) -> tuple:
+def _reasoning_sampling(engine, sampling: SamplingParams) -> tuple:
     """(sampling, --reasoning-parser or None): a text.format grammar is wrapped to constrain the
     answer after the reasoning (reasoning.with_reasoning_grammar); without a parser, or with a
     grammar that cannot be wrapped, the output is not split."""
@@ -328,7 +328,7 @@ async def create_response(request: Request, engine) -> Response:
     conversation = history + _input_messages(req.input)
     sampling = _sampling(req)
     schema_param = "text.format.schema" if sampling.json_schema else "text.format"
-    sampling, parser = _with_reasoning(engine, sampling)
+    sampling, parser = _reasoning_sampling(engine, sampling)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) \
         + conversation
     prompt_ids = await render_messages(engine, messages, param="input")
