@@ -75,3 +75,32 @@ def test_the_server_flag_offers_every_parser():
     field = {f.name: f for f in dataclasses.fields(ServerArgs)}["reasoning_parser"]
     assert set(field.metadata["choices"]) == set(PARSERS) | {"none"}
     assert field.default == "none"
+
+
+def test_a_grammar_spec_that_does_not_parse_is_not_wrapped():
+    from radixserve.server.reasoning import reasoning_grammar
+
+    deep = "[" * 100_000 + "]" * 100_000
+    assert reasoning_grammar("qwen3", "json_schema", deep) is None
+    assert reasoning_grammar("qwen3", "structural_tag", "{not json") is None
+    assert reasoning_grammar("qwen3", "json_schema", '{"type": "object"}') is not None
+
+
+@pytest.mark.parametrize("parser, prefix", [("qwen3", "<think>\nhm\n</think>\n\n"),
+                                            ("qwen3", ""), ("deepseek-r1", "hm\n</think>\n\n")])
+def test_wrapped_grammars_constrain_the_answer_after_the_reasoning(parser, prefix):
+    import xgrammar as xgr
+
+    from radixserve.server.reasoning import reasoning_grammar
+
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    for kind, spec, good, bad in (("json_schema", schema, '{"a": 1}', '{"a": "x"}'),
+                                  ("json_schema", schema, '{"a":1}', '{"a":\n\n\n1}'),
+                                  ("regex", "[0-9]{3}", "123", "12a"),
+                                  ("ebnf", 'root ::= "yes" | "no"', "yes", "maybe")):
+        grammar = xgr.Grammar.from_structural_tag(reasoning_grammar(parser, kind, spec))
+        assert xgr.testing._is_grammar_accept_string(grammar, prefix + good), (kind, good)
+        assert not xgr.testing._is_grammar_accept_string(grammar, prefix + bad), (kind, bad)
+    if parser == "deepseek-r1":      # the forced parsers need the reasoning's end first
+        grammar = xgr.Grammar.from_structural_tag(reasoning_grammar(parser, "regex", "[0-9]{3}"))
+        assert not xgr.testing._is_grammar_accept_string(grammar, "123")

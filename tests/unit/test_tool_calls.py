@@ -178,3 +178,42 @@ def test_llama3_calls_are_forced_parsed_and_valid_on_the_default_model(llama3_cl
     assert fn["name"] in ("add", "get_weather") and (isinstance(choice, str) or fn["name"] == "add")
     schema = {"add": ADD, "get_weather": WEATHER}[fn["name"]]["parameters"]
     jsonschema.validate(json.loads(fn["arguments"]), schema)
+
+
+def test_llama3_parsing_decodes_a_bounded_number_of_objects():
+    """An output of thousands of call openings that never close is read as content after at
+    most MAX_DECODE_ATTEMPTS decodes; a call among the first ones is still found."""
+    fmt = T.get_format("llama3")
+    junk = '{"name": ' * 5000
+    content, calls = fmt.parse(junk)
+    assert content == junk.strip() and calls == []
+    good = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    content, calls = fmt.parse(good + " " + junk)
+    assert _calls(calls) == [("add", {"a": 1, "b": 2})]
+    calls_seen = []
+    real = json.JSONDecoder.raw_decode
+
+    def counting(self, s, idx=0):
+        calls_seen.append(idx)
+        return real(self, s, idx)
+
+    import unittest.mock
+    with unittest.mock.patch.object(json.JSONDecoder, "raw_decode", counting):
+        fmt.parse(junk)
+    assert len(calls_seen) == T.MAX_DECODE_ATTEMPTS
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3"])
+def test_nesting_beyond_the_json_parser_is_content_not_an_error(name):
+    fmt = T.get_format(name)
+    deep = '{"name": ' * 100_000 + "1" + "}" * 100_000
+    text = f"{T.BEGIN}\n{deep}\n{T.END}" if name == "hermes" else deep
+    content, calls = fmt.parse(text)
+    assert calls == [] and content == text
+
+
+def test_history_arguments_that_do_not_parse_render_as_sent():
+    deep = "[" * 100_000 + "]" * 100_000
+    call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": deep}}
+    text = T.get_format("llama3").render_calls([call])
+    assert json.loads(text)["parameters"] == deep

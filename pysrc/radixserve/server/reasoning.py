@@ -153,15 +153,20 @@ _GAP = {"type": "regex", "pattern": r"\s{0,4}"}
 
 def _answer_format(kind: str, spec: str) -> Optional[dict]:
     """A SamplingParams grammar (kind, spec) as a structural-tag format, or None for a spec
-    that is not one (a structural tag in xgrammar's older form, without "format")."""
-    if kind == "json_schema":
-        return {"type": "json_schema", "json_schema": json.loads(spec)}
+    that is not one (a structural tag in xgrammar's older form, without "format"; JSON that
+    does not parse, which the grammar compiler then refuses as it is)."""
     if kind == "regex":
         return {"type": "regex", "pattern": spec}
     if kind == "ebnf":
         return {"type": "grammar", "grammar": spec}
-    tag = json.loads(spec)
-    return tag.get("format") if isinstance(tag, dict) else None
+    try:
+        obj = json.loads(spec)
+    except (ValueError, RecursionError):
+        return None
+    if kind == "json_schema":       # at most one whitespace character between JSON tokens, so
+        # the answer cannot run on in whitespace (the bare schema compiles with none free)
+        return {"type": "json_schema", "json_schema": obj, "max_whitespace_cnt": 1}
+    return obj.get("format") if isinstance(obj, dict) else None
 
 
 def reasoning_grammar(parser: str, kind: str, spec: str) -> Optional[str]:

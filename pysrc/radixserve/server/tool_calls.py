@@ -90,7 +90,7 @@ def _call_args(call: dict) -> Tuple[Any, Any]:
     args = fn.get("arguments")
     try:
         args = json.loads(args) if isinstance(args, str) else (args or {})
-    except ValueError:
+    except (ValueError, RecursionError):             # kept as the text the client sent
         pass
     return fn.get("name"), args
 
@@ -219,6 +219,7 @@ class HermesFormat(ToolFormat):
         return -1, False
 
 
+MAX_DECODE_ATTEMPTS = 256       # llama3: JSON objects decoded per output at most
 PYTHON_TAG = "<|python_tag|>"     # Llama 3's tool-call token, in text when special tokens are kept
 # `{"name":` with any whitespace, and the prefixes of it that may still grow into one
 _JSON_CALL = re.compile(r'\{\s*"name"\s*:')
@@ -240,13 +241,17 @@ class Llama3Format(ToolFormat):
                 "content": {"type": "json_schema", "json_schema": fn["parameters"]}, "end": "}"}
 
     def find_calls(self, text: str) -> List[Tuple[int, int, dict]]:
+        """Bounded work: at most MAX_DECODE_ATTEMPTS objects are decoded (each may scan to the
+        end of the output), so a pathological output cannot hold the loop thread."""
         spans, pos, decoder = [], 0, json.JSONDecoder(strict=False)
-        for m in _JSON_CALL.finditer(text):
+        for attempt, m in enumerate(_JSON_CALL.finditer(text)):
+            if attempt >= MAX_DECODE_ATTEMPTS:
+                break
             if m.start() < pos:
                 continue
             try:
                 obj, end = decoder.raw_decode(text, m.start())
-            except ValueError:
+            except (ValueError, RecursionError):     # not JSON, or nested beyond the parser
                 continue
             call = _call_of(obj, ("parameters", "arguments"))
             if call is not None:
@@ -294,7 +299,7 @@ def _call_of(obj: Any, arg_keys: Tuple[str, ...]) -> Optional[dict]:
 def _parse_call(payload: str, arg_keys: Tuple[str, ...]) -> Optional[dict]:
     try:
         obj = json.loads(payload, strict=False)
-    except ValueError:
+    except (ValueError, RecursionError):             # not JSON, or nested beyond the parser
         return None
     return _call_of(obj, arg_keys)
 
