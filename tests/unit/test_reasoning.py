@@ -104,3 +104,28 @@ def test_wrapped_grammars_constrain_the_answer_after_the_reasoning(parser, prefi
     if parser == "deepseek-r1":      # the forced parsers need the reasoning's end first
         grammar = xgr.Grammar.from_structural_tag(reasoning_grammar(parser, "regex", "[0-9]{3}"))
         assert not xgr.testing._is_grammar_accept_string(grammar, "123")
+
+
+class _Vocab:
+    """token_to_id knows </think> as id 9 when `single`; encode: one id per character."""
+
+    def __init__(self, single: bool):
+        self.single = single
+
+    def token_to_id(self, token):
+        return 9 if self.single and token == "</think>" else None
+
+    def encode(self, text, add_special_tokens=True):
+        return list(range(len(text)))
+
+
+def test_reasoning_tokens_count_through_the_closing_tag():
+    from radixserve.server.reasoning import reasoning_token_count
+
+    ids = [5, 6, 7, 9, 3, 4]                       # <think> a b </think> answer...
+    assert reasoning_token_count(ids, "ab", _Vocab(True)) == 4
+    assert reasoning_token_count([5, 6, 7], "ab", _Vocab(True)) == 3      # never closed
+    assert reasoning_token_count(ids, None, _Vocab(True)) == 0           # no reasoning block
+    # without </think> as one token: the tagged text encoded, at most the whole output
+    assert reasoning_token_count(ids, "a", _Vocab(False)) == len(ids)
+    assert reasoning_token_count(list(range(40)), "a", _Vocab(False)) == len("<think>a</think>")

@@ -39,6 +39,14 @@ def test_message_carries_the_reasoning_apart_from_the_answer():
         msg = client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
         assert msg["reasoning_content"] == "The user wants a capital.\nFrance -> Paris."
         assert msg["content"] == "Paris."
+        # the fake tokenizer has no </think> token: the tagged reasoning encoded, one per byte
+        r = client.post("/v1/chat/completions", json=CHAT).json()
+        tagged = "<think>The user wants a capital.\nFrance -> Paris.</think>"
+        assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": len(tagged)}
+        stream = client.post("/v1/chat/completions", json={
+            **CHAT, "stream": True, "stream_options": {"include_usage": True}})
+        usage = sse_events(stream)[-1]["usage"]
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": len(tagged)}
         reasoning, content, deltas = _stream(client)
     assert (reasoning, content) == (msg["reasoning_content"], msg["content"])
     # the reasoning streams as it comes: several reasoning deltas before the first content one
@@ -198,6 +206,8 @@ def test_responses_put_the_reasoning_in_a_reasoning_item():
         body = {"input": "Capital of France?", "max_output_tokens": len(THOUGHT)}
         resp = client.post("/v1/responses", json=body).json()
         reasoning, message = resp["output"]
+        tagged = "<think>The user wants a capital.\nFrance -> Paris.</think>"
+        assert resp["usage"]["output_tokens_details"] == {"reasoning_tokens": len(tagged)}
         assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
         assert reasoning["content"] == [{"type": "reasoning_text",
                                          "text": "The user wants a capital.\nFrance -> Paris."}]

@@ -25,8 +25,8 @@ from radixserve.server.generation import (ClientDisconnected, check_grammars, co
                                           expand_requests, merge_generations, off_loop,
                                           validate_all)
 from radixserve.server.metrics import RequestMetrics, request_metrics
-from radixserve.server.reasoning import (ReasoningSplitter, split_reasoning,
-                                         with_reasoning_grammar)
+from radixserve.server.reasoning import (ReasoningSplitter, reasoning_token_count,
+                                         split_reasoning, with_reasoning_grammar)
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
 from radixserve.server import tool_calls as T
@@ -149,11 +149,17 @@ def _reasoning_parser(engine, req: P.ChatRequest) -> Optional[str]:
     return parser
 
 
-def _with_reasoning(response: dict, parser: str) -> dict:
-    """Split each choice's content into message.reasoning_content and the answer."""
+def _with_reasoning(response: dict, parser: str, results: Sequence[P.SeqResult],
+                    tokenizer) -> dict:
+    """Split each choice's content into message.reasoning_content and the answer; usage gets
+    completion_tokens_details.reasoning_tokens."""
+    total = 0
     for choice in response["choices"]:
         msg = choice["message"]
         msg["reasoning_content"], msg["content"] = split_reasoning(msg["content"] or "", parser)
+        total += reasoning_token_count(results[choice["index"]].output_ids,
+                                       msg["reasoning_content"], tokenizer)
+    response["usage"]["completion_tokens_details"] = {"reasoning_tokens": total}
     return response
 
 
@@ -200,7 +206,7 @@ async def chat_completions(request: Request, engine) -> Response:
     response = P.chat_response(rid, created, model, results, req.n, req.logprobs,
                                req.top_logprobs, engine.tokenizer.token_text, req.extras)
     if parser is not None:
-        response = _with_reasoning(response, parser)
+        response = _with_reasoning(response, parser, results, engine.tokenizer)
     return JSONResponse(_with_tool_calls(response, tools.fmt) if tools.active else response)
 
 
@@ -230,6 +236,7 @@ class _ChoiceText:
         self._split = ReasoningSplitter(parser) if parser else None
         self._stream_reasoning = stream_reasoning
         self._held_reasoning = ""
+        self._reasoning_text = ""          # all of it, for usage's reasoning_tokens
         self._tools = T.ToolCallStream(tools) if tools is not None else None
 
     def feed(self, text: str) -> Tuple[str, str]:
@@ -247,7 +254,15 @@ class _ChoiceText:
             content += rest
         return reasoning, content, calls
 
+    @property
+    def reasoning(self) -> Optional[str]:
+        """The reasoning so far (None: no parser, or no reasoning block)."""
+        if self._split is None or not self._split.had_reasoning:
+            return None
+        return self._reasoning_text
+
     def _reasoning(self, piece: str, release: bool) -> str:
+        self._reasoning_text += piece
         if self._stream_reasoning:
             return piece
         self._held_reasoning += piece
@@ -304,8 +319,11 @@ async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRe
         yield encode_event(P.chat_chunk(rid, created, model, i, delta, finish, logprobs,
                                         usage_null=usage_null, extra=extra, usage=usage(i)))
     if req.include_usage:
+        reasoning_tokens = None if reasoning_parser is None else sum(
+            reasoning_token_count(r.output_ids, t.reasoning, engine.tokenizer)
+            for r, t in zip(results, texts))
         yield encode_event(P.usage_chunk(rid, "chat.completion.chunk", created, model,
-                                         P.usage_dict(results, req.n)))
+                                         P.usage_dict(results, req.n, reasoning_tokens)))
 
 
 def _tool_call_chunks(rid: str, created: int, model: str, index: int, calls: List[dict],

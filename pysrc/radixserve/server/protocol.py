@@ -501,18 +501,23 @@ def matched_stop(reason: Optional[Dict[str, Any]]) -> Any:
     return None if reason is None else reason.get("matched")
 
 
-def usage_dict(results: Sequence[SeqResult], n: int) -> dict:
+def usage_dict(results: Sequence[SeqResult], n: int,
+               reasoning_tokens: Optional[int] = None) -> dict:
     """Usage over all sequences: each prompt counted once (n sequences share it), completions
-    summed; cached_tokens is the most any sequence of a prompt reused."""
+    summed; cached_tokens is the most any sequence of a prompt reused. reasoning_tokens (with
+    a reasoning parser): completion_tokens_details.reasoning_tokens."""
     prompt_tokens = cached = 0
     for start in range(0, len(results), n):
         group = results[start:start + n]
         prompt_tokens += group[0].prompt_tokens or len(group[0].prompt_ids)
         cached += max(r.cached_tokens for r in group)
     completion = sum(r.completion_tokens for r in results)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+             "total_tokens": prompt_tokens + completion,
+             "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 def _entry_text(entry: LogprobEntry, token_text: TokenText) -> str:

@@ -199,3 +199,19 @@ def with_reasoning_grammar(parser: str, sampling: "SamplingParams") -> Optional[
         return None
     return dataclasses.replace(sampling, json_schema=None, regex=None, ebnf=None,
                                structural_tag=wrapped)
+
+
+def reasoning_token_count(output_ids, reasoning: Optional[str], tokenizer) -> int:
+    """How many of an output's tokens were reasoning (usage's reasoning_tokens): through the
+    closing tag's token where the vocabulary has </think> as one token (Qwen3, DeepSeek-R1),
+    all of them when that token never came (the reasoning ran to the end); else an estimate,
+    the tagged reasoning text encoded. 0 without a reasoning block."""
+    if reasoning is None:
+        return 0
+    ids = list(output_ids)
+    token_to_id = getattr(tokenizer, "token_to_id", None)
+    end_id = token_to_id(END) if token_to_id is not None else None
+    if end_id is not None:
+        return ids.index(end_id) + 1 if end_id in ids else len(ids)
+    estimate = len(tokenizer.encode(START + reasoning + END, add_special_tokens=False))
+    return min(len(ids), estimate)

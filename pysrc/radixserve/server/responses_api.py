@@ -10,11 +10,12 @@ json_schema grammar as chat's response_format: protocol.json_format_schema, comp
 generation.check_grammars). The answer is a Response object whose output is one assistant
 message with one output_text part, after a reasoning item (one reasoning_text part) when the
 server runs a --reasoning-parser and the output has a <think> block (server/reasoning.py;
-text.format's grammar then constrains the answer after it); status "completed", or "incomplete" with
-incomplete_details.reason "max_output_tokens" when the output was cut by the token limit (or
-the context). usage: input_tokens (prompt), input_tokens_details.cached_tokens (prompt tokens
-served from the radix cache), output_tokens, total_tokens; cache_write_tokens and
-output_tokens_details.reasoning_tokens are not tracked and always 0.
+text.format's grammar then constrains the answer after it); status "completed", or
+"incomplete" with incomplete_details.reason "max_output_tokens" when the output was cut by the
+token limit (or the context). usage: input_tokens (prompt), input_tokens_details.cached_tokens (prompt tokens
+served from the radix cache), output_tokens, output_tokens_details.reasoning_tokens (with a
+reasoning parser: reasoning.reasoning_token_count, else 0), total_tokens; cache_write_tokens is
+not tracked and always 0.
 
 stream: true sends the typed events the openai client parses, each as `event: <type>` plus
 `data: <json>` with a sequence_number counting from 0: response.created, response.in_progress,
@@ -57,7 +58,7 @@ import itertools
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Dict, List, Optional, Sequence
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -72,7 +73,8 @@ from radixserve.server.generation import (ClientDisconnected, check_grammars, co
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import RequestMetrics, request_metrics
 from radixserve.server.openai_api import _model_aliases, _raise_if_aborted, render_messages
-from radixserve.server.reasoning import ReasoningSplitter, with_reasoning_grammar
+from radixserve.server.reasoning import (ReasoningSplitter, reasoning_token_count,
+                                         with_reasoning_grammar)
 from radixserve.server.responses_schemas import ResponseCreateRequest
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import EventStreamResponse, encode_event
@@ -220,6 +222,7 @@ class _Shape:
     sampling: SamplingParams
     store: bool
     parser: Optional[str] = None       # --reasoning-parser for this request (None: no split)
+    tokenizer: Any = None              # the engine's (reasoning_tokens)
     msg_id: str = dataclasses.field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     rs_id: str = dataclasses.field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
 
@@ -278,12 +281,13 @@ def _reasoning_item(rs_id: str, status: str, text: str) -> dict:
             "content": [_reasoning_part(text)]}
 
 
-def _usage(result: P.SeqResult) -> dict:
+def _usage(result: P.SeqResult, reasoning_tokens: int = 0) -> dict:
     u = P.usage_dict([result], 1)
     return {"input_tokens": u["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": u["total_tokens"]}
 
 
@@ -300,7 +304,9 @@ def _finish(shape: _Shape, result: P.SeqResult, store: ResponseStore, owner: str
     the conversation; the reasoning does not)."""
     status, incomplete = _ending(result)
     output = shape.output(status, result.text)
-    response = shape.response(status, output, _usage(result), incomplete=incomplete)
+    reasoning = output[0]["content"][0]["text"] if output[0]["type"] == "reasoning" else None
+    usage = _usage(result, reasoning_token_count(result.output_ids, reasoning, shape.tokenizer))
+    response = shape.response(status, output, usage, incomplete=incomplete)
     if shape.store:
         answer = output[-1]["content"][0]["text"]
         full = conversation + [{"role": "assistant", "content": answer}]
@@ -346,7 +352,7 @@ async def create_response(request: Request, engine) -> Response:
         e.param = schema_param
         raise
     shape = _Shape(rid, int(time.time()), engine.served_model_name, req, sampling,
-                   store=req.store is not False, parser=parser)
+                   store=req.store is not False, parser=parser, tokenizer=engine.tokenizer)
     if stream:
         return EventStreamResponse(_response_events(engine, shape, reqs, prompt_ids, store,
                                                     conversation, request_metrics(request)))

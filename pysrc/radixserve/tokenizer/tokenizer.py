@@ -205,6 +205,10 @@ class Tokenizer:
     def _id_of(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self._backend.token_to_id(token)
 
+    def token_to_id(self, token: str) -> Optional[int]:
+        """The id of a token of the vocabulary (added tokens included), else None."""
+        return self._id_of(token)
+
     # ------------------------------------------------------------------ text <-> ids
 
     @property
