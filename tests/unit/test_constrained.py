@@ -388,3 +388,21 @@ def test_stop_regex_cuts_at_the_match_even_across_releases(default_tokenizer):
     d2 = IncrementalDetokenizer(tok, stop_regexes=[r"b+c"], no_stop_trim=True)
     out = d2.push(tok.encode("aaa bbbc ddd", add_special_tokens=False))
     assert out.stop_matched == "b+c" and out.text_delta == "aaa bbbc"
+
+
+def test_a_grammar_dead_end_fails_its_request_as_a_400_not_a_503():
+    """The request's own constraint left no valid token: its abort carries status_code 400
+    (SGLang's key), which the OpenAI routes answer as a 400; other aborts stay 503s."""
+    from types import SimpleNamespace
+
+    from radixserve.engine.scheduler.grammar import GrammarMixin
+    from radixserve.server import protocol as P
+
+    reasons = []
+    sched = SimpleNamespace(tokenizer=None, _finish=lambda req, reason: reasons.append(reason))
+    req = SimpleNamespace(rid="r1", grammar=SimpleNamespace(accept=lambda tok: False),
+                          abort_message=None)
+    assert GrammarMixin._grammar_accepts(sched, req, 7) is False
+    err = P.abort_error(reasons[0])
+    assert err.status == 400 and "no valid continuation" in err.message
+    assert P.abort_error({"type": "abort", "message": "the pool is full"}).status == 503

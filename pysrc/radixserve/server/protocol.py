@@ -490,11 +490,16 @@ def finish_reason_str(reason: Optional[Dict[str, Any]]) -> Optional[str]:
 
 def abort_error(reason: Optional[Dict[str, Any]]) -> Optional[ApiError]:
     """An engine abort ({"type": "abort", "message": ...}: the pool cannot hold the request,
-    the server is shutting down, /abort_request) as the 503 an OpenAI client receives; None for
-    any other finish."""
+    the server is shutting down, /abort_request) as the 503 an OpenAI client receives, or the
+    abort's own "status_code" (400: the request's grammar left no valid continuation); None
+    for any other finish."""
     if reason is None or reason.get("type") != "abort":
         return None
-    return ApiError(f"the request was aborted by the server: {reason.get('message') or 'aborted'}", 503)
+    message = reason.get("message") or "aborted"
+    status = reason.get("status_code", 503)
+    if status == 503:
+        return ApiError(f"the request was aborted by the server: {message}", 503)
+    return ApiError(f"the request failed: {message}", status)
 
 
 def matched_stop(reason: Optional[Dict[str, Any]]) -> Any:

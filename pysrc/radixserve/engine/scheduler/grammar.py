@@ -56,7 +56,9 @@ class GrammarMixin:
                    f"request's constraint leaves no valid continuation here")
         logger.warning("request %s: %s", req.rid, message)
         req.abort_message = message
-        self._finish(req, {"type": "abort", "matched": None, "message": message})
+        # the request's own constraint failed it: a 400 on the OpenAI routes (SGLang's key)
+        self._finish(req, {"type": "abort", "matched": None, "message": message,
+                           "status_code": 400})
         return False
 
     def _jump_forward(self, req: Req) -> None:
