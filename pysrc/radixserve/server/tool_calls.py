@@ -84,6 +84,15 @@ def _new_call(name: str, args: Any) -> dict:
             "function": {"name": name, "arguments": json.dumps(args)}}
 
 
+def _chosen(functions: List[dict], choice: Any) -> List[dict]:
+    """The functions a tool_choice allows: none for "none", all for auto / required, else the
+    named one."""
+    if choice == "none":
+        return []
+    return functions if choice in ("auto", "required") else \
+        [f for f in functions if f["name"] == choice]
+
+
 def _call_args(call: dict) -> Tuple[Any, Any]:
     """(name, arguments object) of an OpenAI tool_calls entry (arguments given as JSON text)."""
     fn = call.get("function") or {}
@@ -124,10 +133,9 @@ class ToolFormat(ABC):
         """The structural tag (JSON text) that constrains the output, or None (tool_choice
         none). parallel=False (parallel_tool_calls: false): under auto the output ends after
         its first call (required and named choices always make exactly one)."""
-        if choice == "none" or not functions:
+        chosen = _chosen(functions, choice)
+        if not chosen:
             return None
-        chosen = functions if choice in ("auto", "required") else \
-            [f for f in functions if f["name"] == choice]
         tags = [self.tag(f) for f in chosen]
         if choice == "auto":
             fmt = {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags,
@@ -182,10 +190,9 @@ class HermesFormat(ToolFormat):
 
     def grammar(self, functions: List[dict], choice: Any, parallel: bool = True) -> Optional[str]:
         """One tag for all chosen functions (the name inside the JSON picks one)."""
-        if choice == "none" or not functions:
+        chosen = _chosen(functions, choice)
+        if not chosen:
             return None
-        chosen = functions if choice in ("auto", "required") else \
-            [f for f in functions if f["name"] == choice]
         tags = [self.tag(f) for f in chosen]
         schemas = [t["content"]["json_schema"] for t in tags]
         tag = {**tags[0], "content": {"type": "json_schema", "json_schema":
