@@ -304,3 +304,16 @@ def test_json_answer_after_optional_reasoning_on_the_default_model(qwen3_parser_
     assert finish == "stop", (content, reasoning)
     jsonschema.validate(json.loads(content), schema)
     assert "<think>" not in content
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
+     "response_format"),
+])
+def test_a_bad_grammar_under_the_wrap_names_the_clients_field(qwen3_parser_client, extra, param):
+    r = qwen3_parser_client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra})
+    body = err_of(r, 400, param)
+    assert body["message"]

@@ -73,10 +73,12 @@ GRAMMAR_FIELDS = {"json_schema": ("response_format", "guided_json", "json_schema
 
 
 async def check_grammars(engine, reqs: Sequence[GenerateReqInput], body: Optional[dict] = None,
-                         prefix: str = "") -> None:
+                         prefix: str = "", origin: Optional[str] = None) -> None:
     """Compile every distinct grammar of reqs now, before any byte of the response, so a bad
     one is a 400 (with the compiler's message) naming the field the client used. Compiling
-    runs in the engine's grammar pool and is cached, so generate() finds it ready."""
+    runs in the engine's grammar pool and is cached, so generate() finds it ready. origin: the
+    kind the client's grammar had before the server wrapped it (a reasoning parser's structural
+    tag), for naming the field."""
     grammars = getattr(engine, "grammars", None)
     keys = {r.sampling_params.grammar_key for r in reqs} - {None}
     if grammars is None or not keys:
@@ -85,8 +87,9 @@ async def check_grammars(engine, reqs: Sequence[GenerateReqInput], body: Optiona
         try:
             await grammars.compile_async(key)
         except ValueError as e:
-            fields = [f for f in GRAMMAR_FIELDS.get(key[0], ()) if body and body.get(f) is not None]
-            raise bad_request(str(e), param=prefix + (fields[0] if fields else key[0])) from None
+            kind = origin or key[0]
+            fields = [f for f in GRAMMAR_FIELDS.get(kind, ()) if body and body.get(f) is not None]
+            raise bad_request(str(e), param=prefix + (fields[0] if fields else kind)) from None
 
 
 def validate_all(engine, reqs: Sequence[GenerateReqInput]) -> None:

@@ -179,6 +179,7 @@ async def chat_completions(request: Request, engine) -> Response:
     P.check_model(body, engine.served_model_name, _model_aliases(engine))
     req = P.parse_chat_request(body)
     tools = _chat_tools(engine, body, req)
+    origin = req.sampling.grammar_key[0] if req.sampling.grammar_key else None
     parser = _reasoning_parser(engine, req)
     prompt_ids = P.truncate_prompt(await _render_chat(engine, req, tools),
                                    req.extras.truncate_prompt_tokens)
@@ -190,7 +191,7 @@ async def chat_completions(request: Request, engine) -> Response:
                                            req.stream and req.sampling.grammar_key is not None, 1),
                            cache_salts=[req.cache_salt])
     validate_all(engine, reqs)
-    await check_grammars(engine, reqs, body)
+    await check_grammars(engine, reqs, body, origin=origin)
     created = int(time.time())
     model = engine.served_model_name
     if req.stream:
