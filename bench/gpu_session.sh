@@ -426,9 +426,11 @@ print(max(runs)[1] if runs else 0)")
       # round: 10 settings x 2 rounds with the build and tests take ~8 min, so run this stage in
       # a call of its own, after one that measured main with `build tests decode`). The patched
       # build stays: run this stage last.
-      # (each patch is made against the tree with the ones before it applied; apply_patch.py
+      # (graph-context-classes and decode-short-no-split landed in session 19 (1.17-1.22x the
+      # floor); pdl-small-kernels needs rebasing onto the landed no-split change before it goes
+      # back in the list; each patch is made against the tree with the ones before it applied; apply_patch.py
       # because the image may lack `patch` and the copy has no git repository)
-      for patch in ${PATCHES:-graph-context-classes skinny-qkv-rope pdl-small-kernels decode-short-no-split l2-prefetch-next}; do
+      for patch in ${PATCHES:-skinny-qkv-rope l2-prefetch-next}; do
         python3 bench/variants/apply_patch.py "bench/variants/$patch.patch" 2>&1 | tee -a "$OUT/patchab.txt"
       done
       rm -rf pysrc/radixserve/_C*.so build/cuda-objects-*

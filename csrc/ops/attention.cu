@@ -113,6 +113,16 @@ int* left_zero_counters(const at::Tensor& q, CounterPool pool, int64_t needed, c
   return buf.data_ptr<int32_t>();
 }
 
+// attn::kDecodeNoSplitTokens, unless RADIXSERVE_DECODE_NO_SPLIT_TOKENS=N says otherwise (0: split
+// at any length, the earlier plan; for A/B runs). Read once per process.
+int decode_no_split_tokens() {
+  static const int tokens = [] {
+    const char* env = std::getenv("RADIXSERVE_DECODE_NO_SPLIT_TOKENS");
+    return env != nullptr ? std::atoi(env) : attn::kDecodeNoSplitTokens;
+  }();
+  return tokens;
+}
+
 int* decode_split_counters(const at::Tensor& q, int64_t needed) {
   return left_zero_counters(q, kDecodeSplits, needed,
                             "paged_decode_attention: the split counters (batch * num_kv_heads * "
@@ -161,7 +171,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int num_sub = (group + gmax - 1) / gmax;
 
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int num_splits = attn::decode_num_splits(batch, hkv, num_sub, kv_indices.numel(), sms);
+  const int no_split = decode_no_split_tokens();
+  const int num_splits =
+      attn::decode_num_splits(batch, hkv, num_sub, kv_indices.numel(), sms, no_split);
 
   at::Tensor part_o, part_lse;
   if (num_splits > 1) {
@@ -190,6 +202,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.num_splits = num_splits;
   p.num_sms = sms;
   p.scale_log2 = (float)sm_scale * kLog2e;
+  p.no_split_tokens = no_split;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {

@@ -137,9 +137,9 @@ def test_decode_large_slot_offsets():
 
 @pytest.mark.parametrize("batch,max_len,replays", [
     (19, 600, ([1] * 19, [600] * 19, [1, 17, 989, 2000] + [400] * 15)),
-    # one request under a grid planned for 8k tokens: the device plan uses 1, 2, 16 or all 64
-    # splits as the real length asks
-    (1, 8192, ([1], [64], [65], [1000], [8192])),
+    # one request under a grid planned for 8k tokens: the device plan uses 1 split up to
+    # kDecodeNoSplitTokens (256) tokens, then 5, 16 or all 64 as the real length asks
+    (1, 8192, ([1], [64], [65], [256], [257], [1000], [8192])),
     (3, 4096, ([1, 4096, 70], [300, 1, 5000], [4096, 4096, 4096]))], ids=["b19", "b1", "b3"])
 def test_decode_cuda_graph(batch, max_len, replays):
     """Capture once, replay with new contents and new lengths under the same nnz bound."""

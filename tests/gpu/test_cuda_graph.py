@@ -144,6 +144,34 @@ def test_graph_decode_equals_eager(runner, bs):
     _release(runner, slots)
 
 
+@pytest.mark.parametrize("bs", [1, 3])
+def test_context_class_graph_equals_full_context_graph(runner, bs):
+    """Small buckets also have graphs for short contexts (their decode grid planned for fewer
+    tokens): replay() with the batch's longest length takes the smallest class that holds it,
+    and its logits agree with the full-context graph's as two split plans agree; the K/V it
+    writes are the same bits."""
+    gen = torch.Generator(device="cuda").manual_seed(50 + bs)
+    lens = torch.randint(20, 200, (bs,), generator=gen, device="cuda").tolist()
+    rows, slots = _prefill(runner, lens, gen)
+    dev = runner.device
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+    runner.next_ids[rows_t] = torch.randint(3, 1000, (bs,), generator=gen, device=dev)
+    seq_t = torch.tensor([n + 1 for n in lens], dtype=torch.int32, device=dev)
+    loc = torch.stack([s[n] for s, n in zip(slots, lens)]).to(dev)
+    gr = runner.graph_runner
+    bucket = gr.bucket_for(bs)
+    assert len(gr.capacities[bucket]) > 1 and (bucket, gr.capacities[bucket][0]) in gr.graphs
+    full = gr.replay(bs, rows_t, seq_t, loc).clone()
+    k_full = [k[loc.long()].clone() for k in runner.kv_pool.k_buffers]
+    short = gr.replay(bs, rows_t, seq_t, loc, max(n + 1 for n in lens)).clone()
+    torch.cuda.synchronize()
+    assert torch.isfinite(short).all() and full.abs().max() > 1.0
+    tol = 0.03 if runner.dtype == torch.bfloat16 else 0.005
+    assert (short - full).abs().max().item() <= tol * full.abs().max().item()
+    assert all(torch.equal(k[loc.long()], kf) for k, kf in zip(runner.kv_pool.k_buffers, k_full))
+    _release(runner, slots)
+
+
 def test_graph_bounds(runner):
     assert not runner.graph_runner.can_run(25) and not runner.graph_runner.can_run(0)
     with pytest.raises(ValueError, match="exceeds"):

@@ -1,6 +1,7 @@
 """CPU-side parts of the CUDA graph runner: bucket sizes and when graphs are (not) used.
 The graphs themselves are tested on a GPU in tests/gpu/test_cuda_graph.py."""
-from radixserve.model.cuda_graph_runner import batch_buckets
+from radixserve.model.cuda_graph_runner import (CLASS_BUCKET_MAX, CONTEXT_CLASSES, batch_buckets,
+                                                capacity_for, context_capacities)
 
 
 def test_batch_buckets():
@@ -11,6 +12,21 @@ def test_batch_buckets():
     assert batch_buckets(256)[-3:] == [192, 224, 256]
     for n in (3, 37, 100, 255):
         assert all(x <= n for x in batch_buckets(n)) and batch_buckets(n)[-1] == n
+
+
+def test_context_capacities_and_the_choice_among_them():
+    small, full = CONTEXT_CLASSES[0], 131073
+    caps = context_capacities(1, full)
+    assert caps == sorted(caps) and caps[-1] == full and caps[0] == small
+    assert context_capacities(CLASS_BUCKET_MAX + 1, full) == [full]       # one graph per large bucket
+    assert context_capacities(1, small) == [small]                     # no class at or past the context
+    assert context_capacities(1, full, classes=()) == [full]
+    assert capacity_for(caps, 1) == small and capacity_for(caps, small) == small
+    assert capacity_for(caps, small + 1) == caps[1]
+    assert capacity_for(caps, full) == full and capacity_for(caps, None) == full
+    # every choice holds the batch: no request longer than its graph's capacity
+    for n in (1, small - 1, small, small + 1, 1024, 1025, full):
+        assert capacity_for(caps, n) >= n
 
 
 def test_cpu_runner_has_no_graphs(tmp_path):

@@ -27,9 +27,11 @@ inline int decode_group_max(int group) { return group <= 4 ? group : 8; }
 // (nnz = kv_indices.numel(); an upper bound under CUDA graphs, so a captured graph replays
 // with the same grid). Each request's own plan, at its real length, is made on the device and
 // never uses more splits than this.
-inline int decode_num_splits(int64_t batch, int hkv, int num_sub, int64_t nnz, int sms) {
+inline int decode_num_splits(int64_t batch, int hkv, int num_sub, int64_t nnz, int sms,
+                             int no_split_tokens = 0) {
   const int64_t avg_len = std::max<int64_t>(1, nnz / std::max<int64_t>(1, batch));
-  return decode_plan_splits(batch * hkv * num_sub, avg_len, sms, kDecodeMaxSplits);
+  return decode_plan_splits(batch * hkv * num_sub, avg_len, sms, kDecodeMaxSplits,
+                            no_split_tokens);
 }
 
 // Decode runs on tensor cores (decode_attention_mma.cuh) where the batch fills the device

@@ -58,6 +58,8 @@ struct DecodeParams {
   int num_q_heads, num_kv_heads, group, num_sub, num_splits;
   int num_sms;       // of the device: the split plan's CTA target
   float scale_log2;  // sm_scale * log2(e)
+  // a request of at most this many KV tokens is never split (decode_plan_splits); 0: no such rule
+  int no_split_tokens;
 };
 
 constexpr int kDecodeThreads = 128;
@@ -66,6 +68,12 @@ constexpr int kDecodeStages = 3;   // cp.async pipeline depth (48 KiB: 4 CTAs pe
 constexpr int kDecodeMinSplitTokens = 64;    // a split is never shorter than this (but the last)
 constexpr int kDecodeCtasPerSm = 2;          // splits stop adding CTAs beyond about this many
 constexpr int kDecodeMaxSplits = 64;
+// Requests this short are not split at all (the op's default for DecodeParams::no_split_tokens).
+// The split-plan sweep (bench/results/logs/decode-sweep-h200.txt) at 128 tokens: batch 1 took
+// 188.4 us per 32 layers in one split against 239.1 in two, batch 8 215.2 against 285.0; the
+// last-CTA merge costs more than the parallelism gains there. At 512 tokens splits still win
+// (8 splits 261.6 against 4 splits 317.8).
+constexpr int kDecodeNoSplitTokens = 256;
 
 // Splits of one request of kv_len tokens: enough CTAs for kDecodeCtasPerSm per SM over the whole
 // batch (base_ctas = batch * kv heads * q-head subgroups), no split shorter than
@@ -75,7 +83,9 @@ constexpr int kDecodeMaxSplits = 64;
 // parallelism they add, and at batch 1 a 64-token split on ~128 CTAs beats both fewer, longer
 // splits and more, shorter ones.
 __host__ __device__ __forceinline__ int decode_plan_splits(int64_t base_ctas, int64_t kv_len,
-                                                           int num_sms, int cap) {
+                                                           int num_sms, int cap,
+                                                           int no_split_tokens = 0) {
+  if (kv_len <= no_split_tokens) return 1;
   const int64_t target = (int64_t)kDecodeCtasPerSm * num_sms;
   int64_t splits = (target + base_ctas - 1) / (base_ctas > 0 ? base_ctas : 1);
   const int64_t by_len = (kv_len + kDecodeMinSplitTokens - 1) / kDecodeMinSplitTokens;
@@ -93,7 +103,7 @@ struct SplitPlan {
 __device__ __forceinline__ SplitPlan decode_active_splits(const DecodeParams& p, int batch,
                                                           int kv_len) {
   const int64_t base = (int64_t)batch * p.num_kv_heads * p.num_sub;
-  const int s = decode_plan_splits(base, kv_len, p.num_sms, p.num_splits);
+  const int s = decode_plan_splits(base, kv_len, p.num_sms, p.num_splits, p.no_split_tokens);
   const int chunk = max((kv_len + s - 1) / s, 1);
   return {kv_len > 0 ? (kv_len + chunk - 1) / chunk : 0, chunk};
 }

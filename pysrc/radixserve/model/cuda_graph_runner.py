@@ -19,6 +19,15 @@ replay() copies a batch of bs <= max_bs rows into them and pads rows bs..bucket-
 runner's padding row: KV length 1 at the padding slot 0, so a padded row writes only slot 0
 (whose contents nothing reads) and row `padding_row` of req_to_token, never a request's.
 
+Context classes: buckets up to CLASS_BUCKET_MAX rows are captured once per capacity of
+context_capacities() (CONTEXT_CLASSES below the context length, then the context length), each
+graph seeing the first bucket x capacity entries of kv_indices, so its decode kernel's grid is
+planned for that capacity; replay() takes the smallest capacity that holds the batch's longest
+request. At batch 1 a grid planned for the whole context launches ~33 splits per kv head, of
+which a 128-token request uses 2: the H200 sweep (bench/results/logs/decode-sweep-h200.txt,
+c2m64) measured 273.6 us per 32 layers against 239.1 with the grid planned from the real length
+(b8: 332.7 against 285.0). Larger buckets fill the device without splits, so one graph each.
+
 Used only where every op on the decode path is a graph-safe kernel: a CUDA device, the
 radixserve._C extension, bf16/fp16 (float32 attention runs the torch reference, which syncs),
 and not --disable-cuda-graph. The returned logits are a view of static memory, valid until the
@@ -28,13 +37,36 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Dict, List
+import os
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
+
+
+CONTEXT_CLASSES = (256, 1024)
+CLASS_BUCKET_MAX = 8
+
+
+def context_capacities(bucket: int, context_len: int,
+                       classes: Tuple[int, ...] = CONTEXT_CLASSES) -> List[int]:
+    """KV capacities (tokens per request) captured for a bucket, ascending; the last is
+    context_len."""
+    if bucket > CLASS_BUCKET_MAX:
+        return [context_len]
+    return [c for c in classes if c < context_len] + [context_len]
+
+
+def capacity_for(capacities: List[int], max_seq_len: Optional[int]) -> int:
+    """The smallest capacity that holds max_seq_len tokens; the largest when it is unknown."""
+    if max_seq_len is not None:
+        for c in capacities:
+            if max_seq_len <= c:
+                return c
+    return capacities[-1]
 
 
 def batch_buckets(max_bs: int) -> List[int]:
@@ -65,24 +97,28 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(max_bs * self.context_len, dtype=torch.int32, device=dev)
-        self.logits: Dict[int, torch.Tensor] = {}      # bucket -> [bucket, vocab] float32
-        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        # (bucket, capacity) -> [bucket, vocab] float32 / its graph
+        self.logits: Dict[Tuple[int, int], torch.Tensor] = {}
+        self.graphs: Dict[Tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # RADIXSERVE_GRAPH_CONTEXT_CLASSES=0: one full-context graph per bucket, for A/B runs
+        classes = () if os.environ.get("RADIXSERVE_GRAPH_CONTEXT_CLASSES") == "0" else CONTEXT_CLASSES
+        self.capacities = {b: context_capacities(b, self.context_len, classes)
+                           for b in self.buckets}
         self._capture_all()
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
-    def _run(self, bs: int) -> torch.Tensor:
+    def _run(self, bs: int, capacity: int) -> torch.Tensor:
         from radixserve.model.runner import decode_prologue
 
         r = self.runner
+        kv_indices = self.kv_indices[:bs * capacity]     # the decode grid is planned from this
         input_ids, positions = decode_prologue(
             r.req_to_token, r.next_ids, self.rows[:bs], self.seq_lens[:bs],
-            self.out_cache_loc[:bs], self.kv_indptr[:bs + 1],
-            self.kv_indices[:bs * self.context_len])
+            self.out_cache_loc[:bs], self.kv_indptr[:bs + 1], kv_indices)
         fb = ForwardBatch(ForwardMode.DECODE, bs, input_ids, positions, self.out_cache_loc[:bs],
-                          self.kv_indptr[:bs + 1], self.kv_indptr[:bs + 1],
-                          self.kv_indices[:bs * self.context_len], self.seq_lens[:bs], None,
-                          r.kv_pool)
+                          self.kv_indptr[:bs + 1], self.kv_indptr[:bs + 1], kv_indices,
+                          self.seq_lens[:bs], None, r.kv_pool)
         hidden = r.model(fb)                                       # [bs, hidden]
         return r.model.compute_logits(hidden).float()              # [bs, vocab]
 
@@ -107,13 +143,14 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # every row is the padding row during capture: KV length 1 at slot 0
         for bs in reversed(self.buckets):          # largest first: later ones reuse its pool
-            with torch.cuda.stream(stream):
-                for _ in range(2):                 # warm-up outside the graph (lazy init)
-                    self._run(bs)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[bs] = self._run(bs)
-            self.graphs[bs] = graph
+            for cap in reversed(self.capacities[bs]):
+                with torch.cuda.stream(stream):
+                    for _ in range(2):             # warm-up outside the graph (lazy init)
+                        self._run(bs, cap)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.logits[(bs, cap)] = self._run(bs, cap)
+                self.graphs[(bs, cap)] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         logger.info("CUDA graphs captured for decode batch sizes %s", self.buckets)
@@ -130,11 +167,13 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def replay(self, bs: int, rows: torch.Tensor, seq_lens: torch.Tensor,
-               out_cache_loc: torch.Tensor) -> torch.Tensor:
+               out_cache_loc: torch.Tensor, max_seq_len: Optional[int] = None) -> torch.Tensor:
         """Logits [bs, vocab] float32 of a decode batch on the current stream: rows [bs] int64,
-        seq_lens [bs] (KV length after the step, <= context_len), out_cache_loc [bs] int64.
-        Writes the batch's K/V, table entries and nothing of any other request."""
+        seq_lens [bs] (KV length after the step, <= context_len), out_cache_loc [bs] int64;
+        max_seq_len: the largest of seq_lens, known on the host (None: the bucket's full-context
+        graph). Writes the batch's K/V, table entries and nothing of any other request."""
         bucket = self.bucket_for(bs)
+        key = (bucket, capacity_for(self.capacities[bucket], max_seq_len))
         self.rows[:bs].copy_(rows)
         self.seq_lens[:bs].copy_(seq_lens)
         self.out_cache_loc[:bs].copy_(out_cache_loc)
@@ -142,5 +181,5 @@ class CudaGraphRunner:
             self.rows[bs:bucket].fill_(self.runner.padding_row)
             self.seq_lens[bs:bucket].fill_(1)
             self.out_cache_loc[bs:bucket].zero_()          # the padding slot
-        self.graphs[bucket].replay()
-        return self.logits[bucket][:bs]
+        self.graphs[key].replay()
+        return self.logits[key][:bs]

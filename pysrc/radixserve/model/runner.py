@@ -318,7 +318,7 @@ class ModelRunner:
         bs = step.batch_size
         if self.graph_runner is not None and self.graph_runner.can_run(bs):
             return self.graph_runner.replay(bs, ints["rows"], ints["seq_lens"],
-                                            ints["out_cache_loc"])
+                                            ints["out_cache_loc"], max(step.seq_lens))
         nnz = sum(step.seq_lens)
         kv_indptr = torch.empty(bs + 1, dtype=torch.int32, device=self.device)   # [B + 1]
         kv_indices = torch.empty(max(nnz, 1), dtype=torch.int32, device=self.device)  # [nnz]
