@@ -131,7 +131,7 @@ def test_a_grammar_constrains_the_answer_after_the_reasoning(extra):
     req = P.parse_chat_request(body)
     openai_api._chat_tools(engine, body, req)
     before = req.sampling.grammar_key
-    assert openai_api._reasoning_parser(engine, req) == "qwen3"
+    assert openai_api._apply_reasoning_parser(engine, req) == "qwen3"
     kind, spec = req.sampling.grammar_key
     assert kind == "structural_tag" and spec != before[1]
     grammar = xgr.Grammar.from_structural_tag(spec)
@@ -144,7 +144,7 @@ def test_a_grammar_constrains_the_answer_after_the_reasoning(extra):
     req = P.parse_chat_request({**body, "separate_reasoning": False})
     openai_api._chat_tools(engine, body, req)
     key = req.sampling.grammar_key
-    assert openai_api._reasoning_parser(engine, req) is None and req.sampling.grammar_key == key
+    assert openai_api._apply_reasoning_parser(engine, req) is None and req.sampling.grammar_key == key
 
 
 def test_a_structural_tag_of_the_older_form_is_left_unsplit():
@@ -154,7 +154,7 @@ def test_a_structural_tag_of_the_older_form_is_left_unsplit():
     old = {"type": "structural_tag", "structures": [], "triggers": []}
     req = P.parse_chat_request({**CHAT, "structural_tag": old})
     key = req.sampling.grammar_key
-    assert openai_api._reasoning_parser(engine, req) is None and req.sampling.grammar_key == key
+    assert openai_api._apply_reasoning_parser(engine, req) is None and req.sampling.grammar_key == key
 
 
 def test_chat_template_kwargs_reach_the_template():

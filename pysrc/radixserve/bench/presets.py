@@ -96,6 +96,12 @@ _LLAMA_COMMON = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                  "initializer_range": 0.02, "mlp_bias": False, "pretraining_tp": 1,
                  "torch_dtype": "bfloat16", "use_cache": True}
 
+# what Qwen2.5 and Qwen3 share: ChatML, no BOS, their special tokens from 151643, the ids
+# generation_config.json names
+_QWEN_CHAT = dict(special_start=151643, bos_token=None, eos_token="<|im_end|>",
+                  chat_template=CHATML_TEMPLATE, add_bos=False)
+_QWEN_GEN_IDS = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
+
 PRESETS: Dict[str, Preset] = {
     "llama-3.1-8b": Preset(
         hf_name="meta-llama/Llama-3.1-8B-Instruct",
@@ -138,11 +144,9 @@ PRESETS: Dict[str, Preset] = {
                 "sliding_window": 131072, "use_sliding_window": False,
                 "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
                 "bos_token_id": 151643, "eos_token_id": 151645},
-        special_tokens=_qwen2_specials(), special_start=151643,
-        bos_token=None, eos_token="<|im_end|>", chat_template=CHATML_TEMPLATE, add_bos=False,
-        generation={"bos_token_id": 151643, "eos_token_id": [151645, 151643],
-                    "pad_token_id": 151643, "do_sample": True, "temperature": 0.7,
-                    "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
+        special_tokens=_qwen2_specials(), **_QWEN_CHAT,
+        generation={**_QWEN_GEN_IDS, "do_sample": True, "temperature": 0.7, "top_p": 0.8,
+                    "top_k": 20, "repetition_penalty": 1.05},
         num_params=7_615_616_512),
     "qwen3-8b": Preset(
         hf_name="Qwen/Qwen3-8B",
@@ -155,11 +159,9 @@ PRESETS: Dict[str, Preset] = {
                 "rope_scaling": None, "sliding_window": None, "use_sliding_window": False,
                 "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
                 "bos_token_id": 151643, "eos_token_id": 151645},
-        special_tokens=_qwen3_specials(), special_start=151643,
-        bos_token=None, eos_token="<|im_end|>", chat_template=CHATML_TEMPLATE, add_bos=False,
-        generation={"bos_token_id": 151643, "eos_token_id": [151645, 151643],
-                    "pad_token_id": 151643, "do_sample": True, "temperature": 0.6,
-                    "top_p": 0.95, "top_k": 20},
+        special_tokens=_qwen3_specials(), **_QWEN_CHAT,
+        generation={**_QWEN_GEN_IDS, "do_sample": True, "temperature": 0.6, "top_p": 0.95,
+                    "top_k": 20},
         num_params=8_190_735_360),
     "smollm2-135m": Preset(
         hf_name="HuggingFaceTB/SmolLM2-135M-Instruct",

@@ -134,7 +134,7 @@ def _chat_tools(engine, body: dict, req: P.ChatRequest) -> _Tools:
                   req.tools if (knows and used) else None)
 
 
-def _reasoning_parser(engine, req: P.ChatRequest) -> Optional[str]:
+def _apply_reasoning_parser(engine, req: P.ChatRequest) -> Optional[str]:
     """--reasoning-parser for this request, or None when the request asked for no split
     (separate_reasoning false). A grammar of the request (response_format, tools) is wrapped
     so that it constrains the answer after the reasoning (reasoning.with_reasoning_grammar);
@@ -180,7 +180,7 @@ async def chat_completions(request: Request, engine) -> Response:
     req = P.parse_chat_request(body)
     tools = _chat_tools(engine, body, req)
     origin = req.sampling.grammar_key[0] if req.sampling.grammar_key else None
-    parser = _reasoning_parser(engine, req)
+    parser = _apply_reasoning_parser(engine, req)
     prompt_ids = P.truncate_prompt(await _render_chat(engine, req, tools),
                                    req.extras.truncate_prompt_tokens)
     P.check_prompt_ids(prompt_ids, engine.model_config.vocab_size, engine.context_len,
