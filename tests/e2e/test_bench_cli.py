@@ -68,10 +68,9 @@ def test_same_keys_against_radixserve_and_a_stand_in(server, standin, tmp_path):
     assert steps["decode_steps"] >= OUTPUT_LEN - 1 and steps["prefill_steps"] >= 1
     assert steps["decode_device_s"] > 0 and steps["extend_device_s"] > 0
     assert 0 < steps["device_busy"] < 1.5 and steps["mean_decode_step_ms"] > 0
-    # the host threads' CPU clocks (one thread's CPU time cannot pass the wall time between the
-    # two scrapes, which bracket the run)
-    assert 0 < steps["loop_cpu_s"] < a["duration"] + 1.0
-    assert 0 < steps["forward_cpu_s"] < a["duration"] + 1.0
+    # the host threads' CPU clocks advanced over the run (no bound against wall time: that
+    # would be a timed assertion)
+    assert steps["loop_cpu_s"] > 0 and steps["forward_cpu_s"] > 0
     assert steps["loop_cpu_us_per_token"] == pytest.approx(
         1e6 * steps["loop_cpu_s"] / steps["generation_tokens"])
     server.wait_idle()
