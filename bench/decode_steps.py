@@ -26,33 +26,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pysrc"))
 
-
-def copy_bandwidth(device, nbytes=2 << 30, iters=20) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted), median of iters."""
-    src = torch.randn(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(iters + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    times = sorted(times[3:])
-    return 2 * src.numel() * 4 / times[len(times) // 2]
-
-
-def streamed_weight_bytes(model) -> int:
-    """Every parameter once (named_parameters yields a tied LM head once, as the embedding),
-    except an untied embedding table: a decode step reads one row of it per request."""
-    total = 0
-    for name, p in model.named_parameters():
-        if "embed_tokens" in name and not model.config.tie_word_embeddings:
-            continue
-        total += p.numel() * p.element_size()
-    return total
+from radixserve.model.weight_floor import copy_bandwidth, streamed_weight_bytes  # noqa: E402,F401
 
 
 def make_scheduler(model_dir, args, serial, model=None):

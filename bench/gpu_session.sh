@@ -144,6 +144,33 @@ for stage in "$@"; do
         --sweep-concurrency 1,2,4,8,16,32,64,128,256 --sweep-prompts-per-concurrency 2 \
         --server-log-dir "$OUT/sweep-logs" --output-file "$OUT/sweep-h200.json" 2>&1 \
         | tee "$OUT/sweep.txt" | tail -30 ;;
+    arrivals)
+      # issue 33's arrival-bound workload (200 prompts at 16 req/s, lengths up to 1024/1024 as
+      # SGLang's client draws them by default) against self-launched servers, one per
+      # $ARRIVAL_CONFIGS entry (name:flags), with py-spy sampling the first server's threads
+      # (collapsed stacks, one line per stack, under $OUT) for where the loop's time goes
+      P=/tmp/preset-8b
+      python3 -m radixserve bench presets llama-3.1-8b --out $P > /dev/null
+      first=1
+      for cfg in ${ARRIVAL_CONFIGS:-alternate: mixed:--enable-mixed-chunk}; do
+        name=${cfg%%:*}; extra=${cfg#*:}; extra=${extra//,/ }
+        python3 -m radixserve.launch_server --model-path $P --load-format dummy --port 30124 \
+          $extra > "$OUT/arrivals-$name-server.log" 2>&1 &
+        pid=$!
+        for i in $(seq 300); do curl -sf localhost:30124/health >/dev/null && break; sleep 1; done
+        spy=
+        if [ $first = 1 ] && [ -x /tmp/site/bin/py-spy ]; then
+          /tmp/site/bin/py-spy record --pid $pid --threads --nonblocking -r 200 -f raw \
+            -o "$OUT/arrivals-$name-pyspy.txt" -d 40 > /dev/null 2>&1 & spy=$!
+        fi
+        python3 bench/serving.py --port 30124 --dataset random --random-range-ratio 0 \
+          --random-input-len 1024 --random-output-len 1024 --num-prompts 200 --request-rate 16 \
+          --disable-tqdm --no-plots --output-file "$OUT/arrivals-$name.json" 2>&1 \
+          | grep -E "^(Succ|Failed|Bench|Total|Output|Median|Mean|P99|Server|error)" \
+          | sed "s/^/[$name] /"
+        [ -n "$spy" ] && wait $spy
+        kill $pid; wait $pid 2>/dev/null; first=0
+      done ;;
     soak)
       # the CPU soak of issue 10 on the device's 16 cores (the model on the CPU, as CI would)
       python3 bench/soak.py --num-requests "${SOAK_REQUESTS:-10000}" \

@@ -20,11 +20,11 @@ double = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = double
 _spec.loader.exec_module(double)
 
-# the tiny workload: 4 prompts x 8 input tokens x 4 output tokens
+# the tiny workload: 4 prompts x 8 input tokens x 4 output tokens (fixed lengths)
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 8, 4
 WORKLOAD = ["--backend", "completions", "--dataset", "random", "--num-prompts", str(NUM_PROMPTS),
             "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
-            "--no-plots"]
+            "--random-range-ratio", "1.0", "--no-plots"]
 
 
 @pytest.fixture

@@ -109,10 +109,81 @@ def test_summary_has_sglang_names_and_values():
     assert m["mean_e2e_latency_ms"] == pytest.approx(215.0)
     assert m["concurrency"] == pytest.approx(0.645 / 1.2)         # sum of latencies / duration
     # an empty run: zeros, as SGLang writes them, not NaN
-    empty = serving.summarize([serving.RequestResult(error="HTTP 500")], duration=1.0)
+    empty = serving.summarize([serving.RequestResult(failure="http_status", error="HTTP 500")],
+                              duration=1.0)
     assert empty["completed"] == 0 and empty["failed"] == 1
     assert empty["mean_ttft_ms"] == 0.0 and empty["p99_itl_ms"] == 0.0
-    assert empty["error_samples"] == ["HTTP 500"]
+    assert empty["failure_reasons"] == {"http_status": 1}
+    assert empty["error_samples"] == ["http_status: HTTP 500"]
+
+
+def test_failures_are_counted_per_reason_with_the_first_line_of_one_error_each():
+    R = serving.RequestResult
+    results = [R(success=True, output_len=4, ttft=0.1, latency=0.2),
+               R(failure="abort", error="finish reason b"),
+               R(failure="abort", error="finish reason a\nsecond line"),
+               R(failure="truncated", error="the stream ended without a finish reason"),
+               R(error="an older result without a reason")]
+    m = serving.summarize(results, duration=1.0)
+    assert m["completed"] == 1 and m["failed"] == 4
+    assert m["failure_reasons"] == {"abort": 2, "error": 1, "truncated": 1}
+    assert m["error_samples"] == ["abort: finish reason a",
+                                  "error: an older result without a reason",
+                                  "truncated: the stream ended without a finish reason"]
+    assert m["total_output_tokens"] == 4                  # numbers over the successful ones
+    result = {"sweep": {"a": [m, m]}, "runs": {}}
+    assert serving.failures(result) == {"abort": 4, "error": 2, "truncated": 2}
+    assert serving.failures({"metrics": serving.summarize(results[:1], 1.0)}) == {}
+
+
+# SGLang's published H200 serving config: --dataset-name random --request-rate 16
+# --num-prompts 200 --random-input-len 1024 --random-output-len 1024 (seed 1, range ratio 0.0)
+SGLANG_H200 = ["--dataset", "random", "--request-rate", "16", "--num-prompts", "200",
+               "--random-input-len", "1024", "--random-output-len", "1024"]
+# the first gaps SGLang's get_request sleeps for that config: np.random.seed(1), the two
+# randint calls of sample_random_requests, then np.random.exponential(1 / 16) per request
+SGLANG_H200_GAPS = [0.0044154445182950945, 0.0296683309678502, 0.005185953389237671,
+                    0.2539900859260264, 0.012526235466412064]
+
+
+def test_random_lengths_and_gaps_are_sglangs_for_the_same_seed():
+    from radixserve.bench import workloads
+    args = serving.parse_args(SGLANG_H200)
+    assert args.random_range_ratio == 0.0 and args.seed == 1        # SGLang's defaults
+    requests, _ = workloads.build_workload(args, vocab_size=1000)
+    assert sum(len(r.prompt_ids) for r in requests) == 103_005
+    assert sum(r.output_len for r in requests) == 105_408
+    assert [r.gap for r in requests[:5]] == pytest.approx(SGLANG_H200_GAPS, rel=1e-12)
+    assert all(1 <= len(r.prompt_ids) <= 1024 and 0 <= r.output_len <= 1024 for r in requests)
+    assert all(100 <= t < 1000 for r in requests for t in r.prompt_ids)
+    d = workloads.describe(args, (requests, None))
+    assert (d["num_requests"], d["total_input_tokens"], d["total_output_tokens"]) == \
+        (200, 103_005, 105_408)
+    assert workloads.describe_line(d).startswith(
+        "workload: random, 200 requests, 103,005 input / 105,408 output tokens; lengths as "
+        "SGLang's bench_serving draws them (range ratio 0.0, seed 1)")
+    fixed = serving.parse_args(SGLANG_H200 + ["--random-range-ratio", "1.0"])
+    requests, _ = workloads.build_workload(fixed, vocab_size=1000)
+    assert [len(r.prompt_ids) for r in requests] == [1024] * 200
+    assert [r.output_len for r in requests] == [1024] * 200
+    inf = serving.parse_args(SGLANG_H200[:2] + SGLANG_H200[4:])      # no --request-rate
+    assert all(r.gap == 0.0 for r in workloads.build_workload(inf, vocab_size=1000)[0])
+
+
+def test_arrivals_wait_each_gap_but_not_after_the_last(monkeypatch):
+    import asyncio
+    from radixserve.bench import workloads
+    slept = []
+
+    async def sleep(seconds):
+        slept.append(seconds)
+    monkeypatch.setattr(serving.asyncio, "sleep", sleep)
+    items = [workloads.BenchRequest([1], 1, gap=g) for g in (0.5, 0.25, 0.125)]
+
+    async def arrivals():
+        return [item async for item in serving.Runner._arrivals(items)]
+    assert asyncio.run(arrivals()) == items
+    assert slept == [0.5, 0.25]
 
 
 def _result(**extra):

@@ -1,8 +1,10 @@
 """`radixserve bench serving` against a stand-in OpenAI-compatible server on loopback: a test
 double (http.server, no model) that streams /v1/completions and /v1/chat/completions as SSE
-with a final usage chunk, lists one model at /v1/models, answers 404 to everything else and
-records every route it was asked for. It stands for a peer (SGLang, vLLM) that has none of
-radixserve's own routes. tests/e2e/test_bench_cli.py runs the same command against radixserve."""
+with a final usage chunk (and SGLang's native /generate, cumulative ids and meta_info), lists
+one model at /v1/models, answers 404 to everything else and records every route it was asked
+for. It stands for a peer (SGLang, vLLM) that has none of radixserve's own routes; told to
+(StandIn.faults), it fails requests the ways a server can. tests/e2e/test_bench_cli.py runs the
+same command against radixserve."""
 import json
 import os
 import threading
@@ -16,17 +18,28 @@ MODEL = "standin-model"
 VOCAB = 1000
 OPENAI_ROUTES = {("GET", "/v1/models"), ("POST", "/v1/completions"),
                  ("POST", "/v1/chat/completions")}
-# what a tiny workload asks for: 4 prompts x 8 input tokens x 4 output tokens
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+# what a tiny workload asks for: 4 prompts x 8 input tokens x 4 output tokens (fixed lengths)
 TINY = ["--dataset", "random", "--num-prompts", "4", "--random-input-len", "8",
-        "--random-output-len", "4", "--disable-tqdm"]
+        "--random-output-len", "4", "--random-range-ratio", "1.0", "--disable-tqdm"]
+# how StandIn answers a generation request (StandIn.faults):
+#   ok           every token asked, finish reason "length" (an empty chunk with it for 0 asked)
+#   http500      HTTP 500 with an OpenAI error body
+#   error_chunk  one token, then {"error": ...} and [DONE] (radixserve's in-band error)
+#   abort        one token, then finish reason abort ("abort"; /generate: {"type": "abort"})
+#   truncate     one token, then the connection closes: no finish reason, no [DONE]
+#   short        half the tokens asked, then finish reason "stop" (counted in usage/meta_info)
+FAULTS = ("ok", "http500", "error_chunk", "abort", "truncate", "short")
 
 
 class StandIn:
     """The server: .url, .routes (every (method, path) asked, in order), .bodies (the JSON
-    bodies of the POSTs), .card (the /v1/models entry: add root or vocab_size to it)."""
+    bodies of the POSTs), .card (the /v1/models entry: add root or vocab_size to it), .faults
+    (how to answer the next generation requests, in the order they arrive: FAULTS; "ok" once
+    it is empty)."""
 
     def __init__(self):
-        self.routes, self.bodies = [], []
+        self.routes, self.bodies, self.faults = [], [], []
         self.card = {"id": MODEL, "object": "model", "owned_by": "test"}
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -65,34 +78,79 @@ def _handler(standin: StandIn):
             raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             body = json.loads(raw) if raw else None
             self._record(body)
+            if self.path not in GENERATION_ROUTES:
+                return self._json(404, {"error": {"message": f"no route {self.path}"}})
+            with standin.lock:
+                fault = standin.faults.pop(0) if standin.faults else "ok"
+            if fault == "http500":
+                return self._json(500, {"error": {"message": "stand-in: internal error",
+                                                  "type": "InternalServerError", "code": 500}})
+            if self.path == "/generate":
+                return self._generate(body, fault)
             if self.path == "/v1/completions":
-                return self._stream(body, len(body["prompt"]), lambda t: {"text": t})
-            if self.path == "/v1/chat/completions":
-                words = len(body["messages"][0]["content"].split())
-                return self._stream(body, words, lambda t: {"delta": {"content": t}})
-            self._json(404, {"error": {"message": f"no route {self.path}"}})
+                return self._stream(body, fault, len(body["prompt"]), lambda t: {"text": t})
+            words = len(body["messages"][0]["content"].split())
+            self._stream(body, fault, words, lambda t: {"delta": {"content": t}})
 
         def _event(self, obj):
             self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             self.wfile.flush()
 
-        def _stream(self, body, prompt_tokens, choice):
-            """max_tokens chunks of one token each, then the usage chunk (half the prompt
-            reported as cached), then [DONE]; the connection closes (HTTP/1.0)."""
+        def _answer(self, asked, fault, chunk):
+            """Send the SSE stream of `fault` (FAULTS); chunk(k, finish, new) is the event after
+            k tokens (new: it carries the k-th). The number of tokens sent when the usage chunk
+            and [DONE] are still to come, else None; the connection closes after (HTTP/1.0)."""
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            n = body["max_tokens"]
-            for i in range(n):
-                finish = "length" if i == n - 1 else None
-                self._event({"object": "chunk", "model": MODEL, "choices": [
-                    {"index": 0, **choice(f" t{i}"), "finish_reason": finish}]})
+            n = {"ok": asked, "short": asked // 2}.get(fault, min(asked, 1))
+            for k in range(1, n + 1):
+                last = k == n and fault in ("ok", "short")
+                self._event(chunk(k, ("length" if fault == "ok" else "stop") if last else None,
+                                  True))
+            if fault == "truncate":
+                return None
+            if fault == "error_chunk":
+                self._event({"error": {"message": "stand-in: the engine failed", "code": 500}})
+                self.wfile.write(b"data: [DONE]\n\n")
+                return None
+            if fault == "abort":
+                self._event(chunk(n, "abort", False))
+            elif n == 0:
+                self._event(chunk(0, "length", False))
+            return n
+
+        def _stream(self, body, fault, prompt_tokens, choice):
+            """The OpenAI routes: max_tokens chunks of one token each (finish reason on the
+            last), then the usage chunk (half the prompt reported as cached), then [DONE]."""
+            def chunk(k, finish, new):
+                return {"object": "chunk", "model": MODEL, "choices": [
+                    {"index": 0, **choice(f" t{k - 1}" if new else ""), "finish_reason": finish}]}
+            n = self._answer(body["max_tokens"], fault, chunk)
+            if n is None:
+                return
             if (body.get("stream_options") or {}).get("include_usage"):
                 self._event({"object": "chunk", "model": MODEL, "choices": [], "usage": {
                     "prompt_tokens": prompt_tokens, "completion_tokens": n,
                     "total_tokens": prompt_tokens + n,
                     "prompt_tokens_details": {"cached_tokens": prompt_tokens // 2}}})
             self.wfile.write(b"data: [DONE]\n\n")
+
+        def _generate(self, body, fault):
+            """SGLang's native stream: each chunk has the cumulative text and output ids and
+            meta_info (counts; finish_reason null until the last), then [DONE]."""
+            prompt = len(body["input_ids"])
+
+            def chunk(k, finish, new):
+                reason = finish and {"type": finish, "matched": None}
+                if finish == "abort":
+                    reason["message"] = "stand-in: aborted"
+                return {"text": "".join(f" t{i}" for i in range(k)),
+                        "output_ids": list(range(100, 100 + k)),
+                        "meta_info": {"id": "r", "prompt_tokens": prompt, "completion_tokens": k,
+                                      "cached_tokens": 0, "finish_reason": reason}}
+            if self._answer(body["sampling_params"]["max_new_tokens"], fault, chunk) is not None:
+                self.wfile.write(b"data: [DONE]\n\n")
 
     return Handler
 
@@ -249,3 +307,70 @@ def test_importing_radixserve_does_not_import_the_benchmarks():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("backend", ["completions", "generate"])
+def test_failed_requests_are_counted_per_reason_and_make_the_exit_status_1(standin, tmp_path,
+                                                                           capsys, backend):
+    """Six requests after the warm-up: one healthy, one per way of failing."""
+    extra = ["--no-flush-cache"] if backend == "generate" else []    # it has no /flush_cache
+    run = ["--base-url", standin.url, "--backend", backend, "--vocab-size", str(VOCAB), *extra,
+           *TINY, "--num-prompts", "6", "--max-concurrency", "1", "--no-plots"]
+    faults = ["ok", "http500", "error_chunk", "abort", "truncate", "short", "ok"]
+    standin.faults = list(faults)
+    out = str(tmp_path / "failed.json")
+    assert bench(*run, "--output-file", out) == 1
+    captured = capsys.readouterr()
+    assert "5 request(s) failed" in captured.err and "--allow-failures" in captured.err
+    with open(out) as f:                                   # written before the exit status
+        m = json.load(f)["metrics"]
+    assert m["completed"] == 1 and m["failed"] == 5
+    assert m["failure_reasons"] == {"abort": 1, "error": 1, "http_status": 1,
+                                    "short_output": 1, "truncated": 1}
+    assert m["total_output_tokens"] == 4                  # the healthy request alone
+    samples = dict(s.split(": ", 1) for s in m["error_samples"])
+    assert set(samples) == set(m["failure_reasons"])
+    assert samples["http_status"].startswith("HTTP 500") and "stand-in" in samples["http_status"]
+    assert "the engine failed" in samples["error"] and "abort" in samples["abort"]
+    assert samples["truncated"] == "the stream ended without a finish reason (closed before [DONE])"
+    assert samples["short_output"].startswith("2 of the 4 output tokens asked")
+    for reason in m["failure_reasons"]:
+        assert f"Failed: {reason}" in captured.out and f"\n  {reason}: " in captured.out
+    # the same run with --allow-failures: the same account, exit status 0
+    standin.faults = list(faults)
+    assert bench(*run, "--allow-failures") == 0
+    assert "Failed: truncated" in capsys.readouterr().out
+    # and a healthy run: nothing to report
+    assert bench(*run) == 0
+    assert "Failed:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("backend", ["completions", "generate"])
+def test_outputs_of_length_zero_are_sent_as_sglang_sends_them_and_succeed(standin, tmp_path,
+                                                                          capsys, backend):
+    """SGLang's default range ratio 0.0 draws outputs from [0, len]: 0 goes out as
+    max_tokens / max_new_tokens 0 and the request finishes, with its latency as TTFT."""
+    extra = ["--no-flush-cache"] if backend == "generate" else []
+    out = str(tmp_path / "zero.json")
+    assert bench("--base-url", standin.url, "--backend", backend, "--vocab-size", str(VOCAB),
+                 *extra, "--dataset", "random", "--num-prompts", "8", "--random-input-len", "8",
+                 "--random-output-len", "1", "--disable-tqdm", "--no-plots",
+                 "--output-file", out) == 0
+    path = "/generate" if backend == "generate" else "/v1/completions"
+    asked = [b["sampling_params"]["max_new_tokens"] if backend == "generate" else b["max_tokens"]
+             for b in standin.posts(path)[1:]]
+    assert sorted(set(asked)) == [0, 1]                   # seed 1 draws both
+    with open(out) as f:
+        result = json.load(f)
+    m = result["metrics"]
+    assert m["completed"] == 8 and m["failed"] == 0 and m["total_output_tokens"] == sum(asked)
+    per = m["per_request"]
+    zero = [i for i, n in enumerate(per["output_len"]) if n == 0]
+    assert len(zero) == asked.count(0)
+    assert all(per["ttft_ms"][i] == per["latency_ms"][i] for i in zero)
+    w = result["workload"]
+    assert w["dataset"] == "random" and w["num_requests"] == 8
+    assert w["total_output_tokens"] == sum(asked) and w["random_range_ratio"] == 0.0
+    out = capsys.readouterr().out                          # the totals, before the results
+    assert out.index(f"workload: random, 8 requests, {w['total_input_tokens']} input / "
+                     f"{sum(asked)} output tokens; lengths as SGLang's") < out.index("Successful")

@@ -22,6 +22,15 @@ class BenchError(Exception):
     the message says what to change. `radixserve bench` prints it and exits 2."""
 
 
+class RequestsFailed(Exception):
+    """A benchmark that ran but had failed requests (`bench serving` without --allow-failures);
+    .result is its result, already written. `radixserve bench` prints the message and exits 1."""
+
+    def __init__(self, message: str, result: Optional[dict] = None):
+        super().__init__(message)
+        self.result = result
+
+
 # name -> (module, one line of help)
 SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "serving": ("radixserve.bench.serving",
@@ -43,9 +52,10 @@ def usage() -> str:
 
 
 def run(name: str, argv: List[str]) -> int:
-    """Run subcommand name's main(argv); its exit status: 0; 2 (message on stderr) for a
-    BenchError or a missing optional dependency; argparse's status for --help (0) or a bad
-    flag (2); 143 after SIGTERM while it ran servers."""
+    """Run subcommand name's main(argv); its exit status: 0; 1 (message on stderr) when
+    requests failed (RequestsFailed); 2 (message on stderr) for a BenchError or a missing
+    optional dependency; argparse's status for --help (0) or a bad flag (2); 143 after SIGTERM
+    while it ran servers."""
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
         module.main(list(argv))
@@ -57,6 +67,9 @@ def run(name: str, argv: List[str]) -> int:
     except BenchError as e:
         print(f"radixserve bench {name}: error: {e}", file=sys.stderr)
         return 2
+    except RequestsFailed as e:
+        print(f"radixserve bench {name}: {e}", file=sys.stderr)
+        return 1
     except ModuleNotFoundError as e:
         if e.name not in ("httpx", "aiohttp", "matplotlib", "transformers"):
             raise

@@ -2,13 +2,16 @@
 bench_serving (so its readers read ours): completed, duration, total_input_tokens,
 total_output_tokens, request_throughput, input_throughput, output_throughput, total_throughput,
 concurrency (sum of latencies / duration) and {mean, median, std, p90, p99}_{ttft, tpot, itl,
-e2e_latency}_ms, plus p95_itl_ms and max_itl_ms. Ours alongside: failed, error_samples,
-total_cached_tokens, cache_hit_rate (cached / prompt tokens) and per_request (the lists that
-CDF plots need). TPOT is (latency - TTFT) / (output tokens - 1) over requests with more than
-one output token."""
+e2e_latency}_ms, plus p95_itl_ms and max_itl_ms. Ours alongside: failed, failure_reasons
+({reason: count}, the reasons of backends.FAILURES), error_samples (per reason, the first line
+of one of its errors, "reason: line"), total_cached_tokens, cache_hit_rate (cached / prompt
+tokens) and per_request (the lists that CDF plots need). Every number but failed and
+failure_reasons is over the successful requests. TPOT is (latency - TTFT) / (output tokens -
+1) over requests with more than one output token."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Dict, List
 
 import numpy as np
@@ -35,6 +38,19 @@ def _per_request(ok: List[RequestResult]) -> Dict[str, list]:
             "itl_ms": [[round(x * 1e3, 3) for x in r.itl] for r in ok]}
 
 
+def failure_account(results: List[RequestResult]) -> Dict:
+    """{"failed", "failure_reasons": {reason: count}, "error_samples"} of results (module doc);
+    a failed result without a failure reason counts as "error"."""
+    failed = [r for r in results if not r.success]
+    reasons = Counter(r.failure or "error" for r in failed)
+    samples = {}
+    for r in sorted(failed, key=lambda r: (r.failure or "error", r.error)):
+        lines = r.error.strip().splitlines()
+        samples.setdefault(r.failure or "error", lines[0][:200] if lines else "")
+    return {"failed": len(failed), "failure_reasons": dict(sorted(reasons.items())),
+            "error_samples": [f"{reason}: {line}" for reason, line in samples.items()]}
+
+
 def summarize(results: List[RequestResult], duration: float) -> Dict:
     """The metrics of a run of results that took duration seconds (see the module doc)."""
     ok = [r for r in results if r.success]
@@ -43,8 +59,7 @@ def summarize(results: List[RequestResult], duration: float) -> Dict:
     cached = sum(r.cached_tokens for r in ok)
     itl = [x for r in ok for x in r.itl]
     m: Dict = {
-        "completed": len(ok), "failed": len(results) - len(ok),
-        "error_samples": sorted({r.error for r in results if not r.success})[:5],
+        "completed": len(ok), **failure_account(results),
         "duration": duration,
         "total_input_tokens": prompt, "total_output_tokens": output,
         "total_cached_tokens": cached, "cache_hit_rate": cached / prompt if prompt else 0.0,
@@ -92,8 +107,12 @@ def print_metrics(name: str, m: Dict) -> None:
             rows.append(("Server loop CPU per token (us)", steps["loop_cpu_us_per_token"]))
     for label, v in rows:
         print(f"{label:<40}{v:>14.3f}" if isinstance(v, float) else f"{label:<40}{v:>14}")
+    for reason, count in (m.get("failure_reasons") or {}).items():
+        print(f"{'Failed: ' + reason:<40}{count:>14}")
+    if m["error_samples"]:
+        print("Errors (one per failure reason, its first line):")
     for e in m["error_samples"]:
-        print("error:", e)
+        print("  " + e)
 
 
 def ratio(a: float, b: float) -> float:

@@ -12,14 +12,19 @@ tokenizer). The model name, vocabulary and tokenizer come from /v1/models, --voc
 --tokenizer (discovery.py).
 
 Datasets
-  random                   --random-input-len, --random-output-len, --random-range-ratio
+  random                   --random-input-len, --random-output-len, --random-range-ratio: the
+                           lengths SGLang's bench_serving draws for the same --seed (default
+                           range ratio 0.0: inputs uniform in [1, len], outputs in [0, len];
+                           1.0: fixed lengths); workloads.py says how
   generated-shared-prefix  --gsp-num-groups groups of --gsp-prompts-per-group prompts; each prompt is
                            its group's system prompt (--gsp-system-prompt-len) + a question
                            (--gsp-question-len); --gsp-output-len new tokens; --gsp-order
   multi-turn               --num-prompts conversations of --mt-turns turns; turn k's prompt is turn
                            k-1's prompt + its answer + a new message, sent when turn k-1 returns
 
-Arrivals: --request-rate (Poisson, requests/s; inf = all at once) and/or --max-concurrency.
+Arrivals: --request-rate (Poisson, requests/s; inf = all at once; the gaps SGLang's client
+draws for the same --seed) and/or --max-concurrency. The workload's token totals are printed
+before the run and kept under "workload" in the result.
 Before the run, --warmup-requests (1) short unrelated requests go through the same route; then
 POST /flush_cache empties the server's prefix cache when --flush-cache, which is the default only
 for servers this command launched and for --backend generate (SGLang's native API has the
@@ -42,6 +47,11 @@ Against radixserve each run also records "server_steps", the server's own step c
 the run (device busy fraction, decode steps and their mean device time, idle before decode
 steps; server_steps.py), which say whether a run was bound by the kernels or by the host loop.
 
+Failed requests (an HTTP error, an error chunk, an abort, a stream without a finish reason, fewer
+tokens than asked under ignore_eos: backends.py) are counted per reason in the summary
+("failure_reasons", "error_samples"); any failure makes the command exit 1 (after the result is
+written) unless --allow-failures.
+
 Examples (see bench/README.md):
   radixserve bench serving --port 30000 --dataset random --num-prompts 64 --request-rate 8
   radixserve bench serving --port 8000 --backend completions --tokenizer MODEL_DIR \\
@@ -55,7 +65,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import shlex
@@ -67,7 +76,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import httpx
 from tqdm.asyncio import tqdm
 
-from radixserve.bench import BenchError, server_steps
+from radixserve.bench import BenchError, RequestsFailed, server_steps
 from radixserve.bench.backends import BACKENDS, RequestResult, auth_headers, send, session
 from radixserve.bench.discovery import ServerFacts, discover
 from radixserve.bench.launcher import (LaunchedServer, free_port, radixserve_command,
@@ -75,7 +84,8 @@ from radixserve.bench.launcher import (LaunchedServer, free_port, radixserve_com
 from radixserve.bench.metrics import (finite, pair_ratios, print_metrics, ratio, summarize,
                                       to_json)
 from radixserve.bench.workloads import (BenchRequest, Conversation, Workload, add_text,
-                                        build_workload, head, size, token_range)
+                                        build_workload, describe, describe_line, head, size,
+                                        token_range)
 
 try:                                   # the client's loop: uvloop (backends.session says why)
     from uvloop import run as run_async
@@ -108,12 +118,14 @@ class Runner:
         async with self.sem:
             return await call
 
-    async def _arrivals(self, n: int):
-        rng = random.Random(self.args.seed + 1)
-        for i in range(n):
-            yield i
-            if math.isfinite(self.args.request_rate) and i + 1 < n:
-                await asyncio.sleep(rng.expovariate(self.args.request_rate))
+    @staticmethod
+    async def _arrivals(items):
+        """Each item, then a wait of its gap (the order of SGLang's get_request), except after
+        the last one."""
+        for i, item in enumerate(items):
+            yield item
+            if item.gap and i + 1 < len(items):
+                await asyncio.sleep(item.gap)
 
     def client(self):
         """The streaming session (backends.session) of one run."""
@@ -148,8 +160,8 @@ class Runner:
             tasks = []
             items = requests if requests is not None else conversations
             work = one if requests is not None else conversation
-            async for i in self._arrivals(len(items)):
-                tasks.append(asyncio.create_task(work(items[i])))
+            async for item in self._arrivals(items):
+                tasks.append(asyncio.create_task(work(item)))
             await asyncio.gather(*tasks)
             duration = time.perf_counter() - start
         if pbar:
@@ -226,21 +238,25 @@ def run_sweep(args, base_url: str, workload: Workload, facts: ServerFacts,
 
 
 def _workload(args, facts: ServerFacts, token_limit: Optional[int] = None) -> Workload:
+    """build_workload for the server's vocabulary (below token_limit); its totals printed."""
     vocab = facts.vocab_size if token_limit is None else min(token_limit, facts.vocab_size)
     try:
-        return build_workload(args, vocab, facts.tokenizer)
+        workload = build_workload(args, vocab, facts.tokenizer)
     except ValueError as e:
         raise BenchError(str(e)) from e
+    print(describe_line(describe(args, workload)), flush=True)
+    return workload
 
 
 def run_running(args) -> Dict:
-    """Against the server at --base-url (or --host/--port): {"server", "metrics" | "sweep"}."""
+    """Against the server at --base-url (or --host/--port): {"server", "workload" (describe),
+    "metrics" | "sweep"}."""
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     facts = run_async(discover(base_url, args))
     workload = _workload(args, facts)
     flush = wants_flush(args, launched=False)
     run_async(warm_up(args, base_url, facts, flush))
-    out: Dict = {"server": facts.record()}
+    out: Dict = {"server": facts.record(), "workload": describe(args, workload)}
     if args.sweep_concurrency:
         out["sweep"] = {"default": run_sweep(args, base_url, workload, facts, flush)}
     else:
@@ -314,7 +330,8 @@ def _run_config(args, server: LaunchedServer, workload: Optional[Workload],
 def run_launched(args) -> Dict:
     """Launch `python -m radixserve.launch_server` per configuration (--compare NAME: each of
     COMPARE_SETS[NAME]; else one), warm each up, run the identical workload (or the sweep), stop
-    it. Returns {"runs" | "sweep", "ratios" (with --compare), "server_logs", "server"}."""
+    it. Returns {"runs" | "sweep", "ratios" (with --compare), "server_logs", "server",
+    "workload" (describe)}."""
     stop_servers_on_sigterm()   # the `with` blocks below then stop the server on SIGTERM too
     log_dir = args.server_log_dir or tempfile.mkdtemp(prefix="radixserve-bench-")
     os.makedirs(log_dir, exist_ok=True)
@@ -337,7 +354,8 @@ def run_launched(args) -> Dict:
         else:
             runs[name] = got
             print_metrics(name, got)
-    out: Dict = {"server_logs": log_dir, "server": facts.record() if facts else {}}
+    out: Dict = {"server_logs": log_dir, "server": facts.record() if facts else {},
+                 "workload": describe(args, workload) if workload is not None else None}
     if args.sweep_concurrency:
         out["sweep"] = sweep
     else:
@@ -382,8 +400,8 @@ NOT_IN_LINE = ("per_request", "server_args", "max_concurrency", "num_requests")
 def run_line(result: Dict, config: str, metrics: Dict, max_concurrency: Optional[int],
              ratios: Optional[Dict] = None) -> Dict:
     """One run as a JSONL line: SGLang's argument and result keys, then ours (config, model,
-    server_args, num_requests, the command, its time and source revision; ratios for the first
-    configuration of a --compare pair)."""
+    server_args, num_requests, the workload's description, the command, its time and source
+    revision; ratios for the first configuration of a --compare pair)."""
     args = result["args"]
     line: Dict = {key: args[name] for key, name in ARG_FIELDS}
     line["max_concurrency"] = max_concurrency
@@ -391,7 +409,7 @@ def run_line(result: Dict, config: str, metrics: Dict, max_concurrency: Optional
     line.update(config=config, model=(result.get("server") or {}).get("model"),
                 server_args=metrics.get("server_args"),
                 num_requests=metrics["completed"] + metrics["failed"],
-                command=result["command"], time=result["time"], source=result["source"])
+                workload=result.get("workload"), command=result["command"], time=result["time"], source=result["source"])
     if ratios:
         line["ratios"] = ratios
     return finite(line)
@@ -491,7 +509,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="requests (random) or conversations (multi-turn)")
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=32)
-    p.add_argument("--random-range-ratio", type=float, default=1.0)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len * ratio, len] as SGLang's bench_serving draws "
+                        "them (its default 0.0: inputs from 1, outputs from 0); 1.0: fixed")
     p.add_argument("--gsp-num-groups", type=int, default=2)
     p.add_argument("--gsp-prompts-per-group", type=int, default=8)
     p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
@@ -525,6 +545,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="X.jsonl: append one JSON line per run; else write the result as JSON")
     p.add_argument("--no-plots", action="store_true",
                    help="do not write PNG plots next to --output-file")
+    p.add_argument("--allow-failures", action="store_true",
+                   help="exit 0 even when requests failed (default: exit 1 after the result is "
+                        "written)")
 
 
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -588,9 +611,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def failures(result: Dict) -> Dict[str, int]:
+    """The failure reasons of every run in result (a plain run, each configuration, each sweep
+    level) added up: {reason: count}."""
+    runs = [result["metrics"]] if "metrics" in result else list((result.get("runs") or {}).values())
+    runs += [p for points in (result.get("sweep") or {}).values() for p in points]
+    total: Dict[str, int] = {}
+    for m in runs:
+        for reason, n in (m.get("failure_reasons") or {}).items():
+            total[reason] = total.get(reason, 0) + n
+    return dict(sorted(total.items()))
+
+
 def main(argv=None) -> Dict:
     """Run the benchmark of argv (sys.argv[1:] when None); the result dict (and --output-file).
-    BenchError for a server that cannot be benchmarked as asked."""
+    BenchError for a server that cannot be benchmarked as asked; RequestsFailed (after the
+    result is written) when any request failed, unless --allow-failures."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     result: Dict = {"command": "radixserve bench serving " + shlex.join(argv),
@@ -604,4 +640,10 @@ def main(argv=None) -> Dict:
         result.update(run_running(args))
     if args.output_file:
         write_output(result, args.output_file, plots=not args.no_plots)
+    failed = failures(result)
+    if failed and not args.allow_failures:
+        raise RequestsFailed(
+            f"{sum(failed.values())} request(s) failed ("
+            + ", ".join(f"{reason} {n}" for reason, n in failed.items())
+            + "); pass --allow-failures to exit 0 anyway", result)
     return result

@@ -135,6 +135,14 @@ class ModelRunner:
                                self.device)
         self.model = model
         self.model.eval()
+        # the batch-1 decode floor, measured here before the KV pool takes the free memory
+        # (weight_floor.py; None on the CPU)
+        self.weight_floor_s: Optional[float] = None
+        if self.device.type == "cuda":
+            from radixserve.model.weight_floor import weight_floor_seconds
+            self.weight_floor_s = weight_floor_seconds(self.model, self.device)
+            logger.info("batch-1 decode floor (weights over copy bandwidth): %.3f ms",
+                        self.weight_floor_s * 1e3)
         self.max_running_requests = (server_args.max_running_requests
                                      or DEFAULT_MAX_RUNNING_REQUESTS.get(self.device.type, 64))
         self.max_total_tokens = self._kv_pool_tokens()

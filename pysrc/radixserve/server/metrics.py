@@ -74,6 +74,11 @@ _COUNTERS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "device_idle_before_extend_seconds": (
         ("device_idle_before_extend_seconds_total",),
         "Seconds the device sat idle before a prefill step, from the previous step's end"),
+    "decode_row_device_seconds": (
+        ("decode_row_device_seconds_total",),
+        "Device seconds of decode steps times their rows (over decode_rows_total: the mean "
+        "decode step a generated token waited for)"),
+    "decode_rows": (("decode_rows_total",), "Rows (requests) of the decode steps run"),
     # host CPU of the engine's two busy threads (engine/thread_cpu.py)
     "loop_thread_cpu_seconds": (("loop_thread_cpu_seconds_total",),
                                 "CPU seconds of the event-loop thread (HTTP, scheduling, "
@@ -93,6 +98,9 @@ _GAUGES: Dict[str, Tuple[Tuple[str, ...], str]] = {
                        "Generation throughput (token/s) over the last decode-log interval"),
     "gpu_busy_fraction": (("gpu_busy_fraction",),
                           "Device time of steps / wall time over the last interval"),
+    "weight_floor_seconds": (("weight_floor_seconds",),
+                             "The batch-1 decode floor measured at start: streamed weight bytes "
+                             "over the device's copy bandwidth (0 on the CPU)"),
 }
 _RESERVED = frozenset([n for names, _ in (*_COUNTERS.values(), *_GAUGES.values()) for n in names]
                       + ["cache_query_tokens_total", "cache_hit_tokens_total", "cache_hit_rate"])

@@ -112,6 +112,11 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
         self.device_time_by_kind: Dict[str, float] = {"decode": 0.0, "extend": 0.0}
         # device seconds idle just before a step of each kind (CUDA: from the steps' events)
         self.device_idle_before_kind: Dict[str, float] = {"decode": 0.0, "extend": 0.0}
+        # decode steps' device seconds x their rows: over a run, divided by the tokens those
+        # steps made, the mean decode step a generated token waited for (bench serving puts
+        # the median ITL over it)
+        self.decode_row_device_time = 0.0
+        self.decode_rows = 0
         self.gen_throughput = 0.0
         self.gpu_busy_fraction = 0.0
         self.counters: Dict[str, int] = {
@@ -341,7 +346,10 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
                  decode_device_seconds=self.device_time_by_kind["decode"],
                  extend_device_seconds=self.device_time_by_kind["extend"],
                  device_idle_before_decode_seconds=self.device_idle_before_kind["decode"],
-                 device_idle_before_extend_seconds=self.device_idle_before_kind["extend"])
+                 device_idle_before_extend_seconds=self.device_idle_before_kind["extend"],
+                 decode_row_device_seconds=self.decode_row_device_time,
+                 decode_rows=self.decode_rows,
+                 weight_floor_seconds=getattr(self.runner, "weight_floor_s", None) or 0.0)
         return m
 
     def check_integrity(self) -> None:

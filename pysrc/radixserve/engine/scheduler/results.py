@@ -33,6 +33,9 @@ class ResultsMixin:
         kind = "decode" if batch.mode is ForwardMode.DECODE else "extend"
         self.device_time_by_kind[kind] += out.device_time
         self.device_idle_before_kind[kind] += out.idle_before
+        if kind == "decode":
+            self.decode_row_device_time += out.device_time * batch.batch_size
+            self.decode_rows += batch.batch_size
         for i, req in enumerate(batch.reqs):
             if batch.sample[i]:
                 row, sample_i = sample_i, sample_i + 1
