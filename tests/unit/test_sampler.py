@@ -195,3 +195,50 @@ def test_prompt_logprobs_chunked_equals_direct():
     for row, entries in enumerate(tops):
         assert [t for _, t in entries] == torch.topk(ref[row], 3).indices.tolist()
     assert all(math.isfinite(v) for v in values)
+
+
+def test_sparse_penalty_update_equals_the_dense_one():
+    """On the CPU the penalties touch only the seen (row, token) entries (apply_sparse); the
+    logits equal apply_dense's, which computes every entry, bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    vocab, rows = 3000, 6
+    state = PenaltyState(10, vocab, torch.device("cpu"))
+    state.init_rows([(r, torch.randint(0, vocab, (40,), generator=g).tolist(),
+                      torch.randint(0, vocab, (25,), generator=g).tolist()) for r in range(10)])
+    logits = torch.randn(8, vocab, generator=g) * 4
+    logits[2, :50] = float("-inf")                    # banned tokens stay -inf
+    batch_rows = torch.tensor([0, 2, 3, 5, 6, 7])
+    pool_rows = torch.tensor([9, 1, 4, 0, 7, 3])
+    repetition = torch.tensor([1.3, 1.0, 0.7, 1.1, 2.0, 1.0])
+    frequency = torch.tensor([0.5, -0.3, 0.0, 1.5, -2.0, 0.2])
+    presence = torch.tensor([0.25, 1.0, -0.5, 0.0, 0.3, -1.0])
+    dense, sparse = logits.clone(), logits.clone()
+    state.apply_dense(dense, batch_rows, pool_rows, repetition, frequency, presence)
+    state.apply_sparse(sparse, batch_rows, pool_rows, repetition, frequency, presence)
+    assert not torch.equal(dense, logits)
+    assert torch.equal(sparse, dense)
+    cpu = logits.clone()                              # apply picks the sparse path on the CPU
+    state.apply(cpu, batch_rows, pool_rows, repetition, frequency, presence)
+    assert torch.equal(cpu, dense)
+
+
+def test_cpu_sampler_draws_with_the_cpu_path():
+    """sampler.sample on CPU tensors samples with cpu_sampling.bitmask_sample (not the sorting
+    reference), after the penalties: its ids are that function's on the penalized logits."""
+    from radixserve.sampling import cpu_sampling
+
+    torch.manual_seed(7)
+    logits = torch.randn(8, VOCAB)
+    def reqs():
+        return [make_req(f"r{i}", output=(1, 2) * i, temperature=1.0, seed=300 + i,
+                         top_k=(0, 10)[i % 2], frequency_penalty=0.4 * (i % 3)) for i in range(8)]
+
+    ids = run(logits, reqs())[0]
+    work = penalized_logits(logits, reqs())
+    n = len(ids)
+    want, _ = cpu_sampling.bitmask_sample(
+        work, None, torch.ones(n), torch.tensor([(-1, 10)[i % 2] for i in range(n)],
+                                                dtype=torch.int32),
+        torch.ones(n), torch.zeros(n), torch.tensor([300 + i for i in range(n)]),
+        torch.tensor([2 * i for i in range(n)]))
+    assert ids == want.tolist()

@@ -1,15 +1,16 @@
 """Decode attention on the CPU in fp32, with the per-step work done once per step.
 
-ops.paged_decode_attention's reference (ops/reference.py) builds the padded slot table of the
-batch in every layer: a dozen small ops per layer, each a few microseconds to tens of them on
-the CPU, identical in all layers of a step. CpuDecodeAttention builds that table once from the
-step's kv_indptr / kv_indices (reference.padded_slots) and then, per layer, runs the reference's
-own attention over it (reference.padded_decode_attention), so its outputs are the reference's,
-bit for bit (tests/unit/test_cpu_fast_paths.py checks it).
+ops.paged_decode_attention's reference (ops/reference.py) plans its tiles and builds their
+padded slot tables and masks in every layer: a dozen small ops per layer, each a few
+microseconds to tens of them on the CPU, identical in all layers of a step. CpuDecodeAttention
+builds them once per step from the step's kv_indptr / kv_indices (reference.PagedAttention, at
+the first layer, which brings the head counts) and then, per layer, runs the reference's own
+tiles, so its outputs are the reference's, bit for bit (tests/unit/test_cpu_fast_paths.py
+checks it).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -18,13 +19,14 @@ from radixserve.ops import reference as ref
 
 
 class CpuDecodeAttention:
-    """The padded view of one decode step's KV: built once per step, called once per layer."""
+    """The tiles of one decode step's attention: built once per step, called once per layer."""
 
     def __init__(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor):
         """kv_indptr [B + 1] int32, kv_indices [nnz] int32 (as build_kv_indices makes them;
         every request has at least one KV token)."""
-        # slots [B * max_len] (slot 0 past a request's length), valid [B, max_len]
-        self.slots, self.valid, _ = ref.padded_slots(kv_indptr, kv_indices)
+        self.kv_indptr, self.kv_indices = kv_indptr, kv_indices
+        # ((num_q_heads, num_kv_heads, head_dim, cache element size), its PagedAttention)
+        self._attn: Optional[Tuple[tuple, ref.PagedAttention]] = None
 
     @staticmethod
     def for_batch(fb: ForwardBatch, dtype: torch.dtype) -> Optional["CpuDecodeAttention"]:
@@ -38,4 +40,7 @@ class CpuDecodeAttention:
                  sm_scale: float) -> torch.Tensor:
         """q [B, num_q_heads, head_dim] fp32, k_cache / v_cache [num_slots, num_kv_heads,
         head_dim] fp32 -> [B, num_q_heads, head_dim]: ops.paged_decode_attention's values."""
-        return ref.padded_decode_attention(q, k_cache, v_cache, self.slots, self.valid, sm_scale)
+        shape = (q.shape[1], k_cache.shape[1], q.shape[2], k_cache.element_size())
+        if self._attn is None or self._attn[0] != shape:
+            self._attn = (shape, ref.PagedAttention(self.kv_indptr, self.kv_indices, None, *shape))
+        return self._attn[1](q, k_cache, v_cache, sm_scale)

@@ -3,7 +3,9 @@
 On CUDA tensors, when the extension radixserve._C is built, an op runs our kernel
 (torch.ops.radixserve.*); otherwise it runs the plain-torch reference in ops/reference.py,
 which is also the test oracle. Kernels and references are interchangeable: same shapes,
-same dtypes, same mutation contract.
+same dtypes, same mutation contract. The references keep their intermediates within
+reference.TILE_BYTES per tile (attention in tiles of requests, heads and query rows), so a
+long prompt fits where the kernels are missing.
 
 Index dtypes: slot indices and indptrs are int32 on the kernel path; references accept
 int32 or int64. Naming: *_indptr has length batch + 1; *_indices are KV pool slots.

@@ -2,11 +2,13 @@
 
 These run on any device and are the test oracle for the CUDA kernels in csrc/. They
 compute in float32 internally and return the dtype the CUDA op returns. Signatures and
-contracts are documented once, in radixserve/ops/__init__.py.
+contracts are documented once, in radixserve/ops/__init__.py. They work in bounded memory:
+attention in tiles, the row-wise ops in slices of rows, each tile's intermediates within
+TILE_BYTES, so long prompts run where the CUDA extension is absent (a GPU without _C, the CPU).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -37,55 +39,278 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     if total == 0:
         return
     max_len = int(lens.max())
-    rows = req_to_token[req_pool_indices.long(), :max_len]                   # [batch, max_len]
-    mask = torch.arange(max_len, device=rows.device)[None, :] < lens[:, None]
-    kv_indices[:total] = rows[mask].to(kv_indices.dtype)
+    offset = 0
+    for start, end in _row_tiles(batch, max_len):     # groups of requests (bounded tables)
+        part = lens[start:end]
+        n, width = (total, max_len) if end - start == batch else (int(part.sum()), int(part.max()))
+        if n == 0:
+            continue
+        rows = req_to_token[req_pool_indices[start:end].long(), :width]     # [reqs, width]
+        mask = torch.arange(width, device=rows.device)[None, :] < part[:, None]
+        kv_indices[offset:offset + n] = rows[mask].to(kv_indices.dtype)
+        offset += n
 
 
 # ----------------------------------------------------------------------------- attention
 
 
-def padded_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor):
-    """Each request's KV slots as a padded batch: (slots [batch * max_len] int64, slot 0 past a
-    request's length; valid [batch, max_len] bool; lens [batch] int64)."""
-    lens = (kv_indptr[1:] - kv_indptr[:-1]).long()
-    batch = lens.shape[0]
-    max_len = int(lens.max()) if batch else 0
-    pos = torch.arange(max_len, device=kv_indptr.device)
-    valid = pos[None, :] < lens[:, None]                                       # [batch, max_len]
-    flat = (kv_indptr[:-1].long()[:, None] + pos[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
-    slots = torch.where(valid, kv_indices.long()[flat], torch.zeros_like(flat)).flatten()
-    return slots, valid, lens
+# Bytes that the intermediates of one tile of a reference op take at most. Attention runs a
+# batch in tiles (attention_plan: a few requests padded together, or one long request's KV heads
+# and query rows in slices; attention_tile_bytes counts a tile) and the row-wise ops run long
+# prompts in slices of rows (_row_tiles), so no op's memory grows with a prompt's length squared
+# nor holds fp32 copies of a whole long prompt. Untiled, the extend reference made the
+# [heads, q, kv] fp32 scores whole: 8 GiB for one 8k prompt of Llama-3.1-8B's shape.
+TILE_BYTES = 256 << 20
 
 
-def _gather_padded(cache: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    # [num_slots, num_kv_heads, head_dim] -> [batch, max_len, num_kv_heads, head_dim] float
-    return cache.index_select(0, slots).view(tuple(valid.shape) + tuple(cache.shape[1:])).float()
+class AttentionTile(NamedTuple):
+    """One tile of a batch's paged attention (attention_plan).
+
+    Requests [req_start, req_end), padded together; query rows [q_start, q_end) of each (a tile
+    of several requests holds all their rows, padded to the longest); KV heads
+    [head_start, head_end), each with its query heads; the first kv_len KV positions of each
+    request (all that a row of the tile can see)."""
+    req_start: int
+    req_end: int
+    q_start: int
+    q_end: int
+    head_start: int
+    head_end: int
+    kv_len: int
 
 
-def _padded_kv(k_cache, v_cache, kv_indptr, kv_indices):
-    """Gather each request's K/V into a padded batch: [batch, max_len, num_kv_heads, head_dim]."""
-    slots, valid, lens = padded_slots(kv_indptr, kv_indices)
-    return _gather_padded(k_cache, slots, valid), _gather_padded(v_cache, slots, valid), valid, lens
+def attention_tile_bytes(num_reqs: int, rows: int, kv_len: int, kv_heads: int, group: int,
+                         head_dim: int, kv_elem_size: int) -> int:
+    """An upper bound of the bytes that one tile's intermediates take at once: num_reqs requests
+    padded to `rows` query rows and kv_len KV positions, kv_heads KV heads with `group` query
+    heads each, a KV cache of kv_elem_size bytes per element. It counts what SDPA's math backend
+    makes (its fused CPU and CUDA backends make less):
+      K and V         [reqs, kv_len, kv_heads, head_dim] each, gathered in the cache dtype,
+                      then fp32, and a contiguous fp32 copy [reqs, kv_heads, kv_len, head_dim]
+                      (the math backend's, to batch its matmuls)
+      scores, probs   [reqs, kv_heads, group * rows, kv_len] fp32
+      masks           [reqs, rows, kv_len] bool, [reqs, 1, group * rows, kv_len] bool and the
+                      math backend's fp32 copy of it
+      q and out       [reqs * rows, kv_heads * group, head_dim], 4 fp32 copies each
+      slot tables     [reqs, kv_len] int64, 3
+    """
+    heads = kv_heads * group
+    kv = 2 * num_reqs * kv_len * kv_heads * head_dim * (kv_elem_size + 4 + 4)
+    scores = 2 * 4 * num_reqs * heads * rows * kv_len
+    masks = num_reqs * rows * kv_len * (1 + 5 * group)
+    q_out = 2 * 4 * 4 * num_reqs * rows * heads * head_dim
+    tables = 3 * 8 * num_reqs * kv_len
+    return kv + scores + masks + q_out + tables
 
 
-def _gqa_expand(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
-    # [batch, len, num_kv_heads, head_dim] -> [batch, num_q_heads, len, head_dim]
-    group = num_q_heads // x.shape[2]
-    return x.repeat_interleave(group, dim=2).transpose(1, 2)
+def attention_plan(q_lens: Sequence[int], kv_lens: Sequence[int], num_q_heads: int,
+                   num_kv_heads: int, head_dim: int, kv_elem_size: int,
+                   tile_bytes: Optional[int] = None) -> List[AttentionTile]:
+    """Tiles that cover every (request, query row, query head) of a batch once, in request
+    order, each within tile_bytes (default TILE_BYTES) by attention_tile_bytes.
+
+    q_lens[b] <= kv_lens[b]: request b's query row i sits at KV position
+    kv_lens[b] - q_lens[b] + i and sees the positions up to it. Consecutive requests share a
+    tile while all of them, padded to the longest, fit. A request too large to fit alone is cut
+    into ranges of its KV heads (each with its query heads) and, within each, ranges of its
+    query rows, taking the head count that makes the fewest tiles; a tile of rows
+    [q_start, q_end) reads kv_len = kv_lens[b] - q_lens[b] + q_end positions. Only a tile of one
+    row and one KV head can exceed the budget, by its K/V (linear in the context, no longer
+    cut): past budget / (2 * head_dim * (kv_elem_size + 8) + 13 * group + 25) KV positions,
+    about 100k for Llama-3.1-8B's shape with a bf16 cache at TILE_BYTES.
+    """
+    budget = TILE_BYTES if tile_bytes is None else tile_bytes
+    group = num_q_heads // num_kv_heads
+
+    def cost(reqs: int, rows: int, kv_len: int, heads: int) -> int:
+        return attention_tile_bytes(reqs, rows, kv_len, heads, group, head_dim, kv_elem_size)
+
+    tiles: List[AttentionTile] = []
+    batch, b = len(q_lens), 0
+    while b < batch:
+        max_q, max_kv = q_lens[b], kv_lens[b]
+        if cost(1, max_q, max_kv, num_kv_heads) > budget:
+            tiles += _split_request(b, q_lens[b], kv_lens[b], num_kv_heads, budget, cost)
+            b += 1
+            continue
+        end = b + 1
+        while end < batch:
+            more_q, more_kv = max(max_q, q_lens[end]), max(max_kv, kv_lens[end])
+            if cost(end + 1 - b, more_q, more_kv, num_kv_heads) > budget:
+                break
+            max_q, max_kv, end = more_q, more_kv, end + 1
+        tiles.append(AttentionTile(b, end, 0, max_q, 0, num_kv_heads, max_kv))
+        b = end
+    return tiles
 
 
-def padded_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            slots: torch.Tensor, valid: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """paged_decode_attention over a table from padded_slots (which a caller may build once and
-    reuse for every layer of a step): q [batch, num_q_heads, head_dim] -> the same shape."""
-    k, v = _gather_padded(k_cache, slots, valid), _gather_padded(v_cache, slots, valid)
-    # one fused softmax(q k^T) v over the padded batch; GQA without expanding K/V
-    out = F.scaled_dot_product_attention(
-        q.float()[:, :, None, :],                                              # [b, hq, 1, d]
-        k.transpose(1, 2), v.transpose(1, 2),                                  # [b, hkv, len, d]
-        attn_mask=valid[:, None, None, :], scale=sm_scale, enable_gqa=True)    # [b, hq, 1, d]
-    return out[:, :, 0, :].to(q.dtype)
+def _split_request(b: int, q_len: int, kv_len: int, num_kv_heads: int, budget: int,
+                   cost) -> List[AttentionTile]:
+    """attention_plan's tiles of one request that does not fit one: ranges of `heads` KV heads,
+    each over ranges of `rows` query rows, with the (heads, rows) that fit and make the fewest
+    tiles (1 and 1 when nothing fits)."""
+    best = (None, 1, 1)                                   # (tiles, heads, rows)
+    for heads in range(1, num_kv_heads + 1):
+        fixed = cost(1, 0, kv_len, heads)
+        per_row = cost(1, 1, kv_len, heads) - fixed
+        if fixed + per_row > budget:
+            break
+        rows = min(q_len, (budget - fixed) // per_row)
+        count = -(-num_kv_heads // heads) * -(-q_len // max(rows, 1))
+        if best[0] is None or count <= best[0]:
+            best = (count, heads, max(rows, 1))
+    _, heads, rows = best
+    prefix = kv_len - q_len
+    return [AttentionTile(b, b + 1, q0, min(q0 + rows, q_len), h0,
+                          min(h0 + heads, num_kv_heads), prefix + min(q0 + rows, q_len))
+            for h0 in range(0, num_kv_heads, heads) for q0 in range(0, q_len, rows)]
+
+
+class _TileIndex(NamedTuple):
+    """Where a tile's rows come from and go (PagedAttention): device tensors."""
+    rows: torch.Tensor             # [reqs * rows] int64: the token of each padded row (clamped)
+    keep: Optional[torch.Tensor]   # [kept] int64: the padded rows that are real; None: all
+    dest: torch.Tensor             # [kept] int64: the token each kept row is
+    query_pos: torch.Tensor        # [reqs, rows] int64: each row's KV position
+
+
+# PagedAttention keeps the tiles' masks, for every layer, while they take at most this many bytes
+# in all (a decode step's always do); larger ones are made per call.
+_MASK_CACHE_BYTES = 16 << 20
+
+
+class PagedAttention:
+    """paged_extend_attention / paged_decode_attention of one batch, in tiles (attention_plan).
+
+    The plan and each tile's index tables depend only on the batch's indptrs, so a caller may
+    build this once per step and call it for every layer (model/cpu_attention.py does, for
+    decode on the CPU). Each tile gathers its requests' K/V heads padded to its longest request
+    (the padding repeats a request's last KV row, so no other slot's values are read), then runs
+    one fused softmax(q k^T * sm_scale) v (SDPA) with the causal mask, a KV head's query heads
+    folded into its query rows: the same math per (row, head) as one untiled call. Consecutive
+    tiles of one request and one head range reuse its gathered K/V. Beside a tile's
+    intermediates it holds O(tokens) index tables and, when they total at most
+    _MASK_CACHE_BYTES, every tile's mask.
+    """
+
+    def __init__(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                 qo_indptr: Optional[torch.Tensor], num_q_heads: int, num_kv_heads: int,
+                 head_dim: int, kv_elem_size: int):
+        """kv_indptr [batch + 1], kv_indices [nnz]: each request's KV slots (int32 or int64);
+        qo_indptr [batch + 1]: its query tokens (paged_extend_attention's contract), or None for
+        decode (one query per request, at its last KV position). kv_elem_size: bytes per element
+        of the KV cache."""
+        kv_starts = kv_indptr.tolist()
+        q_starts = list(range(len(kv_starts))) if qo_indptr is None else qo_indptr.tolist()
+        self.q_lens = [e - s for s, e in zip(q_starts, q_starts[1:])]
+        self.kv_lens = [e - s for s, e in zip(kv_starts, kv_starts[1:])]
+        self.num_tokens = q_starts[-1] - q_starts[0] if q_starts else 0
+        self.group = num_q_heads // num_kv_heads
+        self.num_q_heads, self.head_dim = num_q_heads, head_dim
+        self.tiles = attention_plan(self.q_lens, self.kv_lens, num_q_heads, num_kv_heads,
+                                    head_dim, kv_elem_size)
+        dev = kv_indices.device
+        kv_idx = kv_indices.long()
+        # (req_start, req_end) -> [reqs * max_kv] int64 slots: each request's KV padded with
+        # its own last slot
+        self._slots = {}
+        for t in self.tiles:
+            if (t.req_start, t.req_end) in self._slots:
+                continue
+            lens = self.kv_lens[t.req_start:t.req_end]
+            starts = torch.tensor(kv_starts[t.req_start:t.req_end], dtype=torch.int64)
+            last = starts + torch.tensor(lens, dtype=torch.int64).clamp(min=1) - 1
+            pos = starts[:, None] + torch.arange(max(lens), dtype=torch.int64)  # [reqs, max_kv]
+            flat = torch.minimum(pos, last[:, None]).clamp(min=0).flatten().to(dev)
+            self._slots[(t.req_start, t.req_end)] = kv_idx[flat] if kv_idx.numel() else flat
+        self._index = [self._tile_index(t, q_starts, dev) for t in self.tiles]
+        mask_bytes = sum((t.req_end - t.req_start) * (t.q_end - t.q_start) * t.kv_len *
+                         4 * self.group for t in self.tiles)
+        self._masks = ([self._mask(t, i) for t, i in zip(self.tiles, self._index)]
+                       if mask_bytes <= _MASK_CACHE_BYTES else None)
+        # one tile whose rows are every token, in order: its output is the result as it is
+        t = self.tiles[0] if len(self.tiles) == 1 else None
+        self._whole = (t is not None and self._index[0].keep is None and t.head_start == 0
+                       and t.head_end == num_kv_heads and
+                       (t.req_end - t.req_start) * (t.q_end - t.q_start) == self.num_tokens)
+
+    def _tile_index(self, t: AttentionTile, q_starts: List[int], dev) -> _TileIndex:
+        qpos = torch.arange(t.q_start, t.q_end, dtype=torch.int64)               # [rows]
+        starts = torch.tensor(q_starts[t.req_start:t.req_end], dtype=torch.int64)[:, None]
+        q_lens = torch.tensor(self.q_lens[t.req_start:t.req_end], dtype=torch.int64)[:, None]
+        kv_lens = torch.tensor(self.kv_lens[t.req_start:t.req_end], dtype=torch.int64)[:, None]
+        tokens = (starts + qpos).flatten()                                       # [reqs * rows]
+        real = (qpos < q_lens).flatten()
+        keep = None if bool(real.all()) else real.nonzero()[:, 0]
+        dest = tokens if keep is None else tokens[keep]
+        rows = tokens.clamp(max=max(q_starts[-1] - 1, 0))
+        return _TileIndex(rows.to(dev), None if keep is None else keep.to(dev), dest.to(dev),
+                          (kv_lens - q_lens + qpos).to(dev))
+
+    def _mask(self, t: AttentionTile, index: _TileIndex) -> torch.Tensor:
+        """[reqs, 1, group * rows, kv_len] fp32, added to the scores: 0 where a row may look
+        (KV positions up to its own, which leaves out every padded position of a real row),
+        -inf elsewhere. An additive mask, as SDPA's CPU and math backends would make of a bool
+        one (at a cost per element several times that of the memset here)."""
+        reqs, rows, group = t.req_end - t.req_start, t.q_end - t.q_start, self.group
+        dev = index.query_pos.device
+        if reqs > 1:
+            kpos = torch.arange(t.kv_len, device=dev)
+            hidden = kpos > index.query_pos[:, :, None]                      # [reqs, rows, kv_len]
+            mask = torch.zeros(reqs, group, rows, t.kv_len, device=dev)
+            return mask.masked_fill_(hidden[:, None], float("-inf")) \
+                .view(reqs, 1, group * rows, t.kv_len)
+        # one request: row r sees positions < first + r, so only a triangle right of `first`
+        # (rows x (rows - 1) at most) is hidden
+        first = self.kv_lens[t.req_start] - self.q_lens[t.req_start] + t.q_start + 1
+        mask = torch.zeros(group, rows, t.kv_len, device=dev)
+        if first < t.kv_len:
+            mask[:, :, first:] = torch.full((rows, t.kv_len - first), float("-inf"),
+                                            device=dev).triu_()
+        return mask.view(1, 1, group * rows, t.kv_len)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 sm_scale: float) -> torch.Tensor:
+        """q [num_tokens, num_q_heads, head_dim]; k_cache, v_cache [num_slots, num_kv_heads,
+        head_dim] -> [num_tokens, num_q_heads, head_dim] in q's dtype (computed in fp32)."""
+        whole = self._whole and q.shape[0] == self.num_tokens
+        out = None if whole else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        group, d = self.group, self.head_dim
+        kv = None           # ((requests, heads), K, V) of the last tile: [reqs, heads, max_kv, d]
+        for n, (t, index) in enumerate(zip(self.tiles, self._index)):
+            reqs, rows, heads = t.req_end - t.req_start, t.q_end - t.q_start, t.head_end - t.head_start
+            key = (t.req_start, t.req_end, t.head_start, t.head_end)
+            if kv is None or kv[0] != key:
+                kv = None                                 # free the last tile's K/V first
+                slots = self._slots[(t.req_start, t.req_end)]
+                kv = (key, _gather_heads(k_cache, slots, reqs, t.head_start, t.head_end),
+                      _gather_heads(v_cache, slots, reqs, t.head_start, t.head_end))
+            k, v = kv[1], kv[2]
+            if k.shape[2] > t.kv_len:
+                k, v = k[:, :, :t.kv_len], v[:, :, :t.kv_len]          # [reqs, heads, kv_len, d]
+            qh = q if heads * group == q.shape[1] else q[:, t.head_start * group:t.head_end * group]
+            qt = (qh if whole else qh.index_select(0, index.rows)).float()
+            qt = qt.reshape(reqs, rows, heads, group, d)
+            qt = qt.permute(0, 2, 3, 1, 4).reshape(reqs, heads, group * rows, d)
+            mask = self._masks[n] if self._masks is not None else self._mask(t, index)
+            o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=sm_scale)
+            o = o.reshape(reqs, heads, group, rows, d).permute(0, 3, 1, 2, 4) \
+                .reshape(reqs * rows, heads * group, d)                  # [reqs * rows, hq_tile, d]
+            if out is None:                               # one tile, every token in order
+                return o.contiguous().to(q.dtype)
+            if index.keep is not None:
+                o = o.index_select(0, index.keep)
+            out[:, t.head_start * group:t.head_end * group].index_copy_(0, index.dest,
+                                                                       o.to(q.dtype))
+        return out
+
+
+def _gather_heads(cache: torch.Tensor, slots: torch.Tensor, reqs: int, h0: int,
+                  h1: int) -> torch.Tensor:
+    # cache [num_slots, num_kv_heads, head_dim], slots [reqs * len]
+    # -> [reqs, h1 - h0, len, head_dim] fp32 (a transposed view)
+    x = cache[:, h0:h1].index_select(0, slots)                         # [reqs * len, heads, d]
+    return x.view(reqs, -1, h1 - h0, cache.shape[-1]).float().transpose(1, 2)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -94,36 +319,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # q: [batch, num_q_heads, head_dim] -> out: [batch, num_q_heads, head_dim]
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    slots, valid, _ = padded_slots(kv_indptr, kv_indices)
-    return padded_decode_attention(q, k_cache, v_cache, slots, valid, sm_scale)
+    attn = PagedAttention(kv_indptr, kv_indices, None, q.shape[1], k_cache.shape[1], q.shape[2],
+                          k_cache.element_size())
+    return attn(q, k_cache, v_cache, sm_scale)
 
 
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                            kv_indices: torch.Tensor, sm_scale: float) -> torch.Tensor:
     # q: [num_q_tokens, num_q_heads, head_dim] -> out: same shape
-    num_q_heads = q.shape[1]
-    batch = qo_indptr.shape[0] - 1
-    if batch == 0 or q.shape[0] == 0:
+    if qo_indptr.shape[0] <= 1 or q.shape[0] == 0:
         return torch.empty_like(q)
-    k, v, valid, kv_lens = _padded_kv(k_cache, v_cache, kv_indptr, kv_indices)
-    k, v = _gqa_expand(k, num_q_heads), _gqa_expand(v, num_q_heads)         # [b, hq, lk, d]
-    q_lens = (qo_indptr[1:] - qo_indptr[:-1]).long()
-    max_q = int(q_lens.max())
-    qpos = torch.arange(max_q, device=q.device)
-    q_valid = qpos[None, :] < q_lens[:, None]                                  # [b, max_q]
-    flat = (qo_indptr[:-1].long()[:, None] + qpos[None, :]).clamp(max=q.shape[0] - 1)
-    qp = q.float()[flat]                                                       # [b, max_q, hq, d]
-    qp = qp.transpose(1, 2)                                                    # [b, hq, max_q, d]
-    # query i of request b sits at kv position prefix_len + i and sees kv positions <= it
-    prefix = (kv_lens - q_lens)[:, None]                                       # [b, 1]
-    kpos = torch.arange(k.shape[2], device=q.device)
-    allowed = (kpos[None, None, :] <= (prefix + qpos[None, :])[:, :, None]) & valid[:, None, :]
-    scores = torch.matmul(qp, k.transpose(-1, -2)) * sm_scale                 # [b, hq, max_q, lk]
-    scores = scores.masked_fill(~allowed[:, None, :, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.matmul(probs, v).transpose(1, 2)                               # [b, max_q, hq, d]
-    return out[q_valid].to(q.dtype)
+    attn = PagedAttention(kv_indptr, kv_indices, qo_indptr, q.shape[1], k_cache.shape[1],
+                          q.shape[2], k_cache.element_size())
+    return attn(q, k_cache, v_cache, sm_scale)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -143,7 +352,10 @@ def filtered_probs(logits: torch.Tensor, bitmask: Optional[torch.Tensor], temper
     """The distribution bitmask_sample draws from, for rows with temperature > 0: [batch, vocab] f32.
 
     Order: bitmask -> temperature -> top_k -> top_p -> min_p, then renormalise.
-    top_k <= 0 or >= vocab disables top-k; top_p == 1 disables top-p; min_p == 0 disables min-p.
+    top_k <= 0 or >= vocab disables top-k; top_p >= 1 disables top-p; min_p == 0 disables min-p.
+    The kept set is a prefix of the tokens in decreasing probability, ties by lower token id
+    (a stable sort): the longest prefix whose every token passes all three rules (the first
+    token always stays). Rounding of the running sum cannot drop a token under top_p = 1.
     """
     x = logits.float()
     if bitmask is not None:
@@ -151,16 +363,18 @@ def filtered_probs(logits: torch.Tensor, bitmask: Optional[torch.Tensor], temper
     vocab = x.shape[-1]
     t = temperature.float().clamp(min=1e-6)[:, None]
     probs = torch.softmax(x / t, dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)       # [batch, vocab]
     rank = torch.arange(vocab, device=x.device)[None, :]
     k = top_k.long()
     k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)[:, None]
     keep = rank < k
     # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays)
     cum_before = sorted_p.cumsum(-1) - sorted_p
-    keep &= cum_before < top_p.float()[:, None]
+    top_p = top_p.float()[:, None]
+    keep &= (cum_before < top_p) | (top_p >= 1.0)
     keep &= sorted_p >= (min_p.float()[:, None] * sorted_p[:, :1])
     keep[:, 0] = True
+    keep = (~keep).cumsum(-1) == 0                     # the prefix before the first rejection
     kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
     out = torch.zeros_like(probs).scatter_(-1, order, kept)
     return out / out.sum(-1, keepdim=True)
@@ -198,11 +412,28 @@ def bitmask_sample(logits: torch.Tensor, bitmask: Optional[torch.Tensor], temper
 # ----------------------------------------------------------------------------- elementwise
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [num_tokens, hidden]; weight: [hidden]
+def _row_tiles(num_rows: int, row_elems: int) -> List[Tuple[int, int]]:
+    """Ranges [start, end) of rows, at least one row each, such that 8 fp32 copies of a range
+    of rows of row_elems elements fit TILE_BYTES: the row-wise ops below make fewer."""
+    per_tile = max(1, TILE_BYTES // max(1, 8 * 4 * row_elems))
+    return [(s, min(s + per_tile, num_rows)) for s in range(0, num_rows, per_tile)]
+
+
+def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (out * weight.float()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [num_tokens, hidden]; weight: [hidden]; in tiles of rows (_row_tiles)
+    tiles = _row_tiles(x.shape[0], x[0].numel()) if x.dim() and x.shape[0] else []
+    if len(tiles) <= 1:
+        return _rms_norm_rows(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    for start, end in tiles:
+        out[start:end] = _rms_norm_rows(x[start:end], weight, eps)
+    return out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -212,15 +443,28 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if residual.dtype not in (x.dtype, torch.float32):
         raise ValueError(f"residual dtype must equal x dtype ({x.dtype}) or be float32, got "
                          f"{residual.dtype}")
+    # in tiles of rows (_row_tiles): each a view of x and residual, written in place
+    tiles = _row_tiles(x.shape[0], x[0].numel()) if x.dim() and x.shape[0] else []
+    if len(tiles) > 1:
+        for start, end in tiles:
+            fused_add_rms_norm(x[start:end], residual[start:end], weight, eps)
+        return
     summed = x.float() + residual.float()
     residual.copy_(summed.to(residual.dtype))
-    x.copy_(rms_norm(summed, weight, eps).to(x.dtype))
+    x.copy_(_rms_norm_rows(summed, weight, eps).to(x.dtype))
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> None:
     # in place, neox style (rotate halves). q: [num_tokens, num_q_heads, head_dim];
     # k: [num_tokens, num_kv_heads, head_dim]; cos_sin_cache: [max_pos, head_dim] f32 = [cos | sin]
+    # in tiles of rows (_row_tiles)
+    row_elems = q[0].numel() + k[0].numel() if q.shape[0] else 0
+    tiles = _row_tiles(q.shape[0], row_elems) if q.shape[0] else []
+    if len(tiles) > 1:
+        for start, end in tiles:
+            rotary_embedding(positions[start:end], q[start:end], k[start:end], cos_sin_cache)
+        return
     half = cos_sin_cache.shape[-1] // 2
     cs = cos_sin_cache[positions.long()].float()
     cos, sin = cs[:, None, :half], cs[:, None, half:]
@@ -232,10 +476,20 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         t[..., half:2 * half] = r2.to(t.dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, 2 * inter] -> [num_tokens, inter]
+def _silu_and_mul_rows(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, 2 * inter] -> [num_tokens, inter]; in tiles of rows (_row_tiles)
+    tiles = _row_tiles(x.shape[0], x[0].numel()) if x.dim() > 1 and x.shape[0] else []
+    if len(tiles) <= 1:
+        return _silu_and_mul_rows(x)
+    out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
+    for start, end in tiles:
+        out[start:end] = _silu_and_mul_rows(x[start:end])
+    return out
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from radixserve import ops
 from radixserve.model.step_io import SamplingInputs
+from radixserve.sampling import cpu_sampling
 from radixserve.sampling.penalties import PenaltyState, ban_tokens
 
 # rows of prompt logits turned into log_softmax at a time (bounds the [rows, vocab] temporaries)
@@ -74,11 +75,16 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs, st: SamplingTensors,
     inputs: the host copy of st (its list lengths and flags decide which work runs, with no
     device read). bitmask: None or [S, ceil(vocab / 32)] int32 on the device (grammar rows;
     free rows all ones). Order: logit_bias, penalties, bans, then bitmask_sample's mask and
-    filters. Records the sampled ids in the penalty state."""
+    filters (on CPU tensors cpu_sampling.bitmask_sample, ops.bitmask_sample's contract without a
+    sort of the vocabulary). Records the sampled ids in the penalty state."""
     penalized = bool(inputs.penalty_rows) or bool(inputs.banned_rows) or bool(inputs.bias_rows)
     work = logits
     if penalized:
-        work = logits.clone()
+        if logits.device.type == "cpu":      # reused memory (cpu_sampling.workspace)
+            work = cpu_sampling.workspace.get("penalized", tuple(logits.shape),
+                                              logits.dtype).copy_(logits)
+        else:
+            work = logits.clone()
         if inputs.bias_rows:
             work.index_put_((st.bias_rows, st.bias_cols), st.bias_values, accumulate=True)
         if inputs.penalty_rows:
@@ -86,14 +92,20 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs, st: SamplingTensors,
                             st.repetition, st.frequency, st.presence)
         if inputs.banned_rows:
             ban_tokens(work, st.banned_rows, st.banned_cols)
+    max_k = max(inputs.top_logprobs_num, default=0)
+    want_lp = bool(inputs.logprob_rows)
     if inputs.all_greedy and bitmask is None:
         ids = ops.argmax_rows(work)                                          # [S] int64
         logprobs = None
+    elif work.device.type == "cpu":
+        # the same contract without a full-vocabulary sort per row (cpu_sampling.py); no
+        # log_softmax of the whole batch unless a row asks for logprobs
+        ids, logprobs = cpu_sampling.bitmask_sample(work, bitmask, st.temperature, st.top_k,
+                                                    st.top_p, st.min_p, st.seeds, st.offsets,
+                                                    want_logprobs=want_lp and not penalized)
     else:
         ids, logprobs = ops.bitmask_sample(work, bitmask, st.temperature, st.top_k, st.top_p,
                                            st.min_p, st.seeds, st.offsets)
-    max_k = max(inputs.top_logprobs_num, default=0)
-    want_lp = bool(inputs.logprob_rows)
     lse = torch.logsumexp(logits, dim=-1) if want_lp else None              # [S]
     if logprobs is None or (penalized and want_lp):
         chosen = logits.gather(-1, ids[:, None])[:, 0]                       # [S]
