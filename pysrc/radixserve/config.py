@@ -13,7 +13,7 @@ import json
 import os
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -125,10 +125,8 @@ REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     "--preferred-sampling-params": "no server-wide default sampling parameters",
     "--constrained-json-whitespace-pattern": "xgrammar's JSON grammar is used as it is",
     "--file-storage-path": "the server stores no files",
-    "--admin-api-key": "one key (--api-key) guards every route but /health",
     "--ssl-keyfile": "the server speaks plain HTTP; put a TLS proxy in front of it",
     "--ssl-certfile": "the server speaks plain HTTP; put a TLS proxy in front of it",
-    "--tokenizer-worker-num": "tokenization runs on the event loop or one worker thread",
     "--sleep-on-idle": "the scheduling loop already sleeps while idle; drop the flag",
     "--watchdog-timeout": "no watchdog: if the scheduling loop dies the server reports unhealthy "
                           "and exits non-zero",
@@ -198,13 +196,15 @@ def serve_epilog() -> str:
 
 def _flag(default: Any, help: str, *, choices: Optional[Sequence[Any]] = None,
           aliases: Sequence[str] = (), metavar: Optional[str] = None,
-          type: Optional[Callable[[str], Any]] = None, group: Optional[str] = None) -> Any:
+          type: Optional[Callable[[str], Any]] = None, group: Optional[str] = None,
+          repeat: bool = False) -> Any:
     """A ServerArgs field and its flag: `help` says what it does, in which unit, and (where the
     default is None or depends on the machine) what the default means; choices closes the value
-    set; aliases are further option strings (SGLang's names); group starts a --help section."""
+    set; aliases are further option strings (SGLang's names); group starts a --help section;
+    repeat: the flag may be given several times (the field holds the list of values)."""
     return field(default=default, metadata={"help": help, "choices": choices,
                                             "aliases": tuple(aliases), "metavar": metavar,
-                                            "type": type, "group": group})
+                                            "type": type, "group": group, "repeat": repeat})
 
 
 def _lower(value: str) -> str:
@@ -313,15 +313,22 @@ class ServerArgs:
         False, "serial loop: each step waits for the previous step's tokens (same outputs; for A/B "
         "runs)")
     max_queued_requests: int = _flag(
-        4096, "waiting sequences beyond this get a 503 with Retry-After", metavar="N")
+        4096, "waiting sequences beyond this get a 503 with Retry-After (a request of more "
+        "sequences than this, which could never be queued, a 400)", metavar="N")
     max_running_requests_per_client: Optional[int] = _flag(
         None, "running sequences one client (API key, else peer address) may hold while another "
         "client's requests wait; default: no cap", metavar="N")
     chat_template_timeout: float = _flag(
         10.0, "seconds a chat template may take to render (a 400 beyond)", metavar="SECONDS")
     shutdown_timeout: float = _flag(
-        30.0, "on SIGTERM, seconds live requests may run before they are aborted",
+        20.0, "on SIGTERM, seconds live requests may run before they are aborted; the server "
+        "then takes up to 5 s more to close its connections, so the default ends within "
+        "Kubernetes' default 30 s grace period (raise terminationGracePeriodSeconds with it)",
         metavar="SECONDS")
+    tokenizer_worker_num: int = _flag(
+        2, "threads that tokenize long prompts (8192 characters or more) at once, with the GIL "
+        "released; more long prompts wait their turn (shorter ones are tokenized at once)",
+        metavar="N")
     stream_interval: int = _flag(
         1, "tokens per streamed chunk: a stream sends its first token at once, then a chunk each "
         "time this many new tokens are ready, and the rest when it finishes (larger: fewer "
@@ -344,21 +351,37 @@ class ServerArgs:
     grammar_cache_size: int = _flag(
         256, "compiled grammars kept (LRU), keyed by (kind, spec)", metavar="N")
     # security (server/)
-    api_key: Optional[str] = _flag(
-        None, "Bearer key required by every route but /health; default: $RADIXSERVE_API_KEY, "
-        "else no key", metavar="KEY", group="security")
+    api_key: Union[str, List[str], None] = _flag(
+        None, "Bearer key required by every route but /health; give it several times for "
+        "several clients: each key is its own client (its stored responses, aborts, running "
+        "cap); default: $RADIXSERVE_API_KEY, else no key (--api-key-file adds keys)",
+        metavar="KEY", group="security", type=str, repeat=True)
+    api_key_file: Optional[str] = _flag(
+        None, "file of API keys, one a line: the key, then optionally whitespace and the "
+        "client's name (keys sharing a name are one client, e.g. while a key is rotated); "
+        "blank lines and lines starting with # are skipped; added to --api-key's keys",
+        metavar="PATH")
+    admin_api_key: Optional[str] = _flag(
+        None, "Bearer key of the server-wide routes (/flush_cache, /get_server_info, /metrics), "
+        "where the other keys then get 403; it also works as a client key on every other "
+        "route; default: $RADIXSERVE_ADMIN_API_KEY, else none (those routes take any valid key)",
+        metavar="KEY")
     allowed_origins: Optional[str] = _flag(
         None, "comma list of browser origins allowed cross-origin (CORS), e.g. "
         "https://app.example.com, or * for any; default: none (same-origin only)",
         metavar="ORIGINS")
     allowed_hosts: Optional[str] = _flag(
-        None, "comma list of Host names answered (.example.com: it and its subdomains; *: any); "
-        "default: any Host on loopback, else localhost and this machine's name", metavar="HOSTS")
+        None, "comma list of Host names answered (.example.com: it and its subdomains; *: any; "
+        "other names get 421, against DNS rebinding); default: on loopback, only localhost "
+        "(and *.localhost) and loopback addresses; beyond loopback, localhost, this machine's "
+        "name and any IP address. Behind a proxy that forwards its own Host, list the names "
+        "clients use", metavar="HOSTS")
     max_request_bytes: int = _flag(
         8 * 1024 * 1024, "larger request bodies (bytes) get a 413 before they are read",
         metavar="BYTES")
     expose_server_info: bool = _flag(
-        False, "/get_server_info shows filesystem paths too (never the API key)")
+        False, "/get_server_info, /get_model_info and /v1/models show filesystem paths (the "
+        "model's) too (never the API keys)")
     # observability (server/)
     enable_metrics: bool = _flag(
         False, "/metrics also serves latency histograms (TTFT, inter-token, per output token, "
@@ -380,11 +403,42 @@ class ServerArgs:
         return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "half": torch.float16}[self.dtype]
 
-    def resolved_api_key(self) -> Optional[str]:
-        """--api-key, else the environment's RADIXSERVE_API_KEY (an empty one counts as unset)."""
-        if self.api_key is not None:
-            return self.api_key
-        return os.environ.get("RADIXSERVE_API_KEY") or None
+    def resolved_api_keys(self) -> List[Tuple[str, Optional[str]]]:
+        """The client keys, each (key, name or None): --api-key's (one, or a list; without
+        the flag, the environment's RADIXSERVE_API_KEY, an empty one counting as unset), then
+        those of --api-key-file (api_key_file_entries)."""
+        given = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
+        if not given and os.environ.get("RADIXSERVE_API_KEY"):
+            given = [os.environ["RADIXSERVE_API_KEY"]]
+        return [(k, None) for k in given] + self.api_key_file_entries()
+
+    def api_key_file_entries(self) -> List[Tuple[str, Optional[str]]]:
+        """The (key, name or None) lines of --api-key-file ([] without one): `KEY [NAME]`,
+        blank lines and # comments skipped. Raises ValueError naming the flag for a file that
+        cannot be read, or a line of another shape."""
+        if self.api_key_file is None:
+            return []
+        try:
+            with open(os.path.expanduser(self.api_key_file), encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {self.api_key_file}: {e}") from None
+        entries: List[Tuple[str, Optional[str]]] = []
+        for number, line in enumerate(lines, 1):
+            parts = line.split()
+            if not parts or parts[0].startswith("#"):
+                continue
+            if len(parts) > 2:
+                raise ValueError(f"--api-key-file {self.api_key_file}, line {number}: "
+                                 f"expected KEY [NAME], got {len(parts)} words")
+            entries.append((parts[0], parts[1] if len(parts) == 2 else None))
+        return entries
+
+    def resolved_admin_api_key(self) -> Optional[str]:
+        """--admin-api-key, else the environment's RADIXSERVE_ADMIN_API_KEY (empty: unset)."""
+        if self.admin_api_key is not None:
+            return self.admin_api_key
+        return os.environ.get("RADIXSERVE_ADMIN_API_KEY") or None
 
     def resolved_chunked_prefill_size(self) -> Optional[int]:
         if self.chunked_prefill_size is None:
@@ -455,8 +509,18 @@ class ServerArgs:
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
         # security (server/)
-        if self.api_key is not None and not self.api_key.strip():
+        given = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
+        if any(not k.strip() for k in given):
             raise ValueError("--api-key must not be empty (leave it out to serve without a key)")
+        if self.admin_api_key is not None and not self.admin_api_key.strip():
+            raise ValueError("--admin-api-key must not be empty (leave it out for none)")
+        if self.api_key_file is not None and not self.api_key_file_entries():
+            raise ValueError(f"--api-key-file {self.api_key_file} holds no key")
+        if self.resolved_admin_api_key() in {k for k, _ in self.resolved_api_keys()}:
+            raise ValueError("--admin-api-key must differ from every client key (--api-key, "
+                             "--api-key-file)")
+        if self.tokenizer_worker_num < 1:
+            raise ValueError("--tokenizer-worker-num must be >= 1")
         if self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
         for origin in (self.allowed_origins or "").split(","):
@@ -486,6 +550,8 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 group.add_argument(*flags, action="store_true", **kw)
                 continue
+            if meta.get("repeat"):
+                kw["action"] = "append"
             kw["type"] = meta.get("type") or {
                 "int": int, "float": float, "str": str, "Optional[int]": int,
                 "Optional[float]": float, "Optional[str]": str}[str(f.type)]

@@ -44,7 +44,7 @@ def _line(path):
 
 def test_same_keys_against_radixserve_and_a_stand_in(server, standin, tmp_path):
     ours, peer = str(tmp_path / "radixserve.jsonl"), str(tmp_path / "standin.jsonl")
-    # radixserve: the vocabulary comes from its /v1/models root (a model directory here)
+    # radixserve: the vocabulary size comes from its /v1/models card
     assert cli.main(["bench", "serving", "--base-url", server.url, *WORKLOAD,
                      "--output-file", ours]) == 0
     assert cli.main(["bench", "serving", "--base-url", standin.url, *WORKLOAD,

@@ -1,8 +1,10 @@
 """The door over real HTTP: a server of its own (the default model's config with dummy weights:
 the door does not care what the model says) started with the API key in RADIXSERVE_API_KEY
-(the CLI path), one allowed CORS origin and a 64 KiB body limit. The official openai client
-with the right and a wrong key, models.retrieve, 413 from uvicorn before a huge body is read
-(Content-Length and chunked), 415, 405, surrogates, deep nesting, CORS, /get_server_info."""
+(the CLI path), two named keys in --api-key-file, an --admin-api-key, one allowed CORS origin
+and a 64 KiB body limit. The official openai client with the right and a wrong key,
+models.retrieve, 413 from uvicorn before a huge body is read (Content-Length and chunked), 415,
+405, surrogates, deep nesting, CORS, DNS rebinding (421), each key its own client, the admin
+routes, /get_server_info and /get_model_info without paths."""
 import json
 import os
 import select
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY = "sk-door-test-9f2c"
+ALICE, BOB, ADMIN = "sk-door-alice-11", "sk-door-bob-22", "sk-door-admin-33"
 ORIGIN = "https://app.example"
 LIMIT = 64 * 1024
 STARTUP_TIMEOUT_S = 600
@@ -29,13 +32,16 @@ def door(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log_path = str(tmp_path_factory.mktemp("door") / "server.log")
+    tmp = tmp_path_factory.mktemp("door")
+    log_path = str(tmp / "server.log")
+    (tmp / "keys").write_text(f"# the door test's clients\n{ALICE} alice\n{BOB} bob\n")
     env = dict(os.environ, RADIXSERVE_API_KEY=KEY)
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "pysrc")] +
                                         ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
            "--load-format", "dummy", "--max-total-tokens", "2048", "--allowed-origins", ORIGIN,
-           "--max-request-bytes", str(LIMIT)]
+           "--max-request-bytes", str(LIMIT), "--api-key-file", str(tmp / "keys"),
+           "--admin-api-key", ADMIN]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
@@ -52,7 +58,7 @@ def door(tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "the server did not become healthy"
             time.sleep(0.3)
-        yield url, port
+        yield url, port, log_path
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -116,7 +122,7 @@ def _raw(port: int, head: bytes, chunked_body: bool = False):
 
 def test_api_key_with_the_openai_client(door):
     import openai
-    url, _ = door
+    url, _, _ = door
     assert httpx.get(url + "/health").status_code == 200
     r = httpx.get(url + "/v1/models")
     assert r.status_code == 401 and r.json()["error"]["code"] == 401
@@ -135,7 +141,7 @@ def test_api_key_with_the_openai_client(door):
 
 
 def test_oversized_bodies_get_413_unread(door):
-    _, port = door
+    _, port, _ = door
     auth = f"Authorization: Bearer {KEY}\r\n".encode()
     head = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth +
             b"Content-Type: application/json\r\nContent-Length: 100000000000\r\n\r\n")
@@ -155,7 +161,7 @@ def test_oversized_bodies_get_413_unread(door):
 def test_client_mistakes_are_4xx(http):
     r = http.post("/generate", content=b'{"text": "hi"}', headers={"content-type": "text/plain"})
     assert r.status_code == 415
-    assert http.get("/flush_cache").status_code == 405
+    assert http.get("/flush_cache", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 405
     for path, raw, param in [("/generate", rb'{"text": "\ud800"}', "text"),
                              ("/generate", rb'{"text": "hi", "rid": "\udc00"}', "rid"),
                              ("/v1/completions", rb'{"prompt": ["ok", "\ud800"]}', "prompt[1]"),
@@ -182,21 +188,63 @@ def test_cors(http):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
 
 
-def test_server_info_has_no_paths_or_key(http):
-    r = http.get("/get_server_info")
+def test_server_info_has_no_paths_or_key(http, default_model_path):
+    r = http.get("/get_server_info", headers={"Authorization": f"Bearer {ADMIN}"})
     info = r.json()
-    assert KEY not in r.text and info["context_len"] > 0 and info["served_model_name"]
-    model_path = http.get("/get_model_info").json()["model_path"]
-    assert model_path and model_path not in r.text
+    assert all(k not in r.text for k in (KEY, ALICE, BOB, ADMIN))
+    assert info["context_len"] > 0 and info["served_model_name"]
+    assert default_model_path not in r.text
     assert "model_path" not in info and "model_path" not in info["server_args"]
     assert json.dumps(info).count('"/') == 0           # no absolute path anywhere
+    for path in ("/get_model_info", "/v1/models"):
+        shown = http.get(path)
+        assert shown.status_code == 200 and default_model_path not in shown.text
+        assert json.dumps(shown.json()).count('"/') == 0
+
+
+def test_dns_rebinding_gets_421(door):
+    """A page on attacker.test that rebinds its name to 127.0.0.1: the browser sends its
+    name as Host (and its origin, which would pass as "same origin"): 421 everywhere."""
+    url, _, _ = door
+    rebound = {"Host": "attacker.test:80", "Origin": "http://attacker.test:80",
+               "Authorization": f"Bearer {KEY}"}
+    for method, path, body in (("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                               ("POST", "/flush_cache", None), ("GET", "/v1/models", None)):
+        r = httpx.request(method, url + path, json=body, headers=rebound, timeout=60)
+        assert r.status_code == 421 and "--allowed-hosts" in r.json()["error"]["message"], path
+    r = httpx.get(url.replace("127.0.0.1", "localhost") + "/v1/models",
+                  headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_each_key_is_a_client_and_the_admin_key_guards_server_wide_routes(door):
+    url, _, log_path = door
+
+    def client(key):
+        return httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"})
+
+    with client(ALICE) as alice, client(BOB) as bob, client(ADMIN) as admin:
+        stored = alice.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1})
+        assert stored.status_code == 200, stored.text
+        rid = stored.json()["id"]
+        assert bob.get(f"/v1/responses/{rid}").status_code == 404
+        assert bob.delete(f"/v1/responses/{rid}").status_code == 404
+        assert alice.get(f"/v1/responses/{rid}").status_code == 200
+        for method, path in (("POST", "/flush_cache"), ("GET", "/metrics"), ("GET", "/get_server_info")):
+            assert alice.request(method, path).status_code == 403, path
+            assert admin.request(method, path).status_code == 200, path
+        assert admin.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+    with open(log_path) as f:
+        log = f.read()
+    assert "key:alice" in log and "key:bob" in log
+    assert all(k not in log for k in (KEY, ALICE, BOB, ADMIN))
 
 
 def test_lang_runtime_endpoint_sends_the_api_key(door):
     """radixserve.lang.RuntimeEndpoint(url, api_key=...) works behind the key; without it (or
     with a wrong one) construction fails with a BackendError carrying the 401."""
     import radixserve.lang as sgl
-    url, _ = door
+    url, _, _ = door
     for key in (None, "wrong"):
         with pytest.raises(sgl.BackendError) as err:
             sgl.RuntimeEndpoint(url, api_key=key)

@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 from radixserve.server.app import create_app
 from radixserve.tokenizer.chat_template import ChatTemplate, RenderLimitExceeded, RenderLimits
 
-from test_server_fake_engine import FakeEngine, FakeTokenizer
+from test_server_fake_engine import LOCAL, FakeEngine, FakeTokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
 TINY = RenderLimits(max_seconds=0.2, max_chars=10_000)
@@ -62,12 +62,13 @@ class TemplateTokenizer(FakeTokenizer):
                                      "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
         self.release = threading.Event()
 
-    def encode_chat(self, messages, add_generation_prompt=True, tools=None, render_limits=None):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None,
+                            render_limits=None):
         if messages[0]["content"] == "BLOCK":
             self.release.wait(60)
         text = self.template.render(messages, add_generation_prompt, tools,
                                     render_limits=render_limits)
-        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+        return text + ("<assistant>" if add_generation_prompt else "")
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def template_client():
     engine = FakeEngine()
     engine.tokenizer = TemplateTokenizer()
     engine.server_args.chat_template_timeout = 0.2
-    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+    with TestClient(create_app(engine), base_url=LOCAL, raise_server_exceptions=False) as client:
         yield engine, client
     engine.tokenizer.release.set()
 

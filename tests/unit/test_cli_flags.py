@@ -26,7 +26,7 @@ SGLANG_NAMES = {"--model-path": "/m", "--model": "/m", "--tokenizer-path": "/t",
                 "--disable-overlap-schedule": None, "--max-queued-requests": "9",
                 "--stream-interval": "4", "--enable-mixed-chunk": None,
                 "--grammar-backend": "xgrammar", "--api-key": "k", "--enable-metrics": None,
-                "--log-requests": None}
+                "--log-requests": None, "--admin-api-key": "adm", "--tokenizer-worker-num": "3"}
 
 
 def serve_parsers():
@@ -107,9 +107,21 @@ def test_sglang_names_parse_to_our_fields():
                 ("--model", "--tensor-parallel-size", "--data-parallel-size")
                 for x in ([flag] if value is None else [flag, value])])
     assert (a.api_key, a.enable_metrics, a.log_requests, a.grammar_backend, a.stream_interval,
-            a.chat_template, a.tp_size, a.dp_size) == ("k", True, True, "xgrammar", 4,
-                                                      "{{ messages }}", 1, 1)
+            a.chat_template, a.tp_size, a.dp_size, a.admin_api_key, a.tokenizer_worker_num) == (
+        ["k"], True, True, "xgrammar", 4, "{{ messages }}", 1, 1, "adm", 3)
     a.check()
+    assert parse("--api-key", "k1", "--api-key", "k2").api_key == ["k1", "k2"]    # repeatable
+
+
+def test_default_drain_ends_within_common_grace_periods():
+    """SIGTERM: the drain (--shutdown-timeout) plus the time uvicorn gives connections to close
+    stays below Kubernetes' default terminationGracePeriodSeconds (30 s), so a pod is not
+    killed mid-drain; --help says so."""
+    from radixserve.server.app import CONNECTION_CLOSE_S, KUBERNETES_DEFAULT_GRACE_S
+    assert KUBERNETES_DEFAULT_GRACE_S == 30
+    assert ServerArgs().shutdown_timeout + CONNECTION_CLOSE_S < KUBERNETES_DEFAULT_GRACE_S
+    help_text = next(f for f in FIELDS if f.name == "shutdown_timeout").metadata["help"]
+    assert "Kubernetes' default 30 s grace period" in help_text
 
 
 def test_each_alias_sets_the_same_field():

@@ -20,7 +20,7 @@ from radixserve.server.app import create_app
 from radixserve.server.errors import ApiError
 from radixserve.server.openapi import openapi_document
 
-from test_server_fake_engine import FakeEngine, err_of, sse_events
+from test_server_fake_engine import LOCAL, FakeEngine, err_of, sse_events
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"prompt": "hi"}
@@ -252,7 +252,7 @@ class _RecordingTokenizer(type(FakeEngine().tokenizer)):
     def token_text(self, tid):
         return self.special.get(tid) or bytes([tid]).decode("latin-1")
 
-    def encode(self, text, add_special_tokens=True):
+    def encode(self, text, add_special_tokens=True, max_tokens=None):
         return ([1] if add_special_tokens and text.startswith("BOS") else []) + list(text.encode())
 
 
@@ -265,7 +265,7 @@ def engine():
 
 @pytest.fixture()
 def client(engine):
-    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+    with TestClient(create_app(engine), base_url=LOCAL, raise_server_exceptions=False) as c:
         yield c
 
 

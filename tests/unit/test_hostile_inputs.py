@@ -115,13 +115,13 @@ def _bodies():
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(_bodies())
 def test_random_bodies_never_get_a_5xx(route_body):
-    from test_server_fake_engine import FakeEngine
+    from test_server_fake_engine import LOCAL, FakeEngine
 
     from radixserve.server.app import create_app
 
     route, body = route_body
     engine = FakeEngine()
-    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+    with TestClient(create_app(engine), base_url=LOCAL, raise_server_exceptions=False) as client:
         r = client.post(route, json=body)
         assert r.status_code < 500, (route, body, r.status_code, r.text[:300])
         ok = client.post("/generate", json={"text": "hi", "sampling_params":

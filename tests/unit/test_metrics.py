@@ -18,7 +18,7 @@ from radixserve.config import ServerArgs
 from radixserve.engine.io import GenerateOutput
 from radixserve.server.app import create_app
 
-from test_server_fake_engine import FakeTokenizer  # noqa: E402 (the byte-level fake)
+from test_server_fake_engine import LOCAL, FakeTokenizer  # noqa: E402 (the byte-level fake)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPLY = "The quick brown fox jumps over the lazy dog. "
@@ -151,7 +151,7 @@ def test_names_types_and_labels(prefix):
     engine = CountingEngine(enable_metrics=True, **kw)
     expected = prefix or "radixserve:"
     other = "radixserve:" if prefix else "sglang:"
-    with TestClient(create_app(engine)) as c:
+    with TestClient(create_app(engine), base_url=LOCAL) as c:
         generate(c, "hello")
         samples, types = scrape(c)
     for name in GAUGES:
@@ -180,7 +180,7 @@ def test_names_types_and_labels(prefix):
 def test_histograms_only_with_enable_metrics_and_defaults_for_missing_keys():
     engine = CountingEngine()
     engine.metrics = lambda: {"prompt_tokens": 3, "future_key_total": 7, "future_gauge": 1.5}
-    with TestClient(create_app(engine)) as c:
+    with TestClient(create_app(engine), base_url=LOCAL) as c:
         generate(c, "hello")
         samples, types = scrape(c)
     assert not any(h in n for n in samples for h in HISTOGRAMS)      # no histogram
@@ -213,7 +213,7 @@ def test_cli_flags():
 
 def test_counters_grow_across_requests_and_cache_hits_are_counted():
     engine = CountingEngine()
-    with TestClient(create_app(engine)) as c:
+    with TestClient(create_app(engine), base_url=LOCAL) as c:
         generate(c, "abcdefgh", max_new_tokens=4)
         s1, _ = scrape(c)
         generate(c, "abcdefgh", max_new_tokens=3)       # the same prompt: 7 tokens cached
@@ -242,7 +242,7 @@ def hist(samples, name, prefix="radixserve:"):
 
 def test_histograms_observe_non_streamed_and_streamed_requests():
     engine = CountingEngine(enable_metrics=True)
-    with TestClient(create_app(engine)) as c:
+    with TestClient(create_app(engine), base_url=LOCAL) as c:
         s0, _ = scrape(c)
         for name in HISTOGRAMS:
             assert hist(s0, name)[0] == 0
@@ -285,7 +285,7 @@ def test_histograms_observe_non_streamed_and_streamed_requests():
 def test_log_requests_one_line_per_finished_request(caplog):
     engine = CountingEngine(log_requests=True)
     with caplog.at_level(logging.INFO, logger="radixserve.server.metrics"):
-        with TestClient(create_app(engine)) as c:
+        with TestClient(create_app(engine), base_url=LOCAL) as c:
             c.post("/generate", json={"text": "hello", "rid": "req-42",
                                       "sampling_params": {"max_new_tokens": 3}})
             c.post("/generate", json={"text": "hello", "rid": "req-43", "stream": True,
@@ -319,7 +319,7 @@ def test_every_dashboard_panel_has_data(prefix):
     paths = sorted(glob.glob(os.path.join(REPO, "dashboards", "*.json")))
     assert paths, "no dashboard under dashboards/"
     engine = CountingEngine(enable_metrics=True, metrics_prefix=prefix)
-    with TestClient(create_app(engine)) as c:
+    with TestClient(create_app(engine), base_url=LOCAL) as c:
         generate(c, "the same prompt", max_new_tokens=4)
         generate(c, "the same prompt", max_new_tokens=3, stream=True)
         c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],

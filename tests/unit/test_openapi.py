@@ -24,7 +24,7 @@ from radixserve.server.app import create_app
 from radixserve.server.errors import ApiError
 from radixserve.server.openapi import openapi_document
 
-from test_server_fake_engine import FakeEngine
+from test_server_fake_engine import LOCAL, FakeEngine
 
 DOC = openapi_document(api_key=False)
 
@@ -61,7 +61,7 @@ def test_security_follows_the_api_key():
 def test_served_document_matches_and_schemas_are_valid_json_schema():
     engine = FakeEngine()
     engine.server_args = ServerArgs(model_path="/models/fake", api_key="k")
-    with TestClient(create_app(engine)) as client:
+    with TestClient(create_app(engine), base_url=LOCAL) as client:
         assert client.get("/openapi.json").status_code == 401          # behind the key
         r = client.get("/openapi.json", headers={"Authorization": "Bearer k"})
     assert r.status_code == 200 and r.json()["security"] == [{"bearer": []}]
@@ -138,7 +138,9 @@ def test_response_builders_match_the_documented_schemas():
 
 @pytest.fixture(scope="module")
 def asgi_schema():
-    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(FakeEngine()))
+    engine = FakeEngine()      # schemathesis's ASGI client sends Host: testserver
+    engine.server_args = ServerArgs(model_path="/models/fake", allowed_hosts="testserver")
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(engine))
     return schema
 
 

@@ -9,7 +9,7 @@ from starlette.testclient import TestClient
 
 from radixserve.server.app import create_app
 
-from test_server_fake_engine import FakeEngine, err_of, sse_events
+from test_server_fake_engine import LOCAL, FakeEngine, err_of, sse_events
 
 THOUGHT = "<think>\nThe user wants a capital.\nFrance -> Paris.\n</think>\n\nParis."
 CHAT = {"messages": [{"role": "user", "content": "Capital of France?"}],
@@ -21,7 +21,7 @@ def _client(parser, reply=THOUGHT):
     engine.server_args = dataclasses.replace(engine.server_args, reasoning_parser=parser)
     engine.reply = reply
     engine.context_len = 1024
-    return engine, TestClient(create_app(engine), raise_server_exceptions=False)
+    return engine, TestClient(create_app(engine), base_url=LOCAL, raise_server_exceptions=False)
 
 
 def _stream(client, **extra):
@@ -272,7 +272,7 @@ def qwen3_parser_client(default_model_path):
     engine = AsyncEngine(ServerArgs(model_path=default_model_path, device="cpu",
                                     reasoning_parser="qwen3", max_total_tokens=4096,
                                     context_length=1024, max_running_requests=4))
-    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+    with TestClient(create_app(engine), base_url=LOCAL, raise_server_exceptions=False) as client:
         yield client
 
 

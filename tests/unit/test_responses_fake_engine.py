@@ -18,7 +18,7 @@ from radixserve.server.openapi import openapi_document
 from radixserve.server.responses_api import ResponseStore
 from radixserve.server.responses_schemas import ResponseCreateRequest
 
-from test_server_fake_engine import REPLY, FakeEngine, err_of
+from test_server_fake_engine import LOCAL, REPLY, FakeEngine, err_of
 
 DOC = openapi_document(api_key=False)
 STREAM_TYPES = ["response.created", "response.in_progress", "response.output_item.added",
@@ -44,7 +44,7 @@ def app(engine):
 
 @pytest.fixture()
 def client(app):
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with TestClient(app, base_url=LOCAL, raise_server_exceptions=False) as c:
         yield c
 
 
@@ -90,6 +90,32 @@ def test_store_keeps_within_its_characters_and_refuses_a_giant():
     assert not _put(store, "huge", chars=11)
     assert store.get("huge", "a") is None and store.chars == 8
     assert store.delete("b", "a") and store.chars == 4 and not store.delete("b", "a")
+
+
+def test_one_clients_many_responses_never_evict_anothers():
+    """When the store is full, the client holding the most loses its least recently used
+    response: a client storing 1,030 responses evicts only its own, the others keep theirs
+    (by count, then by characters)."""
+    store = ResponseStore(max_responses=1024, max_chars=1 << 30)
+    for owner in ("bob", "carol"):
+        for i in range(5):
+            _put(store, f"{owner}-{i}", owner=owner)
+    for i in range(1030):
+        assert _put(store, f"mallory-{i}", owner="mallory")
+    assert len(store) == 1024 and store.held_by("mallory") == 1014
+    assert all(store.get(f"{o}-{i}", o) for o in ("bob", "carol") for i in range(5))
+    assert store.get("mallory-15", "mallory") is None and store.get("mallory-16", "mallory")
+    _put(store, "bob-5", owner="bob")              # full: the largest holder (mallory) pays
+    assert store.held_by("bob") == 6 and store.held_by("mallory") == 1013
+    assert store.get("mallory-17", "mallory") is None      # (16 was just read: used)
+    # the characters: bob's one big response survives mallory's many small ones
+    store = ResponseStore(max_responses=1000, max_chars=100)
+    _put(store, "bob-big", owner="bob", chars=40)
+    for i in range(50):
+        assert _put(store, f"m-{i}", owner="mallory", chars=3)
+    assert store.get("bob-big", "bob") and store.chars <= 100 and store.held_by("mallory") == 20
+    _put(store, "bob-2", owner="bob", chars=30)    # now bob is the largest: bob's oldest goes
+    assert store.get("bob-big", "bob") is None and store.held_by("mallory") == 20
 
 
 def test_store_entries_belong_to_their_owner():
@@ -200,13 +226,29 @@ def test_store_false_and_delete(client):
 
 
 def test_stored_responses_are_visible_only_to_their_client(app):
-    with TestClient(app, client=("10.0.0.1", 1000)) as alice:
-        bob = TestClient(app, client=("10.0.0.2", 1000))
+    with TestClient(app, base_url=LOCAL, client=("10.0.0.1", 1000)) as alice:
+        bob = TestClient(app, base_url=LOCAL, client=("10.0.0.2", 1000))
         mine = alice.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1}).json()
         err_of(bob.get(f"/v1/responses/{mine['id']}"), 404)
         err_of(bob.delete(f"/v1/responses/{mine['id']}"), 404)
         err_of(bob.post("/v1/responses", json={"input": "x", "previous_response_id": mine["id"]}), 404)
         assert alice.get(f"/v1/responses/{mine['id']}").status_code == 200
+
+
+def test_stored_responses_belong_to_the_api_key_not_the_address(engine):
+    """With several keys, each key's client has its own stored responses even from one
+    address (one proxy in front, or one machine): no key reads, continues or deletes
+    another's."""
+    from radixserve.config import ServerArgs
+    engine.server_args = ServerArgs(model_path="/models/fake", api_key=["sk-a", "sk-b"])
+    with TestClient(create_app(engine), base_url=LOCAL, client=("10.0.0.1", 1)) as c:
+        a, b = ({"Authorization": f"Bearer {k}"} for k in ("sk-a", "sk-b"))
+        mine = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1}, headers=a).json()
+        err_of(c.get(f"/v1/responses/{mine['id']}", headers=b), 404)
+        err_of(c.delete(f"/v1/responses/{mine['id']}", headers=b), 404)
+        err_of(c.post("/v1/responses", json={"input": "x", "previous_response_id": mine["id"]},
+                      headers=b), 404)
+        assert c.get(f"/v1/responses/{mine['id']}", headers=a).status_code == 200
 
 
 # --------------------------------------------------------------------------- errors

@@ -11,7 +11,7 @@ import json
 
 import pytest
 from starlette.testclient import TestClient
-from test_server_fake_engine import FakeEngine, err_of, sse_events
+from test_server_fake_engine import LOCAL, FakeEngine, err_of, sse_events
 
 from radixserve.config import ServerArgs
 from radixserve.server import jsonio
@@ -26,7 +26,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 def make_client(engine, **door):
     """A TestClient over the fake engine with ServerArgs(**door) for the door."""
     engine.server_args = ServerArgs(model_path="/models/fake", **door)
-    return TestClient(create_app(engine), raise_server_exceptions=False)
+    return TestClient(create_app(engine), base_url=LOCAL, raise_server_exceptions=False)
 
 
 @pytest.fixture()
@@ -63,15 +63,18 @@ def test_api_key_required_everywhere_but_health(engine):
         assert c.get("/metrics", headers=auth).status_code == 200
 
 
-def test_api_key_from_the_environment(engine, monkeypatch):
+def test_api_key_from_the_environment(engine, monkeypatch, tmp_path):
     monkeypatch.setenv("RADIXSERVE_API_KEY", "from-env")
-    assert ServerArgs().resolved_api_key() == "from-env"
-    assert ServerArgs(api_key="flag").resolved_api_key() == "flag"
+    assert ServerArgs().resolved_api_keys() == [("from-env", None)]
+    assert ServerArgs(api_key="flag").resolved_api_keys() == [("flag", None)]
+    (tmp_path / "keys").write_text("from-file ci\n")     # the file adds to the environment's
+    assert ServerArgs(api_key_file=str(tmp_path / "keys")).resolved_api_keys() == [
+        ("from-env", None), ("from-file", "ci")]
     with make_client(engine) as c:
         err_of(c.get("/v1/models"), 401)
         assert c.get("/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
     monkeypatch.setenv("RADIXSERVE_API_KEY", "")
-    assert ServerArgs().resolved_api_key() is None
+    assert ServerArgs().resolved_api_keys() == []
 
 
 # --------------------------------------------------------------------------- methods and content types
@@ -173,12 +176,34 @@ def test_host_check_beyond_loopback(engine):
             assert c.get("/v1/models", headers={"host": ok}).status_code == 200, ok
         for bad in ("example.com", "xcorp.example", "api.example.com.evil.test", "testserver"):
             err_of(c.get("/v1/models", headers={"host": bad}), 421)
-    # loopback-only: Host is checked only when --allowed-hosts says so
-    with make_client(engine) as c:
-        assert c.get("/v1/models", headers={"host": "anything.test"}).status_code == 200
     with make_client(engine, allowed_hosts="localhost") as c:
         err_of(c.get("/v1/models", headers={"host": "anything.test"}), 421)
         assert c.get("/v1/models", headers={"host": "localhost:30000"}).status_code == 200
+    with make_client(engine, host="0.0.0.0", allowed_hosts="*") as c:
+        assert c.get("/v1/models", headers={"host": "anything.test"}).status_code == 200
+
+
+def test_loopback_server_answers_only_loopback_names_by_default(engine):
+    """DNS rebinding: a page on attacker.test rebinds its name to 127.0.0.1, and the browser
+    sends Host: attacker.test (with Origin http://attacker.test, which the page's own origin
+    check would let through as "same origin"). A loopback server answers 421 to every name
+    but localhost's and to addresses other than loopback ones, on every route."""
+    for host in ("127.0.0.1", "localhost", "::1"):
+        with make_client(engine, host=host) as c:
+            for bad in ("rebind.attacker.test", "attacker.test:30000", "LOCALHOST.attacker.test",
+                        "localhost.evil", "10.1.2.3:30000", "[2001:db8::1]", "testserver"):
+                body = err_of(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                                     headers={"host": bad, "origin": f"http://{bad}"}), 421)
+                assert "--allowed-hosts" in body["message"]
+                err_of(c.post("/flush_cache", headers={"host": bad}), 421)
+            assert engine.seen == []
+            for ok in ("localhost", "localhost:30000", "LOCALHOST.", "app.localhost:8080",
+                       "127.0.0.1:30000", "127.0.0.2", "[::1]:30000", "[::ffff:127.0.0.1]"):
+                assert c.get("/v1/models", headers={"host": ok}).status_code == 200, ok
+    with make_client(engine, allowed_hosts="proxy.example") as c:   # behind a proxy: its name
+        assert c.get("/v1/models", headers={"host": "proxy.example"}).status_code == 200
+        assert c.get("/v1/models", headers={"host": "10.1.2.3"}).status_code == 200
+        err_of(c.get("/v1/models", headers={"host": "attacker.test"}), 421)
 
 
 # --------------------------------------------------------------------------- Origin and CORS
@@ -198,7 +223,7 @@ def test_cors_off_by_default_and_cross_origin_refused(client, engine):
     err_of(client.post("/generate", content=b'{"text": "hi"}', headers={"origin": "null"}), 403)
     assert engine.seen == []
     # the server's own origin (a page it served itself) is fine; so are clients without Origin
-    r = client.post("/v1/chat/completions", json=CHAT, headers={"origin": "http://testserver"})
+    r = client.post("/v1/chat/completions", json=CHAT, headers={"origin": "http://localhost"})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
 
@@ -316,16 +341,20 @@ def _json_request(body):
     return raw, receive
 
 
-async def _asgi_post(app, path, body, client):
-    """POST a JSON body to app from peer address `client`: (status, the ASGI messages sent)."""
+async def _asgi_post(app, path, body, client, key=None):
+    """POST a JSON body to app from peer address `client` (with Bearer `key`): (status, the
+    ASGI messages sent)."""
     _, receive = _json_request(body)
     sent = []
 
     async def send(m):
         sent.append(m)
+    headers = [(b"content-type", b"application/json")]
+    if key is not None:
+        headers.append((b"authorization", b"Bearer " + key.encode()))
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "query_string": b"", "root_path": "", "headers": headers,
              "client": client, "server": ("127.0.0.1", 2), "state": {}}
     await app(scope, receive, send)
     return next(m for m in sent if m["type"] == "http.response.start")["status"], sent
@@ -347,14 +376,26 @@ def test_abort_only_reaches_the_clients_own_requests(engine):
                                                           "sampling_params": {"max_new_tokens": 60}}, alice))
         while "victim" not in engine.running:
             await asyncio.sleep(0.005)
-        assert owners.owner("victim") == "peer:10.0.0.1"
+        assert owners.engine_rid("peer:10.0.0.1", "victim") == "victim"
         status, _ = await call("/abort_request", {"rid": "victim"}, mallory)
         assert status == 200 and engine.aborted == []          # refused, silently
-        # nor can another client take the id over while it is live
+        # the owner may not reuse its own live id ...
         status, sent = await call("/generate", {"text": "hi", "rid": "victim",
-                                                  "sampling_params": {"max_new_tokens": 2}}, mallory)
-        assert status == 400 and b"already in use" in sent[-1]["body"]
-        assert [r.rid for r in engine.seen] == ["victim"]
+                                                  "sampling_params": {"max_new_tokens": 2}}, alice)
+        assert status == 400 and b"already in use by one of your running requests" in sent[-1]["body"]
+        # ... while another client's request by that id runs (under an alias the engine sees)
+        # and is answered exactly as for an id no one holds: its existence does not show
+        answers = []
+        for rid in ("victim", "fresh"):
+            status, sent = await call("/generate", {"text": "hi", "rid": rid,
+                                                      "sampling_params": {"max_new_tokens": 2}}, mallory)
+            answer = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+            assert status == 200 and answer["meta_info"]["id"] == rid
+            answers.append({k: v for k, v in answer["meta_info"].items() if k != "id"} | {"text": answer["text"]})
+        assert answers[0] == answers[1]
+        assert [r.rid for r in engine.seen][0] == "victim"
+        assert engine.seen[1].rid.startswith("victim#") and engine.seen[2].rid == "fresh"
+        assert engine.aborted == []
         await asyncio.sleep(0.05)
         assert "victim" in engine.running
         status, _ = await call("/abort_request", {"rid": "victim"}, alice)
@@ -402,6 +443,96 @@ def test_with_an_api_key_the_key_is_the_identity(engine):
         assert engine.aborted == ["gone"]      # no live request holds it: the engine's no-op
 
 
+ALICE_KEY, BOB_KEY, ADMIN_KEY = "sk-alice-0123", "sk-bob-4567", "sk-admin-89ab"
+
+
+def test_each_key_is_its_own_client(engine, tmp_path):
+    """Several keys (--api-key twice, --api-key-file with names): each is an identity, the
+    scheduler's client_id among them, and no key's holder can abort another's requests (from
+    the same address: the key decides, not the peer)."""
+    from radixserve.server.security import key_identity
+    keys = tmp_path / "keys"
+    keys.write_text(f"{BOB_KEY} bob\n")
+    engine.server_args = ServerArgs(model_path="/models/fake", api_key=[ALICE_KEY, KEY],
+                                    api_key_file=str(keys))
+    app = create_app(engine)
+    peer = ("10.0.0.9", 1)
+
+    async def scenario():
+        hang = {"text": "HANG", "stream": True, "sampling_params": {"max_new_tokens": 60}}
+        runs = [asyncio.ensure_future(_asgi_post(app, "/generate", {**hang, "rid": rid}, peer, key))
+                for rid, key in (("a1", ALICE_KEY), ("b1", BOB_KEY))]
+        while len(engine.running) < 2:
+            await asyncio.sleep(0.005)
+        by_rid = {r.rid: r.client_id for r in engine.seen}
+        assert by_rid == {"a1": key_identity(ALICE_KEY), "b1": "key:bob"}
+        assert ALICE_KEY not in by_rid["a1"]
+        for rid in ("a1", "b1"):                  # the third key owns neither
+            status, _ = await _asgi_post(app, "/abort_request", {"rid": rid}, peer, KEY)
+            assert status == 200
+        status, _ = await _asgi_post(app, "/abort_request", {"abort_all": True}, peer, KEY)
+        assert status == 200 and engine.aborted == []
+        status, _ = await _asgi_post(app, "/abort_request", {"rid": "a1"}, peer, BOB_KEY)
+        assert status == 200 and engine.aborted == []
+        status, _ = await _asgi_post(app, "/abort_request", {"abort_all": True}, peer, BOB_KEY)
+        assert status == 200 and engine.aborted == ["b1"]
+        status, _ = await _asgi_post(app, "/abort_request", {"rid": "a1"}, peer, ALICE_KEY)
+        assert engine.aborted == ["b1", "a1"]
+        for run in runs:
+            status, _ = await asyncio.wait_for(run, 5)
+            assert status == 200
+        status, _ = await _asgi_post(app, "/generate", hang, peer, "sk-unknown")
+        assert status == 401
+
+    asyncio.run(scenario())
+
+
+def test_admin_key_guards_the_server_wide_routes(engine):
+    """With --admin-api-key: /flush_cache, /get_server_info and /metrics take only the admin
+    key (a client key gets 403, none or a wrong one 401); every other route takes the client
+    keys, and the admin key too. Without client keys, only the server-wide routes are locked."""
+    from radixserve.server.security import ADMIN_PATHS
+    assert ADMIN_PATHS == {"/flush_cache", "/get_server_info", "/metrics"}
+    admin, alice = ({"Authorization": f"Bearer {k}"} for k in (ADMIN_KEY, ALICE_KEY))
+    calls = [("POST", "/flush_cache"), ("GET", "/get_server_info"), ("GET", "/metrics")]
+    with make_client(engine, api_key=ALICE_KEY, admin_api_key=ADMIN_KEY) as c:
+        for method, path in calls:
+            assert "admin key" in err_of(c.request(method, path, headers=alice), 403)["message"]
+            assert "--admin-api-key" in err_of(c.request(method, path), 401)["message"]
+            err_of(c.request(method, path, headers={"Authorization": "Bearer wrong"}), 401)
+            assert c.request(method, path, headers=admin).status_code == 200, path
+        for headers in (alice, admin):
+            assert c.post("/v1/chat/completions", json=CHAT, headers=headers).status_code == 200
+            assert c.post("/abort_request", json={"rid": "x"}, headers=headers).status_code == 200
+            assert c.get("/get_model_info", headers=headers).status_code == 200
+        err_of(c.post("/v1/chat/completions", json=CHAT), 401)
+        assert engine.seen[-1].client_id == "admin"
+        doc = c.get("/openapi.json", headers=alice).json()
+        assert doc["paths"]["/flush_cache"]["post"]["responses"]["401"]
+    with make_client(engine, admin_api_key=ADMIN_KEY) as c:      # no client keys
+        assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+        assert engine.seen[-1].client_id.startswith("peer:")
+        err_of(c.post("/flush_cache"), 401)
+        assert c.post("/flush_cache", headers=admin).status_code == 200
+        doc = c.get("/openapi.json").json()
+        assert "security" not in doc and doc["paths"]["/flush_cache"]["post"]["security"]
+    with make_client(engine, api_key=ALICE_KEY) as c:             # no admin key: any client key
+        for method, path in calls:
+            assert c.request(method, path, headers=alice).status_code == 200, path
+
+
+def test_the_door_logs_identities_never_keys(engine, tmp_path, caplog):
+    from radixserve.server.app import _log_door
+    keys = tmp_path / "keys"
+    keys.write_text(f"{BOB_KEY} bob\n")
+    args = ServerArgs(model_path="/models/fake", api_key=ALICE_KEY, api_key_file=str(keys),
+                      admin_api_key=ADMIN_KEY)
+    with caplog.at_level("INFO", logger="radixserve.server.app"):
+        _log_door(args, DoorPolicy.from_server_args(args))
+    assert "key:bob" in caplog.text and "2 clients" in caplog.text and "admin key set" in caplog.text
+    assert all(k not in caplog.text for k in (ALICE_KEY, BOB_KEY, ADMIN_KEY))
+
+
 # --------------------------------------------------------------------------- /get_server_info
 
 def _server_info(args):
@@ -410,11 +541,12 @@ def _server_info(args):
 
 
 def test_server_info_without_paths_or_secrets(engine):
-    with make_client(engine, api_key=KEY, tokenizer_path="/srv/tok") as c:
+    with make_client(engine, api_key=KEY, tokenizer_path="/srv/tok", admin_api_key=ADMIN_KEY) as c:
         engine.server_info = lambda: _server_info(engine.server_args)
-        r = c.get("/get_server_info", headers={"Authorization": f"Bearer {KEY}"})
+        r = c.get("/get_server_info", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         info = r.json()
         assert KEY not in r.text and "/models/fake" not in r.text and "/srv/tok" not in r.text
+        assert ADMIN_KEY not in r.text and "admin_api_key" not in info["server_args"]
         assert info["served_model_name"] == "fake" and info["context_len"] == 64
         assert info["server_args"]["max_request_bytes"] == engine.server_args.max_request_bytes
         assert "api_key" not in info["server_args"] and "model_path" not in info
@@ -422,6 +554,28 @@ def test_server_info_without_paths_or_secrets(engine):
         engine.server_info = lambda: _server_info(engine.server_args)
         r = c.get("/get_server_info", headers={"Authorization": f"Bearer {KEY}"})
         assert r.json()["model_path"] == "/models/fake" and KEY not in r.text
+
+
+def test_model_path_hidden_unless_exposed(engine):
+    """/v1/models, /v1/models/{id} and /get_model_info show the served name where the model's
+    path would be, and a request naming the model by its path is a 404 like any other name
+    (else the path could be probed); --expose-server-info shows and accepts it."""
+    with make_client(engine, tokenizer_path="/srv/tok") as c:
+        for path in ("/v1/models", "/v1/models/fake", "/get_model_info"):
+            r = c.get(path)
+            assert r.status_code == 200 and "/models/fake" not in r.text and "/srv/tok" not in r.text
+        assert c.get("/v1/models").json()["data"][0]["root"] == "fake"
+        info = c.get("/get_model_info").json()
+        assert (info["model_path"], info["tokenizer_path"]) == ("fake", "fake")
+        err_of(c.get("/v1/models/%2Fmodels%2Ffake"), 404)
+        err_of(c.post("/v1/completions", json={"model": "/models/fake", "prompt": "hi"}), 404, "model")
+    with make_client(engine, tokenizer_path="/srv/tok", expose_server_info=True) as c:
+        assert c.get("/v1/models").json()["data"][0]["root"] == "/models/fake"
+        info = c.get("/get_model_info").json()
+        assert (info["model_path"], info["tokenizer_path"]) == ("/models/fake", "/srv/tok")
+        assert c.get("/v1/models/%2Fmodels%2Ffake").status_code == 200
+        r = c.post("/v1/completions", json={"model": "/models/fake", "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200
 
 
 # --------------------------------------------------------------------------- JSON out, flags
@@ -434,17 +588,40 @@ def test_serialization_never_raises():
     assert encode_event({"t": "\u00e9\U0001F600"}) == 'data: {"t":"\u00e9\U0001F600"}\n\n'.encode()
 
 
-def test_door_flags_are_checked_and_on_the_cli():
+def test_door_flags_are_checked_and_on_the_cli(tmp_path):
     from radixserve import cli
-    ns = cli.build_parser().parse_args(["serve", "--api-key", "k", "--allowed-origins", "https://a.example",
+    from radixserve.server.security import key_digest, key_identity
+    keys = tmp_path / "keys"
+    keys.write_text("# clients\nsk-file-1 alice\n\n  sk-file-2   bob  \nsk-file-3\n")
+    ns = cli.build_parser().parse_args(["serve", "--api-key", "k", "--api-key", "k2",
+                                        "--api-key-file", str(keys), "--admin-api-key", "adm",
+                                        "--allowed-origins", "https://a.example",
                                         "--allowed-hosts", "a.example", "--max-request-bytes", "2048",
                                         "--expose-server-info"])
     args = ServerArgs.from_cli_args(ns)
     args.check()
+    assert args.resolved_api_keys() == [("k", None), ("k2", None), ("sk-file-1", "alice"),
+                                        ("sk-file-2", "bob"), ("sk-file-3", None)]
     policy = DoorPolicy.from_server_args(args)
-    assert (policy.api_key, policy.allowed_origins, policy.allowed_hosts, policy.max_request_bytes,
-            policy.expose_server_info) == ("k", ("https://a.example",), ("a.example",), 2048, True)
-    for bad, flag in [({"api_key": ""}, "--api-key"), ({"max_request_bytes": 10}, "--max-request-bytes"),
+    assert (policy.allowed_origins, policy.allowed_hosts, policy.max_request_bytes,
+            policy.expose_server_info) == (("https://a.example",), ("a.example",), 2048, True)
+    assert policy.client_keys == {key_digest(k): key_identity(k, n) for k, n in args.resolved_api_keys()}
+    assert policy.admin_key == key_digest("adm")
+    assert sorted(policy.client_keys.values()) == sorted(
+        ["key:alice", "key:bob", key_identity("k"), key_identity("k2"), key_identity("sk-file-3")])
+    assert all(k not in repr(policy) for k in ("sk-file", "adm'", "'k'"))      # digests only
+    bad_file = tmp_path / "bad"
+    bad_file.write_text("sk-1 a b\n")
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n")
+    for bad, flag in [({"api_key": ""}, "--api-key"), ({"api_key": ["a", " "]}, "--api-key"),
+                      ({"admin_api_key": ""}, "--admin-api-key"),
+                      ({"api_key": "same", "admin_api_key": "same"}, "--admin-api-key must differ"),
+                      ({"api_key_file": str(bad_file)}, "line 1: expected KEY"),
+                      ({"api_key_file": str(empty)}, "holds no key"),
+                      ({"api_key_file": str(tmp_path / "missing")}, "--api-key-file"),
+                      ({"tokenizer_worker_num": 0}, "--tokenizer-worker-num"),
+                      ({"max_request_bytes": 10}, "--max-request-bytes"),
                       ({"allowed_origins": "https://a.example/path"}, "--allowed-origins"),
                       ({"allowed_origins": "a.example"}, "--allowed-origins"),
                       ({"allowed_hosts": "http://a.example"}, "--allowed-hosts")]:

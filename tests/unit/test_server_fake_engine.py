@@ -11,21 +11,29 @@ from starlette.testclient import TestClient
 from radixserve.config import ServerArgs
 from radixserve.engine.io import GenerateOutput
 from radixserve.server.app import create_app
+from radixserve.tokenizer.tokenizer import TooManyTokens
 
 REPLY = "Paris is the capital of France. "
+# the base URL of every TestClient: a loopback server answers only loopback Host names
+LOCAL = "http://localhost"
 CONTEXT_LEN = 64
 
 
 class FakeTokenizer:
-    """Byte-level: token id == UTF-8 byte."""
+    """Byte-level: token id == UTF-8 byte (so a token stands for at most one character)."""
     eos_token_ids = [0]
     template_handles_tools = False
     chat_template_text = None          # no jinja template: /get_model_info says so
     special_tokens = {"eos_token": "\x00"}
     adds_bos_token = False
+    max_chars_per_token = 1
+    silent_chars = frozenset()
 
-    def encode(self, text, add_special_tokens=True):
-        return list(text.encode("utf-8"))
+    def encode(self, text, add_special_tokens=True, max_tokens=None):
+        ids = list(text.encode("utf-8"))
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise TooManyTokens(len(ids), max_tokens)
+        return ids
 
     def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True):
         return bytes(ids).decode("utf-8", errors="replace")
@@ -33,14 +41,14 @@ class FakeTokenizer:
     def token_text(self, tid):
         return bytes([tid]).decode("latin-1")
 
-    def encode_chat(self, messages, add_generation_prompt=True, tools=None, render_limits=None,
-                    **template_kwargs):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None,
+                            render_limits=None, **template_kwargs):
         """<role>content... then <assistant>; template variables render as <name=value>."""
         if any("BADTEMPLATE" in m["content"] for m in messages):
             raise ValueError("the template cannot render this conversation")
         text = "".join(f"<{k}={v}>" for k, v in sorted(template_kwargs.items()))
         text += "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+        return text + ("<assistant>" if add_generation_prompt else "")
 
 
 class FakeEngine:
@@ -151,7 +159,7 @@ def engine():
 
 @pytest.fixture()
 def client(engine):
-    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+    with TestClient(create_app(engine), base_url=LOCAL, raise_server_exceptions=False) as c:
         yield c
 
 
@@ -177,7 +185,7 @@ def err_of(resp, status, param=None):
 # --------------------------------------------------------------------------- lifecycle, info
 
 def test_lifespan_starts_engine_and_info_routes(engine):
-    with TestClient(create_app(engine)) as c:
+    with TestClient(create_app(engine), base_url=LOCAL) as c:
         assert engine.started
         r = c.get("/health")
         assert r.status_code == 200 and r.content == b""
@@ -185,8 +193,8 @@ def test_lifespan_starts_engine_and_info_routes(engine):
         assert models["object"] == "list"
         assert [(m["id"], m["owned_by"]) for m in models["data"]] == [("fake", "radixserve")]
         info = c.get("/get_model_info").json()
-        assert info["model_path"] == "/models/fake" and info["is_generation"] is True
-        assert info["tokenizer_path"] == "/models/fake"
+        assert info["model_path"] == "fake" and info["is_generation"] is True   # no path
+        assert info["tokenizer_path"] == "fake"
         assert info["chat_template"] is None and info["chat_template_name"] is None
         assert c.get("/get_server_info").json() == {"num_running_reqs": 0}
         assert c.post("/flush_cache").status_code == 200
@@ -229,9 +237,11 @@ def test_chat_non_streaming(client, engine):
     assert engine.seen[0].rid == body["id"]
 
 
-def test_chat_stop_string_and_model_alias(client):
-    r = client.post("/v1/chat/completions", json={
-        "model": "/models/fake", "messages": [{"role": "user", "content": "hi"}], "stop": ["X", "i"]})
+def test_chat_stop_string_and_model_alias(client, engine):
+    body = {"model": "/models/fake", "messages": [{"role": "user", "content": "hi"}], "stop": ["X", "i"]}
+    err_of(client.post("/v1/chat/completions", json=body), 404, "model")   # the path is not shown
+    engine.server_args.expose_server_info = True                            # ... unless it may be
+    r = client.post("/v1/chat/completions", json=body)
     choice = r.json()["choices"][0]
     assert choice["message"]["content"] == "Par"
     assert (choice["finish_reason"], choice["matched_stop"]) == ("stop", "i")
@@ -524,26 +534,27 @@ def test_cli_serve_takes_every_server_arg():
 
 
 def test_long_prompts_are_tokenized_off_the_event_loop(engine, client):
-    """A short prompt is tokenized inline on the loop's thread; one longer than OFF_LOOP_CHARS
-    on a worker thread (so it cannot stall the loop), for /generate and completions. A chat is
-    always rendered and tokenized on a worker thread: a template's cost need not follow the
-    size of its input."""
+    """A short prompt is tokenized inline on the loop's thread; one of OFF_LOOP_CHARS or more on
+    the encode pool's threads (so it cannot stall the loop), for /generate, completions and
+    chats, whose template always renders on a worker thread (a template's cost need not
+    follow the size of its input)."""
     import threading
 
     from radixserve.server.generation import OFF_LOOP_CHARS
 
-    threads = []
-    real_encode, real_chat = engine.tokenizer.encode, engine.tokenizer.encode_chat
+    encodes, renders = [], []
+    real_encode, real_render = engine.tokenizer.encode, engine.tokenizer.apply_chat_template
 
-    def encode(text, add_special_tokens=True):
-        threads.append(threading.get_ident())
-        return real_encode(text, add_special_tokens)
+    def encode(text, add_special_tokens=True, max_tokens=None):
+        encodes.append(threading.current_thread())
+        return real_encode(text, add_special_tokens, max_tokens)
 
-    def encode_chat(messages, **kw):
-        threads.append(threading.get_ident())
-        return real_chat(messages, **kw)
+    def apply_chat_template(messages, **kw):
+        renders.append(threading.current_thread())
+        return real_render(messages, **kw)
 
-    engine.tokenizer.encode, engine.tokenizer.encode_chat = encode, encode_chat
+    engine.tokenizer.encode, engine.tokenizer.apply_chat_template = encode, apply_chat_template
+    engine.context_len = 4 * OFF_LOOP_CHARS                # long prompts fit: they are encoded
     long_text = "x" * (OFF_LOOP_CHARS + 10)
     bodies = [("/generate", lambda t: {"text": t, "sampling_params": {"max_new_tokens": 1}}),
               ("/v1/completions", lambda t: {"model": "fake", "prompt": t, "max_tokens": 1}),
@@ -551,15 +562,63 @@ def test_long_prompts_are_tokenized_off_the_event_loop(engine, client):
                                                   "messages": [{"role": "user", "content": t}]})]
     loop_thread = None
     for route, body in bodies:
-        threads.clear()
+        encodes.clear()
         assert client.post(route, json=body("hi")).status_code == 200
-        assert client.post(route, json=body(long_text)).status_code == 400   # too long: 400
-        assert len(threads) >= 2, route
+        assert client.post(route, json=body(long_text)).status_code == 200
+        assert len(encodes) == 2, route
         if route == "/generate":
-            loop_thread = threads[0]                  # the short prompt, inline on the loop
-        if route == "/v1/chat/completions":
-            assert loop_thread not in threads, "a chat was rendered on the loop"
-        assert threads[-1] != loop_thread, f"{route}: a long prompt was tokenized on the loop"
+            loop_thread = encodes[0]                  # the short prompt, inline on the loop
+        else:
+            assert encodes[0] == loop_thread, route
+        assert encodes[1].name.startswith("radixserve-encode"), f"{route}: {encodes[1].name}"
+    assert renders and loop_thread not in renders, "a chat was rendered on the loop"
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_it_is_encoded(engine, client):
+    """context_len x max_chars_per_token characters (the tokenizer's silent characters not
+    counted) cannot fit: a 400 naming the field before a token is computed; a prompt within
+    that bound is encoded and refused by its token count as before; with
+    truncate_prompt_tokens the whole prompt is encoded (it will be cut)."""
+    from radixserve.tokenizer.tokenizer import TooManyTokens
+
+    encoded, listed = [], []
+    real_encode = engine.tokenizer.encode
+
+    def encode(text, add_special_tokens=True, max_tokens=None):
+        encoded.append(len(text))
+        ids = real_encode(text, add_special_tokens)
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise TooManyTokens(len(ids), max_tokens)    # the ids are never listed
+        listed.append(len(ids))
+        return ids
+
+    engine.tokenizer.encode = encode
+    engine.tokenizer.max_chars_per_token = 2                 # the fake covers 1: a loose bound
+    limit = (CONTEXT_LEN - 1) * 2
+    too_long = "y" * (limit + 1)
+    for route, body, param in [
+            ("/generate", {"text": too_long}, "text"),
+            ("/v1/completions", {"prompt": too_long}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": too_long}]}, "messages"),
+            ("/v1/score", {"query": too_long, "items": ["a"], "label_token_ids": [1]}, "items[0]"),
+            ("/v1/responses", {"input": too_long}, "input")]:
+        msg = err_of(client.post(route, json=body), 400, param)["message"]
+        assert f"{limit} characters" in msg and "context length 64" in msg, msg
+    assert encoded == []
+    # silent characters (that give no token) are not counted against the bound
+    engine.tokenizer.silent_chars = frozenset("y")
+    msg = err_of(client.post("/v1/completions", json={"prompt": too_long}), 400, "prompt")["message"]
+    assert "fewer than 64 tokens" in msg and encoded == [len(too_long)] and listed == []
+    engine.tokenizer.silent_chars = frozenset()
+    # within the bound but over the context in tokens: refused by count, ids never listed
+    encoded.clear()
+    msg = err_of(client.post("/v1/completions", json={"prompt": "y" * limit}), 400, "prompt")["message"]
+    assert "the prompt is 126 tokens long" in msg and encoded == [limit] and listed == []
+    # truncate_prompt_tokens: encoded whole, then cut
+    r = client.post("/v1/completions", json={"prompt": too_long, "max_tokens": 1,
+                                             "truncate_prompt_tokens": 8})
+    assert r.status_code == 200 and engine.seen[-1].input_ids == list(b"y" * 8)
+    assert encoded[-1] == len(too_long) and listed[-1] == len(too_long)
 
 
 def test_full_waiting_queue_gets_503_with_retry_after(engine, client):
@@ -606,3 +665,58 @@ def test_requests_carry_their_client_identity(engine, client):
     assert client.post("/generate", json={"text": "hi", "sampling_params":
                                           {"max_new_tokens": 1}}).status_code == 200
     assert engine.seen[-1].client_id and engine.seen[-1].client_id.startswith("peer:")
+
+
+def test_a_request_that_can_never_be_queued_is_400_not_503(engine, client):
+    """More sequences (prompts x n) than --max-queued-requests can never be admitted: a 400
+    saying so (a retry would fail again), not a 503 with Retry-After; nothing starts."""
+    engine.server_args.max_queued_requests = 4
+    for route, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1, "n": 5}),
+                        ("/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 1, "n": 2}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 1, "n": 5}),
+                        ("/generate", {"text": ["a", "b", "c", "d", "e"],
+                                       "sampling_params": {"max_new_tokens": 1}})]:
+        r = client.post(route, json=body)
+        assert "retry-after" not in r.headers
+        assert "--max-queued-requests" in err_of(r, 400)["message"], route
+    assert engine.seen == []
+    ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "n": 4})
+    assert ok.status_code == 200 and len(engine.seen) == 4
+
+
+def test_min_tokens_above_max_tokens_is_400(client, engine):
+    """No sequence can produce at least min_tokens and at most max_tokens < min_tokens: a 400
+    naming min_tokens (min_new_tokens natively) on every route; equal bounds are fine."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for route, body, param in [
+            ("/v1/chat/completions", {**chat, "max_tokens": 3, "min_tokens": 5}, "min_tokens"),
+            ("/v1/chat/completions", {**chat, "max_completion_tokens": 3, "min_tokens": 4}, "min_tokens"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+            ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1, "min_new_tokens": 2}},
+             "sampling_params.min_new_tokens"),
+            ("/generate", {"text": ["a", "b"], "sampling_params": [
+                {"max_new_tokens": 1}, {"max_new_tokens": 1, "min_new_tokens": 9}]},
+             "sampling_params[1].min_new_tokens")]:
+        msg = err_of(client.post(route, json=body), 400, param)["message"]
+        assert msg.startswith(param) and "is more than" in msg, msg
+    assert engine.seen == []
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "min_tokens": 3})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"query": 5, "items": ["a"], "label_token_ids": [1]}, "query"),
+    ({"query": None, "items": ["a"], "label_token_ids": [1]}, "query"),
+    ({"query": [], "items": ["a"], "label_token_ids": [1]}, "query"),
+    ({"query": "q", "items": [5], "label_token_ids": [1]}, "items[0]"),
+    ({"query": "q", "items": ["a", {"x": 1}], "label_token_ids": [1]}, "items[1]"),
+    ({"query": "q", "items": [[1, "x"]], "label_token_ids": [1]}, "items[0][1]"),
+    ({"query": [1, -2], "items": [[1]], "label_token_ids": [1]}, "query[1]"),
+    ({"query": "q", "items": "a", "label_token_ids": [1]}, "items"),
+])
+def test_score_errors_name_the_field_not_pydantic_internals(client, body, param):
+    msg = err_of(client.post("/v1/score", json=body), 400, param)["message"]
+    assert msg.startswith(param + " ")
+    for internal in ("constrained", "function-", "union", "list[", "str]", "int]"):
+        assert internal not in msg, msg

@@ -194,3 +194,118 @@ def test_sentencepiece_backend(sp_model_dir):
 def test_missing_tokenizer_files(tmp_path):
     with pytest.raises(ValueError, match="neither tokenizer.json nor tokenizer.model"):
         Tokenizer.from_path(str(tmp_path))
+
+
+# --------------------------------------------------------------------------- long texts, bounds
+
+def _adversarial_texts():
+    """Texts that pack many characters into few tokens, or few into many."""
+    import random
+    rng = random.Random(34)
+    texts = ["#" * 5000, " " * 5000, "\n    " * 1000, "-" * 4097 + "x", "ab" * 3000,
+             "".join(chr(rng.randint(0x20, 0x10FFFF)) for _ in range(3000)),
+             "\x06\x04" * 2000 + "hi", "word " * 2000, "é" * 3000]
+    return [t.encode("utf-8", "ignore").decode("utf-8") for t in texts] + TEXTS
+
+
+def test_long_texts_encode_like_short_ones_and_without_the_gil(default_tokenizer, hf_gguf_tokenizer):
+    """Texts of GIL_FREE_CHARS characters or more go through the batch encoder (which
+    releases the GIL) with the same ids as HF; max_tokens refuses a longer text."""
+    from radixserve.tokenizer.tokenizer import GIL_FREE_CHARS, TooManyTokens
+    backend = default_tokenizer._backend
+    calls = []
+    real = backend._batch
+
+    def batch(texts, add_special_tokens):
+        calls.append(len(texts[0]))
+        return real(texts, add_special_tokens=add_special_tokens)
+
+    backend._batch = batch
+    try:
+        long_text = " ".join(TEXTS) * (GIL_FREE_CHARS // len(" ".join(TEXTS)) + 1)
+        for text in (long_text, long_text[:GIL_FREE_CHARS], long_text[:GIL_FREE_CHARS - 1]):
+            for add in (True, False):
+                assert default_tokenizer.encode(text, add) == hf_gguf_tokenizer(
+                    text, add_special_tokens=add)["input_ids"]
+        assert calls == [len(long_text)] * 2 + [GIL_FREE_CHARS] * 2
+        n = len(default_tokenizer.encode(long_text))
+        assert len(default_tokenizer.encode(long_text, max_tokens=n)) == n
+        with pytest.raises(TooManyTokens) as info:
+            default_tokenizer.encode(long_text, max_tokens=n - 1)
+        assert (info.value.count, info.value.limit) == (n, n - 1)
+        with pytest.raises(TooManyTokens):
+            default_tokenizer.encode("hello world", max_tokens=1)
+    finally:
+        backend._batch = real
+
+
+def test_chars_per_token_bound_holds_on_the_default_model(default_tokenizer):
+    """SmolLM2's byte-level BPE: the longest token is 81 characters (a run of '#'s); six
+    ASCII control characters have no byte symbol in its vocabulary and vanish (silent). For
+    any text, tokens x max_chars_per_token >= its characters other than the silent ones."""
+    tok = default_tokenizer
+    assert tok.max_chars_per_token == 81
+    assert tok.silent_chars == frozenset("\x04\x06\x13\x14\x16\x1d")
+    for c in tok.silent_chars:
+        assert tok.encode(c * 100, add_special_tokens=False) == []
+    for text in _adversarial_texts():
+        counted = len(text) - sum(text.count(c) for c in tok.silent_chars)
+        assert len(tok.encode(text, add_special_tokens=False)) * tok.max_chars_per_token >= counted
+
+
+@pytest.mark.parametrize("change, bound", [
+    ({}, 4),                                                            # "abcd" is the longest
+    ({"normalizer": {"type": "NFC"}}, 16),
+    ({"normalizer": {"type": "Sequence", "normalizers": [{"type": "NFD"}, {"type": "Lowercase"}]}}, 4),
+    ({"normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}}, 4),
+    ({"normalizer": {"type": "Replace", "pattern": {"String": "  "}, "content": " "}}, None),
+    ({"normalizer": {"type": "Replace", "pattern": {"Regex": "\\s+"}, "content": " "}}, None),
+    ({"normalizer": {"type": "BertNormalizer"}}, None),
+    ({"normalizer": {"type": "StripAccents"}}, None),
+    ({"normalizer": {"type": "Precompiled", "precompiled_charsmap": "x"}}, None),
+    ({"pre_tokenizer": {"type": "Whitespace"}}, None),
+    ({"pre_tokenizer": {"type": "Split", "behavior": "Removed"}}, None),
+    ({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Digits"}, {"type": "Metaspace"}]}}, 4),
+    ({"added_tokens": [{"content": "<m>", "lstrip": True, "rstrip": False}]}, None),
+    ({"model": {"type": "BPE", "unk_token": None, "byte_fallback": False}}, None),   # drops unknowns
+    ({"model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": True}}, None),
+    ({"model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": False}}, 4),
+    ({"model": {"type": "Unigram", "byte_fallback": False}}, None),
+    ({"model": {"type": "Unigram", "byte_fallback": True}}, 4),
+    ({"model": {"type": "WordPiece"}}, None),
+    ({"model": {"type": "WordLevel"}}, None),
+])
+def test_chars_per_token_bound_refuses_what_can_delete_characters(change, bound):
+    """tokenizers_chars_bound over tokenizer.json variants: a bound only where no character
+    can vanish or a run of them become one token."""
+    from radixserve.tokenizer.tokenizer import tokenizers_chars_bound
+    spec = {"normalizer": None, "pre_tokenizer": None, "added_tokens": [],
+            "model": {"type": "BPE", "byte_fallback": True}, **change}
+    got = tokenizers_chars_bound(spec, ["a", "ab", "abcd"])
+    assert (got[0] if got else None) == bound
+
+
+def test_byte_level_bpe_missing_bytes(default_model_path):
+    """A byte-level BPE lacking a lead byte and a continuation byte may drop whole multi-byte
+    characters: no bound. Lacking only lead bytes (SmolLM2 lacks 0xF1, 0xF2) it may not."""
+    import json as _json
+
+    from tokenizers import Tokenizer as HF
+
+    from radixserve.tokenizer.tokenizer import _utf8_byte_symbols, tokenizers_chars_bound
+    path = f"{default_model_path}/tokenizer.json"
+    spec = _json.load(open(path))
+    vocab = list(HF.from_file(path).get_vocab(with_added_tokens=True))
+    assert tokenizers_chars_bound(spec, vocab)[0] == 81
+    by_byte = {b: s for s, b in _utf8_byte_symbols().items()}
+    assert len(by_byte) == 128 + 64 + (0xF5 - 0xC2)
+    without_continuation = [t for t in vocab if by_byte[0xA9] not in t]
+    assert tokenizers_chars_bound(spec, without_continuation) is None
+
+
+def test_sentencepiece_claims_no_bound(sp_model_dir):
+    tok = Tokenizer.from_path(str(sp_model_dir))
+    assert tok.max_chars_per_token is None and tok.silent_chars == frozenset()
+    from radixserve.tokenizer.tokenizer import TooManyTokens
+    with pytest.raises(TooManyTokens):
+        tok.encode("the lazy fox saves gold", max_tokens=2)

@@ -140,6 +140,7 @@ def llama3_client(default_model_path):
     """The app over an AsyncEngine on the default model with --tool-call-parser llama3 (its
     template renders no tools, so the prompt gets llama3's system block)."""
     from starlette.testclient import TestClient
+    from test_server_fake_engine import LOCAL
 
     from radixserve.config import ServerArgs
     from radixserve.engine.async_engine import AsyncEngine
@@ -149,7 +150,7 @@ def llama3_client(default_model_path):
                                     tool_call_parser="llama3", max_total_tokens=4096,
                                     context_length=1024, max_running_requests=4))
     assert not engine.tokenizer.template_handles_tools
-    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+    with TestClient(create_app(engine), base_url=LOCAL, raise_server_exceptions=False) as client:
         yield client
 
 

@@ -33,6 +33,13 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request, object], Awaitable[Response]]
 
+# Seconds uvicorn gives open connections to close once the engine has drained (SIGTERM). The
+# whole shutdown takes --shutdown-timeout plus this (plus well under a second of the engine's
+# own), which the default --shutdown-timeout keeps below Kubernetes' default grace period
+# (terminationGracePeriodSeconds, 30 s), after which the process would be killed mid-drain.
+CONNECTION_CLOSE_S = 5
+KUBERNETES_DEFAULT_GRACE_S = 30
+
 
 def _guarded(handler: Handler, engine) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
@@ -124,7 +131,7 @@ def serve(server_args: ServerArgs) -> int:
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, loop="uvloop",
         log_level=server_args.log_level, access_log=server_args.log_level == "debug",
-        timeout_keep_alive=5, timeout_graceful_shutdown=5,   # after the engine drained
+        timeout_keep_alive=5, timeout_graceful_shutdown=CONNECTION_CLOSE_S,  # after the drain
     )
     server = _Server(config, engine, server_args.shutdown_timeout)
 
@@ -139,12 +146,16 @@ def serve(server_args: ServerArgs) -> int:
 
 
 def _log_door(server_args: ServerArgs, policy: DoorPolicy) -> None:
-    if policy.api_key is None and not is_loopback_bind(server_args.host):
+    if not policy.requires_key and not is_loopback_bind(server_args.host):
         logger.warning("listening on %s without an API key: anyone who can reach this port can "
                        "use the model; set --api-key or RADIXSERVE_API_KEY", server_args.host)
-    logger.info("door: API key %s; Host check %s; CORS origins %s; max request body %d bytes",
-                "required" if policy.api_key else "off",
-                ", ".join(policy.allowed_hosts) + " (and IP addresses)" if policy.allowed_hosts else "off",
+    clients = sorted(set(policy.client_keys.values()))      # identities, never keys
+    logger.info("door: API keys %s; admin key %s; Host check %s; CORS origins %s; max request "
+                "body %d bytes",
+                f"required ({len(clients)} client{'s' * (len(clients) != 1)}: {', '.join(clients)})"
+                if clients else "off", "set" if policy.admin_key else "off",
+                "off" if policy.allowed_hosts is None else ", ".join(policy.allowed_hosts)
+                + (" (and IP addresses)" if policy.any_ip_host else " (and loopback addresses)"),
                 ", ".join(policy.allowed_origins) or "none", policy.max_request_bytes)
 
 

@@ -18,8 +18,9 @@ from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as P
 from radixserve.server.errors import ApiError, bad_request, error_response
 from radixserve.server.jsonio import JSONResponse
-from radixserve.server.generation import (ClientDisconnected, collect, expand_requests, off_loop,
-                                          check_grammars, merge_generations, validate_all)
+from radixserve.server.generation import (ClientDisconnected, collect, encode_prompt,
+                                          expand_requests, check_grammars, merge_generations,
+                                          validate_all)
 from radixserve.server.metrics import MetricsRegistry, RequestMetrics, request_metrics
 from radixserve.server.security import read_json_object, redact_server_info
 from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
@@ -47,7 +48,7 @@ async def prepare_generate(engine, body: dict) -> NativeJob:
     yet. Bad input raises ApiError (a 4xx naming the field)."""
     req = P.parse_generate_request(body)
     prompt_param = "text" if body.get("text") is not None else "input_ids"
-    prompt_ids = [await off_loop(engine.tokenizer.encode, p, size=len(p)) if isinstance(p, str)
+    prompt_ids = [await encode_prompt(engine, p, prompt_param) if isinstance(p, str)
                   else p for p in req.prompts]
     for ids, sp in zip(prompt_ids, req.sampling):
         P.check_prompt_ids(ids, engine.model_config.vocab_size, engine.context_len,
@@ -154,11 +155,15 @@ async def get_model_info(request: Request, engine) -> Response:
 
 
 def model_info(engine) -> dict:
-    """The /get_model_info answer for engine."""
+    """The /get_model_info answer for engine. model_path and tokenizer_path are filesystem
+    paths only with --expose-server-info; otherwise both are the served model's name (SGLang
+    clients read model_path for the model's name, to guess its chat format)."""
     args = engine.server_args
+    expose = args.expose_server_info
     return {
-        "model_path": engine.model_path,
-        "tokenizer_path": args.tokenizer_path or engine.model_path,
+        "model_path": engine.model_path if expose else engine.served_model_name,
+        "tokenizer_path": (args.tokenizer_path or engine.model_path) if expose
+        else engine.served_model_name,
         "served_model_name": engine.served_model_name,
         "is_generation": True,
         "architecture": engine.model_config.architecture,

@@ -22,7 +22,7 @@ from radixserve.server import protocol as P
 from radixserve.server.errors import ApiError, bad_request
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.generation import (ClientDisconnected, check_grammars, collect,
-                                          expand_requests, merge_generations, off_loop,
+                                          encode_prompt, expand_requests, merge_generations,
                                           validate_all)
 from radixserve.server.metrics import RequestMetrics, request_metrics
 from radixserve.server.reasoning import (ReasoningSplitter, reasoning_token_count,
@@ -39,7 +39,16 @@ def _max_param(body: dict) -> str:
     return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
 
 
+def exposes_paths(engine) -> bool:
+    """--expose-server-info: the model's filesystem path may be shown (and named)."""
+    return bool(engine.server_args.expose_server_info)
+
+
 def _model_aliases(engine) -> List[str]:
+    """Other names a request's `model` may give the served model: its path, only where the
+    path may be shown (else a client could probe for it)."""
+    if not exposes_paths(engine):
+        return []
     return [a for a in (getattr(engine, "model_path", None),) if a]
 
 
@@ -78,30 +87,36 @@ def render_limits(engine) -> RenderLimits:
 async def _render_chat(engine, req: P.ChatRequest, tools: "_Tools") -> List[int]:
     """The chat's prompt ids (see render_messages)."""
     return await render_messages(engine, tools.messages, req.add_generation_prompt,
-                                 tools.template_tools, template_kwargs=req.template_kwargs)
+                                 tools.template_tools, template_kwargs=req.template_kwargs,
+                                 must_fit=req.extras.truncate_prompt_tokens is None)
 
 
 async def render_messages(engine, messages: List[dict], add_generation_prompt: bool = True,
                           template_tools: Optional[list] = None, param: str = "messages",
-                          template_kwargs: Optional[dict] = None) -> List[int]:
-    """Chat messages as prompt ids: template rendering and tokenization, always on a worker
-    thread (a template's cost need not follow the input's size), bounded by render_limits:
-    past the time limit the client gets a 400 (naming `param`) while the render stops at its
-    next check point. template_kwargs: the template's extra variables (chat_template_kwargs,
-    names checked by schemas.ChatTemplateKwargs). Also used by /v1/responses."""
+                          template_kwargs: Optional[dict] = None,
+                          must_fit: bool = True) -> List[int]:
+    """Chat messages as prompt ids: the template renders them on a worker thread (a
+    template's cost need not follow the input's size), bounded by render_limits: past the time
+    limit the client gets a 400 (naming `param`) while the render stops at its next check
+    point. The text is then tokenized as generation.encode_prompt does it (without adding
+    special tokens: the template has them), so a rendered prompt too long for the context is
+    refused before it is encoded unless `must_fit` is false (truncate_prompt_tokens will cut
+    it). template_kwargs: the template's extra variables (chat_template_kwargs, names checked
+    by schemas.ChatTemplateKwargs). Also used by /v1/responses."""
     limits = render_limits(engine)
-    work = asyncio.to_thread(engine.tokenizer.encode_chat, messages,
+    work = asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
                              add_generation_prompt=add_generation_prompt,
                              tools=template_tools, render_limits=limits,
                              **(template_kwargs or {}))
     try:
-        return await asyncio.wait_for(work, limits.max_seconds)
+        text = await asyncio.wait_for(work, limits.max_seconds)
     except asyncio.TimeoutError:
         raise bad_request(f"{param} cannot be rendered: the chat template took longer than "
                           f"{limits.max_seconds:g} s to render; send fewer or shorter messages",
                           param=param) from None
     except ValueError as e:
         raise bad_request(f"{param} cannot be rendered: {e}", param=param) from None
+    return await encode_prompt(engine, text, param, add_special_tokens=False, must_fit=must_fit)
 
 
 @dataclasses.dataclass
@@ -345,7 +360,8 @@ async def completions(request: Request, engine) -> Response:
     req = P.parse_completion_request(body)
     tok = engine.tokenizer
     ex = req.extras
-    encoded = [await off_loop(tok.encode, p, size=len(p), add_special_tokens=req.add_special_tokens)
+    encoded = [await encode_prompt(engine, p, "prompt", add_special_tokens=req.add_special_tokens,
+                                   must_fit=ex.truncate_prompt_tokens is None)
                if isinstance(p, str) else p for p in req.prompts]
     prompt_ids = [P.truncate_prompt(ids, ex.truncate_prompt_tokens) for ids in encoded]
     for ids in prompt_ids:
@@ -441,8 +457,13 @@ async def _completion_events(engine, rid: str, created: int, model: str, req: P.
 # --------------------------------------------------------------------------- models
 
 def _model_card(engine) -> dict:
+    """The served model's card; root is its path only with --expose-server-info (else its
+    name, as vLLM shows a model given by name). vocab_size (ours) lets a benchmark client draw
+    token-id prompts without knowing where the model lives."""
+    root = engine.model_path if exposes_paths(engine) else engine.served_model_name
     return {"id": engine.served_model_name, "object": "model", "created": 0,
-            "owned_by": "radixserve", "root": engine.model_path, "max_model_len": engine.context_len}
+            "owned_by": "radixserve", "root": root, "max_model_len": engine.context_len,
+            "vocab_size": engine.model_config.vocab_size}
 
 
 async def list_models(request: Request, engine) -> Response:

@@ -22,6 +22,7 @@ from radixserve import __version__
 from radixserve.server import responses_schemas as RS
 from radixserve.server import schemas as S
 from radixserve.server.jsonio import JSONResponse
+from radixserve.server.security import ADMIN_PATHS
 
 REF = "#/components/schemas/{model}"
 JSON = "application/json"
@@ -298,8 +299,9 @@ def component_schemas() -> Dict[str, Any]:
     return top["$defs"]
 
 
-def openapi_document(api_key: bool, version: str = "0") -> dict:
-    """The whole document; `api_key`: the server requires a Bearer key (all but /health)."""
+def openapi_document(api_key: bool, version: str = "0", admin_key: bool = False) -> dict:
+    """The whole document; `api_key`: the server requires a Bearer key (all but /health);
+    `admin_key`: the server-wide routes (security.ADMIN_PATHS) take only the admin key."""
     paths = _paths()
     door = _door_errors(api_key)
     for path, item in paths.items():
@@ -308,6 +310,11 @@ def openapi_document(api_key: bool, version: str = "0") -> dict:
             if api_key and path == "/health":
                 op["security"] = []
                 op["responses"].pop("401", None)
+            if admin_key and path in ADMIN_PATHS:
+                op["security"] = [{"bearer": []}]
+                op["responses"]["401"] = _error("missing or wrong admin key")
+                op["responses"]["403"] = _error("a client key on a server-wide route, or a "
+                                                "cross-origin request")
     doc: Dict[str, Union[str, dict, list]] = {
         "openapi": "3.1.0",
         "info": {"title": "radixserve", "version": version,
@@ -315,8 +322,9 @@ def openapi_document(api_key: bool, version: str = "0") -> dict:
         "paths": paths,
         "components": {"schemas": component_schemas()},
     }
-    if api_key:
+    if api_key or admin_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    if api_key:
         doc["security"] = [{"bearer": []}]
     return doc
 
@@ -326,6 +334,8 @@ async def openapi_json(request: Request, engine) -> Response:
     state = request.app.state
     doc = getattr(state, "openapi_document", None)
     if doc is None:
-        doc = openapi_document(api_key=state.door_policy.api_key is not None, version=__version__)
+        policy = state.door_policy
+        doc = openapi_document(api_key=policy.requires_key, version=__version__,
+                               admin_key=policy.admin_key is not None)
         state.openapi_document = doc
     return JSONResponse(doc)

@@ -60,9 +60,10 @@ def sampling_params_from_dict(d: dict, openai_names: bool = False,
                               where: Optional[str] = None) -> SamplingParams:
     """SamplingParams.from_dict with its ValueError turned into a 400 naming the field: under
     the OpenAI name the client used with `openai_names` (max_tokens for max_new_tokens...), or
-    inside `where` (sampling_params[1].seed)."""
+    inside `where` (sampling_params[1].seed). Also a 400 for min_new_tokens above
+    max_new_tokens (no sequence could satisfy both), naming min_new_tokens."""
     try:
-        return SamplingParams.from_dict(d)
+        sp = SamplingParams.from_dict(d)
     except (ValueError, TypeError) as e:
         msg = str(e)
         m = re.match(r"[a-z_]+", msg)
@@ -74,6 +75,13 @@ def sampling_params_from_dict(d: dict, openai_names: bool = False,
         if where:
             shown = f"{where}.{shown}"
         raise bad_request(shown + msg[len(name):], param=shown) from None
+    if sp.max_new_tokens is not None and sp.min_new_tokens > sp.max_new_tokens:
+        low, high = (_OPENAI_NAMES[n] if openai_names else n for n in ("min_new_tokens", "max_new_tokens"))
+        if where:
+            low, high = f"{where}.{low}", f"{where}.{high}"
+        raise bad_request(f"{low}={sp.min_new_tokens} is more than {high}={sp.max_new_tokens}: a "
+                          f"sequence ends at {high} tokens; lower {low} or raise {high}", param=low)
+    return sp
 
 
 # --------------------------------------------------------------------------- OpenAI requests
@@ -425,21 +433,27 @@ def parse_abort_request(body: dict) -> Optional[str]:
 
 # --------------------------------------------------------------------------- shared checks
 
+def prompt_too_long(num_tokens: int, context_len: int, prompt_param: str) -> ApiError:
+    """The 400 for a prompt of num_tokens >= context_len tokens."""
+    return bad_request(f"the prompt is {num_tokens} tokens long but the context length is "
+                       f"{context_len}; shorten {prompt_param} to fewer than {context_len} tokens",
+                       param=prompt_param)
+
+
 def check_prompt_ids(ids: List[int], vocab_size: int, context_len: int,
                      max_new_tokens: Optional[int], prompt_param: str, max_param: str) -> None:
-    """The checks that need the tokenized prompt: non-empty, ids in the vocabulary, and prompt
-    plus output within the context length. Each failure is a 400 naming the field to change."""
+    """The checks that need the tokenized prompt: non-empty, within the context length, ids in
+    the vocabulary (walked only once the length is known to fit), and prompt plus output
+    within the context length. Each failure is a 400 naming the field to change."""
     if not ids:
         raise bad_request(f"{prompt_param} is empty after tokenization; send at least one token",
                           param=prompt_param)
+    if len(ids) >= context_len:
+        raise prompt_too_long(len(ids), context_len, prompt_param)
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise bad_request(f"{prompt_param} contains token id {bad[0]} outside the vocabulary "
                           f"[0, {vocab_size})", param=prompt_param)
-    if len(ids) >= context_len:
-        raise bad_request(f"the prompt is {len(ids)} tokens long but the context length is "
-                          f"{context_len}; shorten {prompt_param} to fewer than {context_len} tokens",
-                          param=prompt_param)
     if max_new_tokens is not None and len(ids) + max_new_tokens > context_len:
         raise bad_request(f"{max_param}={max_new_tokens} plus the {len(ids)}-token prompt exceeds "
                           f"the context length {context_len}; lower {max_param} to at most "

@@ -29,10 +29,12 @@ item is announced when its first text is known. No `[DONE]`
 param} followed by response.failed (status "failed", response.error set); the stream ends there.
 
 store (default true): a finished (completed or incomplete) response is kept in a bounded
-in-memory LRU store, ResponseStore (MAX_STORED_RESPONSES responses, about MAX_STORED_CHARS
-characters of conversation; the least recently used go first), per client: only the client
-that created a response (security.ClientView.identity: the same API key, or without one the
-same peer address) can GET it, DELETE it, or continue it; for anyone else it does not exist
+in-memory store, ResponseStore (MAX_STORED_RESPONSES responses, about MAX_STORED_CHARS
+characters of conversation, in all; when it is full, the least recently used response of the
+client holding the most goes first, so one client storing many responses evicts its own, never
+those of a client holding fewer), per client: only the client
+that created a response (security.ClientView.identity: the same API key's client, or without
+keys the same peer address) can GET it, DELETE it, or continue it; for anyone else it does not exist
 (404, like an unknown, deleted or evicted id). `previous_response_id`: the new conversation is
 the stored one (its input messages and output, not its instructions) followed by the new input,
 (the answer only: reasoning is not carried, as Qwen and DeepSeek advise), so the earlier
@@ -96,16 +98,23 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses by id, least recently used first: putting one beyond `max_responses`
-    entries or `max_chars` characters drops the oldest until it fits (a response larger than
-    max_chars alone is not stored). Reads (get) count as use. An entry belongs to its owner:
-    get and delete for another identity behave as for an unknown id. One per app (app.state);
-    the event loop's thread only."""
+    """Stored responses by id, each client's least recently used first. Putting one beyond
+    `max_responses` entries or `max_chars` characters in all drops entries until it fits,
+    each time the least recently used entry of the client holding the most (entries, or
+    characters when those overflow; the storing client's new entry counted, and it loses a
+    tie), so a client that stores a
+    lot evicts its own responses first and never another's that holds less; a response larger
+    than max_chars alone is not stored. Reads (get) count as use. An entry belongs to its
+    owner: get and delete for another identity behave as for an unknown id. One per app
+    (app.state); the event loop's thread only."""
 
     def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS):
         self.max_responses = max_responses
         self.max_chars = max_chars
-        self._entries: "collections.OrderedDict[str, StoredResponse]" = collections.OrderedDict()
+        self._entries: Dict[str, StoredResponse] = {}
+        # per owner: its response ids, least recently used first (value unused)
+        self._by_owner: Dict[str, "collections.OrderedDict[str, None]"] = {}
+        self._owner_chars: Dict[str, int] = {}
         self._chars = 0
 
     def __len__(self) -> int:
@@ -115,17 +124,23 @@ class ResponseStore:
     def chars(self) -> int:
         return self._chars
 
+    def held_by(self, owner: str) -> int:
+        """How many responses `owner` has stored."""
+        return len(self._by_owner.get(owner, ()))
+
     def put(self, response_id: str, owner: str, response: dict, conversation: List[dict],
             chars: int) -> bool:
         """Store (or replace) `response_id`; False when it is too large to store at all."""
         self._drop(response_id)
         if chars > self.max_chars:
             return False
-        while self._entries and (len(self._entries) >= self.max_responses
-                                 or self._chars + chars > self.max_chars):
-            _, old = self._entries.popitem(last=False)
-            self._chars -= old.chars
+        while self._entries and len(self._entries) >= self.max_responses:
+            self._evict_from(self._largest(owner, lambda who: len(self._by_owner[who]), 1))
+        while self._entries and self._chars + chars > self.max_chars:
+            self._evict_from(self._largest(owner, self._owner_chars.__getitem__, chars))
         self._entries[response_id] = StoredResponse(owner, response, conversation, chars)
+        self._by_owner.setdefault(owner, collections.OrderedDict())[response_id] = None
+        self._owner_chars[owner] = self._owner_chars.get(owner, 0) + chars
         self._chars += chars
         return True
 
@@ -133,7 +148,7 @@ class ResponseStore:
         entry = self._entries.get(response_id)
         if entry is None or entry.owner != owner:
             return None
-        self._entries.move_to_end(response_id)
+        self._by_owner[owner].move_to_end(response_id)
         return entry
 
     def delete(self, response_id: str, owner: str) -> bool:
@@ -143,10 +158,25 @@ class ResponseStore:
         self._drop(response_id)
         return True
 
+    def _largest(self, storing: str, size, adding: int) -> str:
+        """The owner holding the most by `size`, counting the `adding` that `storing` is about
+        to store (which also wins a tie)."""
+        return max(self._by_owner, key=lambda who: (size(who) + (adding if who == storing else 0),
+                                                    who == storing))
+
+    def _evict_from(self, owner: str) -> None:
+        self._drop(next(iter(self._by_owner[owner])))
+
     def _drop(self, response_id: str) -> None:
         old = self._entries.pop(response_id, None)
-        if old is not None:
-            self._chars -= old.chars
+        if old is None:
+            return
+        self._chars -= old.chars
+        ids = self._by_owner[old.owner]
+        del ids[response_id]
+        self._owner_chars[old.owner] -= old.chars
+        if not ids:
+            del self._by_owner[old.owner], self._owner_chars[old.owner]
 
 
 def _store(request: Request) -> ResponseStore:
@@ -156,7 +186,8 @@ def _store(request: Request) -> ResponseStore:
 def _not_found(response_id: str, param: str, store: ResponseStore) -> ApiError:
     return ApiError(f"no stored response {response_id[:200]!r}: this client never stored one by "
                     f"that id (store: false, deleted, or another client's), or it was evicted (the "
-                    f"server keeps the {store.max_responses} most recently used)", 404, param=param)
+                    f"server keeps at most {store.max_responses}, evicting the least recently used "
+                    f"of the clients holding the most)", 404, param=param)
 
 
 # --------------------------------------------------------------------------- the request

@@ -828,12 +828,20 @@ class AbortRequest(_Closed):
 MAX_SCORE_LABELS = 64
 
 
+ScoreText = Annotated[Union[Text, TokenIds],
+                      _shaped(lambda v: _TEXT if isinstance(v, str) else
+                              _PROMPT_IDS if isinstance(v, list) else None,
+                              "a string or a non-empty array of token ids")]
+"""A /v1/score query or item: text or token ids, told apart by JSON shape (so an error names
+the field, never a pydantic union member)."""
+
+
 class ScoreRequest(_Closed):
     """POST /v1/score (SGLang's scoring API): for each item, the probability of each label
     token as the next token after query + item (item + query with item_first). query and
     items are text, or token ids (both the same kind)."""
-    query: Union[Text, TokenIds]
-    items: Annotated[List[Union[Text, TokenIds]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    query: ScoreText
+    items: Annotated[List[ScoreText], Field(min_length=1, max_length=MAX_PROMPTS)]
     label_token_ids: Annotated[List[TokenId], Field(min_length=1, max_length=MAX_SCORE_LABELS)]
     apply_softmax: bool = False
     item_first: bool = False

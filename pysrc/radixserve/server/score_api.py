@@ -25,7 +25,7 @@ from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as P
 from radixserve.server import schemas as S
 from radixserve.server.errors import bad_request
-from radixserve.server.generation import collect, off_loop, validate_all
+from radixserve.server.generation import collect, encode_prompt, validate_all
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import request_metrics
 from radixserve.server.security import read_json_object
@@ -41,7 +41,7 @@ async def _item_prompts(engine, req: S.ScoreRequest) -> List[List[int]]:
     for item in req.items:
         if text:
             joined = item + req.query if req.item_first else req.query + item
-            prompts.append(await off_loop(engine.tokenizer.encode, joined, size=len(joined)))
+            prompts.append(await encode_prompt(engine, joined, f"items[{len(prompts)}]"))
         else:
             prompts.append(list(item) + list(req.query) if req.item_first
                            else list(req.query) + list(item))

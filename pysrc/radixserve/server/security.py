@@ -3,21 +3,30 @@ rules the routes apply (JSON bodies, request ownership, what /get_server_info ma
 
 `Door` is an ASGI middleware around the whole app. In order, for each HTTP request:
 
-1. **Host** (DNS-rebinding defence). When a Host check is in force, a Host header naming a
-   host outside the allowed list gets 421. An IP address in Host always passes: a page that
-   rebinds its own DNS name to this server still sends that name, never an address. In force
-   when `--allowed-hosts` is given (`*` = any host, `.example.com` = it and its subdomains),
-   and by default whenever the server listens beyond loopback (then the default list is
-   `localhost` and this machine's host name). A loopback-only server checks Host only when
-   `--allowed-hosts` says so.
+1. **Host** (DNS-rebinding defence). A Host header naming a host outside the allowed list
+   gets 421: a page that rebinds its own DNS name to this server still sends that name. The
+   list is `--allowed-hosts` when given (`*` = any host, `.example.com` = it and its
+   subdomains; IP addresses always pass then). Without it a loopback server answers only
+   loopback names and addresses (`localhost`, `*.localhost`, which browsers resolve to
+   loopback themselves, 127.0.0.0/8, ::1), and a server listening beyond loopback `localhost`,
+   this machine's host name and any IP address. A request without Host (HTTP/1.0; browsers
+   always send one) passes. A proxy in front that forwards its own Host needs that name in
+   `--allowed-hosts`.
 2. **Origin** (CSRF and CORS). A request with an Origin header must come from the server's own
    origin or from one listed in `--allowed-origins` (`*` = any): anything else gets 403, so a
    web page elsewhere cannot make a browser send even a "simple" request (a form post, a
    no-cors fetch) that changes state here. For the listed origins, starlette's CORSMiddleware
    answers preflights (before the API key is checked: preflights carry no credentials) and
    sets the CORS headers of responses. Without `--allowed-origins` there is no CORS at all.
-3. **API key.** With `--api-key` (or RADIXSERVE_API_KEY), every route but `/health` needs
-   `Authorization: Bearer <key>`, compared in constant time; otherwise 401.
+3. **API keys.** With client keys (`--api-key`, any number of times, `--api-key-file`, or
+   RADIXSERVE_API_KEY), every route but `/health` needs `Authorization: Bearer <key>` with one
+   of them; otherwise 401. Keys are held as SHA-256 digests only and the token a request sends
+   is looked up by its digest, so the lookup time says nothing about any key. With an admin
+   key (`--admin-api-key` or RADIXSERVE_ADMIN_API_KEY), the server-wide routes (ADMIN_PATHS:
+   /flush_cache drops every client's cache, /get_server_info shows the deployment,
+   /metrics every client's traffic) take only that key: a client key gets 403, no or a wrong
+   key 401; the admin key also works on every other route (as the client "admin"). Without an
+   admin key those routes are like the others.
 4. **Body size.** A Content-Length above `--max-request-bytes` gets 413 before a byte of the
    body is read; a body without one (chunked) is counted as it arrives and refused with 413 as
    soon as it passes the limit (`RequestTooLarge`, raised from `receive`).
@@ -26,15 +35,23 @@ The routes then read their bodies with `read_json_object` (415 for a Content-Typ
 application/json, 400 for invalid JSON, lone surrogates, nesting deeper than
 jsonio.MAX_JSON_DEPTH, or a body that is not an object).
 
-**Request ownership.** A request id names a live request to `/abort_request`. `RequestOwners`
-maps each live engine rid (the id in /generate's meta_info; for the OpenAI routes the response
-id when n = 1, `<id>-<index>` per choice otherwise) to the identity of the client that started
-it: with an API key, that key (every holder of the one key is the same client); without one,
-the peer's IP address as the ASGI server reports it (uvicorn takes X-Forwarded-For from a proxy
-on 127.0.0.1). The routes see the engine through a `ClientView`, which keeps that map and lets
-/abort_request abort a live request only for its owner; for someone else's live request it
-answers 200 and does nothing, exactly as for a finished or unknown id, so other clients' ids
-cannot even be probed.
+**Identity.** Every request is from one client, its identity (client_identity): the key's
+(`key:<name>` for a named key of --api-key-file, so keys sharing a name are one client;
+`key#<first 16 hex digits of its SHA-256>` otherwise; `admin` for the admin key; never the key
+itself), else, on a server without client keys, the peer's IP address as the ASGI server
+reports it (`peer:<address>`; uvicorn takes X-Forwarded-For from a proxy on 127.0.0.1). Every
+per-client rule keys on it: request ownership below, stored /v1/responses and their quota
+(responses_api.ResponseStore), and the scheduler's per-client running cap (req.client_id).
+
+**Request ownership.** A request id names a live request to `/abort_request`. Request ids are
+per client: `RequestOwners` maps each (identity, rid) of a live request (the id in /generate's
+meta_info; for the OpenAI routes the response id when n = 1, `<id>-<index>` per choice
+otherwise) to the id the engine runs it under: the rid itself, or, when another client's live
+request holds that rid, a unique alias (`<rid>#<hex>`), so two clients may use the same rid
+and neither can tell the other's exists. The routes see the engine through a `ClientView`,
+which keeps that map: a client reusing one of ITS OWN live rids gets a 400, and
+/abort_request aborts only the client's own requests; for anything else it answers 200 and
+does nothing, exactly as for a finished or unknown id, so other clients' ids cannot be probed.
 """
 from __future__ import annotations
 
@@ -45,7 +62,8 @@ import ipaddress
 import logging
 import re
 import socket
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+import uuid
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
@@ -59,6 +77,9 @@ from radixserve.server.jsonio import JSONInputError, loads_request
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})          # reachable without the API key
+ADMIN_PATHS = frozenset({"/flush_cache", "/get_server_info", "/metrics"})   # --admin-api-key's
+ADMIN_IDENTITY = "admin"
+LOOPBACK_NAMES = ("localhost", ".localhost")  # RFC 6761: browsers resolve them to loopback
 _IDENTITY_KEY = "radixserve.client_identity"  # the scope entry Door fills for the routes
 
 
@@ -82,36 +103,68 @@ def is_loopback_bind(host: str) -> bool:
         return False
 
 
+def key_digest(key: str) -> bytes:
+    """What the door keeps of a key (and looks a request's token up by)."""
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def key_identity(key: str, name: Optional[str] = None) -> str:
+    """The identity of a client key (module docstring, "Identity"); never the key itself."""
+    if name:
+        return "key:" + name
+    return "key#" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
+
+
 @dataclasses.dataclass(frozen=True)
 class DoorPolicy:
     """The door's settings, from ServerArgs (see the module docstring)."""
-    api_key: Optional[str] = None
-    allowed_hosts: Optional[Tuple[str, ...]] = None  # None: no Host check
+    client_keys: Mapping[bytes, str] = dataclasses.field(default_factory=dict)  # digest -> identity
+    admin_key: Optional[bytes] = None                # the admin key's digest
+    allowed_hosts: Optional[Tuple[str, ...]] = None  # None: any Host
+    any_ip_host: bool = True                         # False: only loopback addresses as Host
     allowed_origins: Tuple[str, ...] = ()            # normalized; "*" = any
     max_request_bytes: int = 8 * 1024 * 1024
     expose_server_info: bool = False
 
     @classmethod
     def from_server_args(cls, args) -> "DoorPolicy":
-        hosts: Optional[Tuple[str, ...]] = None
+        """The policy of ServerArgs; raises ValueError for an unreadable --api-key-file."""
+        hosts: Optional[Tuple[str, ...]]
+        any_ip = True
         if args.allowed_hosts:
             hosts = tuple(host_name(h) for h in _split_list(args.allowed_hosts))   # ports ignored
-        elif not is_loopback_bind(args.host):
+            if "*" in hosts:
+                hosts = None
+        elif is_loopback_bind(args.host):
+            hosts, any_ip = LOOPBACK_NAMES, False
+        else:
             hosts = tuple(sorted({"localhost", socket.gethostname().lower()}))
-        return cls(api_key=args.resolved_api_key(), allowed_hosts=hosts,
+        keys = {key_digest(k): key_identity(k, name) for k, name in args.resolved_api_keys()}
+        admin = args.resolved_admin_api_key()
+        return cls(client_keys=keys, admin_key=key_digest(admin) if admin else None,
+                   allowed_hosts=hosts, any_ip_host=any_ip,
                    allowed_origins=tuple(normalize_origin(o) for o in _split_list(args.allowed_origins)),
                    max_request_bytes=args.max_request_bytes,
                    expose_server_info=args.expose_server_info)
 
+    @property
+    def requires_key(self) -> bool:
+        """Every route but OPEN_PATHS needs a key."""
+        return bool(self.client_keys)
+
     def host_allowed(self, host_header: Optional[str]) -> bool:
-        if self.allowed_hosts is None or host_header is None:
-            return True          # no check, or no Host at all (browsers always send one)
+        if host_header is None:
+            return True          # no Host at all (browsers always send one)
         name = host_name(host_header)
         try:
-            ipaddress.ip_address(name)
-            return True
+            ip = ipaddress.ip_address(name)
         except ValueError:
-            pass
+            ip = None
+        if ip is not None:
+            mapped = getattr(ip, "ipv4_mapped", None)
+            return self.any_ip_host or ip.is_loopback or bool(mapped and mapped.is_loopback)
+        if self.allowed_hosts is None:
+            return True
         for pattern in self.allowed_hosts:
             if pattern == "*" or name == pattern:
                 return True
@@ -186,33 +239,48 @@ def _same_origin(origin: str, host: Optional[str]) -> bool:
 
 
 class _Lock:
-    """The API key and the body-size limit (inside CORS, so preflights skip the key and error
+    """The API keys and the body-size limit (inside CORS, so preflights skip the key and error
     responses carry CORS headers for allowed origins)."""
 
     def __init__(self, app: ASGIApp, policy: DoorPolicy):
         self.app = app
         self.policy = policy
-        self._key = policy.api_key.encode("utf-8") if policy.api_key else None
-        self._key_identity = ("key:" + hashlib.sha256(self._key).hexdigest()[:16]) if self._key else None
+
+    def _identify(self, scope: Scope, authorization: Optional[str]) -> Tuple[Optional[str], Optional[ApiError]]:
+        """(the request's identity, or the error to answer instead): module docstring, step 3."""
+        policy = self.policy
+        digest = _token_digest(authorization)
+        admin = (policy.admin_key is not None and digest is not None
+                 and hmac.compare_digest(digest, policy.admin_key))
+        client_key = policy.client_keys.get(digest) if digest is not None else None
+        path = scope["path"]
+        if path in ADMIN_PATHS and policy.admin_key is not None:
+            if admin:
+                return ADMIN_IDENTITY, None
+            if client_key is not None:
+                return None, ApiError(f"{path} is a server-wide route: it takes the admin key "
+                                      "(--admin-api-key), not a client key", 403)
+            return None, _unauthorized(authorization, admin_route=True)
+        if admin:
+            return ADMIN_IDENTITY, None
+        if client_key is not None:
+            return client_key, None
+        if policy.requires_key and path not in OPEN_PATHS:
+            return None, _unauthorized(authorization, admin_route=False)
+        client = scope.get("client")
+        return "peer:" + (client[0] if client else "unknown"), None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if self._key is not None:
-            if scope["path"] not in OPEN_PATHS and not self._authorized(headers.get("authorization")):
-                given = headers.get("authorization") is not None
-                await _refuse(scope, receive, send, ApiError(
-                    "invalid API key; send the key the server was started with (--api-key or "
-                    "RADIXSERVE_API_KEY) as 'Authorization: Bearer <key>'" if given else
-                    "this server needs an API key: send 'Authorization: Bearer <key>'", 401),
-                    headers={"WWW-Authenticate": "Bearer"})
-                return
-            scope[_IDENTITY_KEY] = self._key_identity
-        else:
-            client = scope.get("client")
-            scope[_IDENTITY_KEY] = "peer:" + (client[0] if client else "unknown")
+        identity, refusal = self._identify(scope, headers.get("authorization"))
+        if refusal is not None:
+            await _refuse(scope, receive, send, refusal,
+                          headers={"WWW-Authenticate": "Bearer"} if refusal.status == 401 else None)
+            return
+        scope[_IDENTITY_KEY] = identity
         limit = self.policy.max_request_bytes
         length = headers.get("content-length")
         if length is not None:
@@ -249,13 +317,27 @@ class _Lock:
                 raise
             await error_response(e)(scope, receive, send)
 
-    def _authorized(self, authorization: Optional[str]) -> bool:
-        if not authorization:
-            return False
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return hmac.compare_digest(token.strip().encode("latin-1"), self._key)
+
+
+def _token_digest(authorization: Optional[str]) -> Optional[bytes]:
+    """The digest of a Bearer token (None without one). Header values arrive as latin-1
+    text, so a UTF-8 key sent as its bytes is its UTF-8 bytes again here."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return hashlib.sha256(token.encode("latin-1")).digest()
+
+
+def _unauthorized(authorization: Optional[str], admin_route: bool) -> ApiError:
+    which = "the admin key (--admin-api-key)" if admin_route else \
+        "a key the server was started with (--api-key, --api-key-file or RADIXSERVE_API_KEY)"
+    if authorization is not None:
+        return ApiError(f"invalid API key; send {which} as 'Authorization: Bearer <key>'", 401)
+    return ApiError(f"this route needs an API key: send {which} as "
+                    "'Authorization: Bearer <key>'", 401)
 
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, err: ApiError,
@@ -306,42 +388,60 @@ def client_identity(request: Request) -> str:
 
 
 class RequestOwners:
-    """Live request ids -> the identity of the client that started them. One per app; loop
-    thread only. Filled by ClientView.generate for exactly as long as the engine runs the
-    request."""
+    """The live requests: (client identity, rid) -> the rid the engine runs it under (module
+    docstring, "Request ownership"). One per app; loop thread only. Filled by
+    ClientView.generate for exactly as long as the engine runs the request."""
 
     def __init__(self) -> None:
-        self._owner: Dict[str, str] = {}
+        self._engine_rid: Dict[Tuple[str, str], str] = {}   # (owner, rid) -> engine rid
+        self._owner: Dict[str, str] = {}                    # engine rid -> owner
 
-    def owner(self, rid: str) -> Optional[str]:
-        return self._owner.get(rid)
+    def engine_rid(self, owner: str, rid: str) -> Optional[str]:
+        """The engine rid of `owner`'s live request `rid`, or None."""
+        return self._engine_rid.get((owner, rid))
 
-    def reserve(self, rid: str, owner: str) -> None:
-        """Raises ValueError when `rid` is live already (no client can take over, or collide
-        with, another's request id)."""
-        if rid in self._owner:
-            raise ValueError(f"request id {rid!r} is already in use by a running request; "
-                             "send a unique rid")
-        self._owner[rid] = owner
+    def held(self, engine_rid: str) -> bool:
+        """Whether any live request runs under `engine_rid`."""
+        return engine_rid in self._owner
 
-    def release(self, rid: str) -> None:
-        self._owner.pop(rid, None)
+    def reserve(self, rid: str, owner: str) -> str:
+        """Record `owner`'s new request `rid`; returns the engine rid it is to run under: `rid`
+        itself, or a unique alias when another live request runs under that id. Raises
+        ValueError when `owner` has a live request `rid` already."""
+        if (owner, rid) in self._engine_rid:
+            raise ValueError(_rid_in_use(rid))
+        engine_rid = rid
+        while engine_rid in self._owner:
+            engine_rid = f"{rid}#{uuid.uuid4().hex[:12]}"
+        self._engine_rid[(owner, rid)] = engine_rid
+        self._owner[engine_rid] = owner
+        return engine_rid
+
+    def release(self, rid: str, owner: str) -> None:
+        engine_rid = self._engine_rid.pop((owner, rid), None)
+        if engine_rid is not None:
+            self._owner.pop(engine_rid, None)
 
     def owned_by(self, owner: str) -> List[str]:
-        """The live request ids `owner` started."""
-        return [rid for rid, who in self._owner.items() if who == owner]
+        """The engine rids of the live requests `owner` started."""
+        return [engine_rid for engine_rid, who in self._owner.items() if who == owner]
 
     def __len__(self) -> int:
         return len(self._owner)
 
 
+def _rid_in_use(rid: str) -> str:
+    return f"request id {rid!r} is already in use by one of your running requests; send a unique rid"
+
+
 class ClientView:
     """The engine as one client's request sees it (app.py hands it to every route instead of
-    the engine): `generate` records each request id it starts as owned by the client for as
-    long as the engine runs it, `validate` refuses an id that is live already, and `abort`
-    reaches only the client's own live requests (another client's live id is left alone,
-    silently, like a finished one; an id no request holds goes to the engine, which ignores
-    it). Everything else is the engine's own attribute."""
+    the engine): `generate` runs each request under the engine rid RequestOwners gives its
+    (client, rid) for as long as the engine runs it, with req.client_id set to the client's
+    identity (the scheduler's per-client key); `validate` refuses a rid of the client's own
+    that is live already; `abort` reaches only the client's own live requests (anything else
+    is left alone, silently, like a finished request; an id no live request holds goes to the
+    engine, which ignores it). Everything else is the engine's own attribute."""
 
     def __init__(self, engine, identity: str, owners: RequestOwners):
         self._engine = engine
@@ -356,31 +456,35 @@ class ClientView:
         return self._identity
 
     def validate(self, req) -> None:
-        if self._owners.owner(req.rid) is not None:
-            raise ValueError(f"request id {req.rid!r} is already in use by a running request; "
-                             "send a unique rid")
+        if self._owners.engine_rid(self._identity, req.rid) is not None:
+            raise ValueError(_rid_in_use(req.rid))
         self._engine.validate(req)
 
     async def generate(self, req) -> AsyncIterator[Any]:
-        self._owners.reserve(req.rid, self._identity)
+        rid = req.rid
+        engine_rid = self._owners.reserve(rid, self._identity)
         req.client_id = self._identity        # the scheduler's fairness key
+        run = req if engine_rid == rid else dataclasses.replace(req, rid=engine_rid)
         try:
-            agen = self._engine.generate(req)
+            agen = self._engine.generate(run)
             try:
                 async for out in agen:
                     yield out
             finally:
                 await agen.aclose()
         finally:
-            self._owners.release(req.rid)
+            self._owners.release(rid, self._identity)
 
     def abort(self, rid: str) -> bool:
-        """Abort `rid` if this client may; returns whether the engine was asked."""
-        owner = self._owners.owner(rid)
-        if owner is not None and owner != self._identity:
-            logger.info("refused to abort request %r for another client", rid)
-            return False
-        self._engine.abort(rid)
+        """Abort this client's live request `rid` (or pass an id no live request holds on to
+        the engine); returns whether the engine was asked."""
+        engine_rid = self._owners.engine_rid(self._identity, rid)
+        if engine_rid is None:
+            if self._owners.held(rid):
+                logger.info("refused to abort another client's request")
+                return False
+            engine_rid = rid
+        self._engine.abort(engine_rid)
         return True
 
     def abort_all(self) -> int:
@@ -397,7 +501,7 @@ def request_owners(request: Request) -> RequestOwners:
 
 # --------------------------------------------------------------------------- server info
 
-_SECRET_KEYS = frozenset({"api_key"})
+_SECRET_KEYS = frozenset({"api_key", "admin_api_key"})
 _PATH_SUFFIXES = ("_path", "_dir", "_file")
 
 
