@@ -250,3 +250,28 @@ def test_server_step_order_default_and_check():
     assert ServerArgs().step_order == "alternate"
     with pytest.raises(ValueError, match="--step-order"):
         ServerArgs(step_order="decode-first").check()
+
+
+def test_decode_rows_count_every_decode_row(make_scheduler):
+    """decode_rows / decode_row_device_seconds (the mean decode step a generated token waited
+    for, /metrics): each decode step adds its rows, and its device time once per row. Serial
+    loop, so no step runs past a request's end: 2 requests x 4 tokens = 2 x 3 decode rows (the
+    prefill samples each first token)."""
+    rng = random.Random(5)
+    sched = make_scheduler(disable_overlap_schedule=True)
+    steps = []
+    process = sched.process_batch_result
+
+    def recording(batch, out):
+        from radixserve.model.forward_batch import ForwardMode
+        if batch.mode == ForwardMode.DECODE:
+            steps.append((batch.batch_size, out.device_time))
+        return process(batch, out)
+
+    sched.process_batch_result = recording
+    run_to_completion(sched, [greedy_req(f"d{i}", random_prompt(rng, 8), 4) for i in range(2)])
+    m = sched.metrics()
+    assert m["decode_rows"] == sum(n for n, _ in steps) == 6
+    assert m["decode_row_device_seconds"] == pytest.approx(sum(n * t for n, t in steps))
+    assert m["decode_row_device_seconds"] > 0
+    assert m["weight_floor_seconds"] == 0.0          # measured on CUDA only

@@ -45,5 +45,8 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
 def weight_floor_seconds(model: torch.nn.Module, device: torch.device,
                          nbytes: int = 512 << 20) -> float:
     """streamed_weight_bytes(model) / copy_bandwidth(device): the batch-1 decode step's lower
-    bound in seconds, on a CUDA device (the copy uses 2 x nbytes of free device memory)."""
-    return streamed_weight_bytes(model) / copy_bandwidth(device, nbytes, iters=10)
+    bound in seconds, on a CUDA device (the copy uses 2 x nbytes of free device memory, given
+    back before it returns)."""
+    floor = streamed_weight_bytes(model) / copy_bandwidth(device, nbytes, iters=10)
+    torch.cuda.empty_cache()    # the copy's buffers go back to the device, not the cache, so
+    return floor                # the KV pool sized after this sees them free
