@@ -320,3 +320,43 @@ def test_sse_reader_stops_at_an_error_chunk():
     ok, res, _ = _read([b'data: {"output_ids": [1]}\n\ndata: {"error": {"message": "boom"}}\n\n',
                         b'data: {"output_ids": [1, 2]}\n\n'])
     assert not ok and "boom" in res.error and res.num_chunks == 1
+
+
+ROWS_TEXT = """\
+radixserve:decode_row_device_seconds_total{{model_name="m"}} {rows_s}
+radixserve:decode_rows_total{{model_name="m"}} {rows}
+radixserve:weight_floor_seconds{{model_name="m"}} 0.005
+"""
+
+
+def test_latency_ratios_from_decode_rows_weight_floor_and_send_times():
+    """Issue 33's two ratios: median ITL over the decode step per token (row-weighted), and the
+    duration over max(send time + output tokens x weight floor)."""
+    from radixserve.bench import server_steps
+    from radixserve.bench.backends import RequestResult
+    from radixserve.bench.metrics import summarize
+    base = METRICS_TEXT.format(p="radixserve:", decode=10.0, dev=1.0, tokens=40.0, loop=7.0)
+    before = server_steps.parse(base + ROWS_TEXT.format(rows_s=1.0, rows=100))
+    after = server_steps.parse(base.replace("} 10.0", "} 20.0") + ROWS_TEXT.format(
+        rows_s=1.0 + 0.008 * 400, rows=500))
+    d = server_steps.over_run(before, after, duration=4.0)
+    assert d["decode_rows"] == 400
+    assert d["decode_step_per_token_ms"] == pytest.approx(8.0)
+    assert d["weight_floor_ms"] == pytest.approx(5.0)
+    # three requests sent at t0 + 0, 1, 2 s wanting 100, 300, 10 tokens: the floor-bound end is
+    # max(0 + 0.5, 1 + 1.5, 2 + 0.05) = 2.5 s
+    t0 = 50.0
+    results = [RequestResult(success=True, output_len=n, start=t0 + a, ttft=0.1, latency=1.0,
+                             itl=[0.009, 0.010, 0.011])
+               for a, n in ((0.0, 100), (1.0, 300), (2.0, 10))]
+    m = summarize(results, duration=3.0, t0=t0)
+    assert m["per_request"]["arrival_s"] == [0.0, 1.0, 2.0]
+    r = server_steps.latency_ratios(m, d)
+    assert r["floor_bound_duration_s"] == pytest.approx(2.5)
+    assert r["duration_over_floor_bound"] == pytest.approx(3.0 / 2.5)
+    assert r["median_itl_over_decode_step"] == pytest.approx(10.0 / 8.0)
+    # a CPU server (weight floor 0) and one without the row counters: no ratios, no error
+    cpu = server_steps.parse(base + ROWS_TEXT.format(rows_s=1.0, rows=100).replace("0.005", "0"))
+    assert "weight_floor_ms" not in server_steps.over_run(cpu, cpu, 4.0)
+    old = server_steps.over_run(server_steps.parse(base), server_steps.parse(base), 4.0)
+    assert server_steps.latency_ratios(m, old) == {}

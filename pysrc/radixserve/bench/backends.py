@@ -57,6 +57,7 @@ class RequestResult:
     itl: List[float] = field(default_factory=list)   # gaps between chunks carrying new tokens
     output_ids: List[int] = field(default_factory=list)
     num_chunks: int = 0                     # chunks that carried new tokens
+    start: float = 0.0                      # time.perf_counter() when the request was sent
 
 
 def auth_headers() -> Dict[str, str]:
@@ -233,7 +234,7 @@ async def send(client: aiohttp.ClientSession, base_url: str, backend_name: str,
     state: Dict = {}
     body = orjson.dumps(backend.payload(req, model, ignore_eos))
     headers = {"Content-Type": "application/json", **auth_headers()}
-    start = time.perf_counter()
+    start = res.start = time.perf_counter()
     try:
         async with client.post(base_url + backend.path, data=body, headers=headers) as resp:
             if not 200 <= resp.status < 300:

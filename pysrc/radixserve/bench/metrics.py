@@ -30,9 +30,11 @@ def latency_stats(name: str, seconds: List[float]) -> Dict[str, float]:
     return {f"{stat}_{name}_ms": float(values[stat]) for stat in STATS}
 
 
-def _per_request(ok: List[RequestResult]) -> Dict[str, list]:
-    """Per successful request, in completion order: what CDF plots need (plots.py)."""
-    return {"ttft_ms": [round(r.ttft * 1e3, 3) for r in ok],
+def _per_request(ok: List[RequestResult], t0: float) -> Dict[str, list]:
+    """Per successful request, in completion order: what CDF plots need (plots.py), and each
+    one's send time in seconds from the run's start t0 (the arrival schedule as it ran)."""
+    return {"arrival_s": [round(r.start - t0, 6) for r in ok],
+            "ttft_ms": [round(r.ttft * 1e3, 3) for r in ok],
             "latency_ms": [round(r.latency * 1e3, 3) for r in ok],
             "output_len": [r.output_len for r in ok],
             "itl_ms": [[round(x * 1e3, 3) for x in r.itl] for r in ok]}
@@ -51,8 +53,9 @@ def failure_account(results: List[RequestResult]) -> Dict:
             "error_samples": [f"{reason}: {line}" for reason, line in samples.items()]}
 
 
-def summarize(results: List[RequestResult], duration: float) -> Dict:
-    """The metrics of a run of results that took duration seconds (see the module doc)."""
+def summarize(results: List[RequestResult], duration: float, t0: float = 0.0) -> Dict:
+    """The metrics of a run of results that took duration seconds from t0 (time.perf_counter()
+    at its start; see the module doc)."""
     ok = [r for r in results if r.success]
     prompt = sum(r.prompt_len for r in ok)
     output = sum(r.output_len for r in ok)
@@ -74,7 +77,7 @@ def summarize(results: List[RequestResult], duration: float) -> Dict:
     m["p95_itl_ms"] = float(np.percentile(itl, 95) * 1e3) if itl else 0.0
     m["max_itl_ms"] = float(max(itl) * 1e3) if itl else 0.0
     m.update(latency_stats("e2e_latency", [r.latency for r in ok]))
-    m["per_request"] = _per_request(ok)
+    m["per_request"] = _per_request(ok, t0)
     return m
 
 
@@ -105,6 +108,13 @@ def print_metrics(name: str, m: Dict) -> None:
                  ("Server idle before decode (s)", steps["idle_before_decode_s"])]
         if "loop_cpu_us_per_token" in steps:
             rows.append(("Server loop CPU per token (us)", steps["loop_cpu_us_per_token"]))
+        if "decode_step_per_token_ms" in steps:
+            rows += [("Server decode step per token (ms)", steps["decode_step_per_token_ms"]),
+                     ("Median ITL / decode step per token", steps["median_itl_over_decode_step"])]
+        if "floor_bound_duration_s" in steps:
+            rows += [("Server weight floor, batch 1 (ms)", steps["weight_floor_ms"]),
+                     ("Floor-bound duration (s)", steps["floor_bound_duration_s"]),
+                     ("Duration / floor-bound duration", steps["duration_over_floor_bound"])]
     for label, v in rows:
         print(f"{label:<40}{v:>14.3f}" if isinstance(v, float) else f"{label:<40}{v:>14}")
     for reason, count in (m.get("failure_reasons") or {}).items():

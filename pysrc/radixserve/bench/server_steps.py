@@ -14,6 +14,21 @@ on GET /metrics (server/metrics.py) scraped before and after the run, as deltas.
     loop_cpu_us_per_token                loop_cpu_s per generated token, in microseconds: the
                                          host's per-token cost (HTTP, detokenizing, streaming,
                                          scheduling), which bounds a fast device's throughput
+    decode_step_per_token_ms             the decode step a generated token waited for, averaged
+                                         over tokens (decode_row_device_seconds over
+                                         decode_rows): the pure decode step at the run's own
+                                         batch sizes, weighted as ITLs are
+    weight_floor_ms                      the server's batch-1 weight floor (streamed weight bytes
+                                         over copy bandwidth, measured at its start; GPU only)
+
+and, from the client's own record of the run (latency_ratios), issue 33's two ratios:
+
+    median_itl_over_decode_step          the run's median ITL over decode_step_per_token_ms
+    floor_bound_duration_s               max over requests of (its send time from the run's
+                                         start + its output tokens x the weight floor): the
+                                         duration of this arrival schedule if every token cost
+                                         the batch-1 floor and nothing else
+    duration_over_floor_bound            the run's duration over floor_bound_duration_s
 
 They say where a serving run's time went on the server: a device busy well below 1 with
 requests waiting, or idle before decode steps, points at the host loop, not the kernels. Only a
@@ -22,7 +37,7 @@ counters differently, or not at all); any metric-name prefix (--metrics-prefix) 
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -38,11 +53,16 @@ ENGINE_KEYS = {
     "device_idle_before_extend_seconds": "idle_before_extend_s",
     "generation_tokens": "generation_tokens",
 }
-# Reported alongside when the server has them (AsyncEngine on Linux; not the offline scheduler).
+# Reported alongside when the server has them (AsyncEngine on Linux; not the offline scheduler;
+# the decode-row counters from servers of issue 33 on).
 HOST_KEYS = {
     "loop_thread_cpu_seconds": "loop_cpu_s",
     "forward_thread_cpu_seconds": "forward_cpu_s",
+    "decode_row_device_seconds": "decode_row_device_s",
+    "decode_rows": "decode_rows",
 }
+# Gauges read as they stand after the run (not as deltas).
+GAUGE_KEYS = {"weight_floor_seconds": "weight_floor_s"}
 
 
 def engine_totals(metrics: Dict[str, float]) -> Dict[str, float]:
@@ -55,11 +75,12 @@ def parse(text: str) -> Optional[Dict[str, float]]:
     (matched as a name suffix, so under any prefix), or None when one is missing; HOST_KEYS'
     counters are added where present."""
     wanted = {name + "_total": key for name, key in {**ENGINE_KEYS, **HOST_KEYS}.items()}
+    wanted.update(GAUGE_KEYS)
     found: Dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             for name, key in wanted.items():
-                if sample.name.endswith(name):
+                if sample.name.endswith(name) and not sample.name.endswith("_created"):
                     found[key] = sample.value
     return found if all(key in found for key in ENGINE_KEYS.values()) else None
 
@@ -95,4 +116,33 @@ def over_run(before: Optional[Dict[str, float]], after: Optional[Dict[str, float
             d[key] = after[key] - before[key]
     if "loop_cpu_s" in d and d["generation_tokens"]:
         d["loop_cpu_us_per_token"] = 1e6 * d["loop_cpu_s"] / d["generation_tokens"]
+    if d.get("decode_rows"):
+        d["decode_rows"] = int(round(d["decode_rows"]))
+        d["decode_step_per_token_ms"] = 1e3 * d["decode_row_device_s"] / d["decode_rows"]
+    if after.get("weight_floor_s"):
+        d["weight_floor_ms"] = 1e3 * after["weight_floor_s"]
     return d
+
+
+def floor_bound_duration(arrivals: List[float], output_lens: List[int], floor_s: float) -> float:
+    """max_i(arrivals[i] + output_lens[i] * floor_s): when the last request of this arrival
+    schedule would end if each of its tokens cost the batch-1 weight floor and nothing else
+    (no prefill, no batching cost). arrivals: seconds from the run's start; 0.0 when empty."""
+    return max((a + n * floor_s for a, n in zip(arrivals, output_lens)), default=0.0)
+
+
+def latency_ratios(metrics: Dict, steps: Dict[str, float]) -> Dict[str, float]:
+    """Issue 33's ratios of a run (module doc) from its metrics (metrics.summarize, with the
+    per-request send times) and its over_run() deltas; only those the server's counters allow
+    (none from a server without the decode-row counters or, on the CPU, the weight floor)."""
+    out: Dict[str, float] = {}
+    step_ms = steps.get("decode_step_per_token_ms")
+    if step_ms:
+        out["median_itl_over_decode_step"] = metrics["median_itl_ms"] / step_ms
+    floor_ms = steps.get("weight_floor_ms")
+    per = metrics.get("per_request") or {}
+    if floor_ms and per.get("arrival_s"):
+        bound = floor_bound_duration(per["arrival_s"], per["output_len"], floor_ms / 1e3)
+        out["floor_bound_duration_s"] = bound
+        out["duration_over_floor_bound"] = metrics["duration"] / bound if bound else 0.0
+    return out

@@ -45,7 +45,10 @@ SGLang's bench_serving does; any other name (X.json) gets the whole result as on
 (with per-request TTFT and ITL lists). Either way the PNG plots of plots.py go next to it.
 Against radixserve each run also records "server_steps", the server's own step counters over
 the run (device busy fraction, decode steps and their mean device time, idle before decode
-steps; server_steps.py), which say whether a run was bound by the kernels or by the host loop.
+steps; server_steps.py), which say whether a run was bound by the kernels or by the host loop,
+and issue 33's latency ratios: the median ITL over the decode step a token waited for, and the
+duration over the floor-bound duration of the run's own arrival schedule (each request's send
+time + its output tokens x the server's measured batch-1 weight floor; GPU servers only).
 
 Failed requests (an HTTP error, an error chunk, an abort, a stream without a finish reason, fewer
 tokens than asked under ignore_eos: backends.py) are counted per reason in the summary
@@ -166,7 +169,7 @@ class Runner:
             duration = time.perf_counter() - start
         if pbar:
             pbar.close()
-        return summarize(results, duration)
+        return summarize(results, duration, start)
 
 
 async def benchmark_once(args, base_url: str, workload: Workload, facts: ServerFacts,
@@ -178,7 +181,10 @@ async def benchmark_once(args, base_url: str, workload: Workload, facts: ServerF
     before = await server_steps.scrape(base_url) if ours else None
     metrics = await Runner(args, base_url, facts.model, max_concurrency).run(workload)
     after = await server_steps.scrape(base_url) if before is not None else None
-    metrics["server_steps"] = server_steps.over_run(before, after, metrics["duration"])
+    steps = server_steps.over_run(before, after, metrics["duration"])
+    if steps is not None:
+        steps.update(server_steps.latency_ratios(metrics, steps))
+    metrics["server_steps"] = steps
     return metrics
 
 
