@@ -54,9 +54,16 @@ for stage in "$@"; do
   echo "=== stage $stage" | tee -a "$OUT/log.txt"
   case $stage in
     build)
+      # an extension built by an earlier call on this warm machine from the same csrc/ is reused
+      # (/tmp/rs_C, keyed by a hash of csrc/ and setup.py)
+      key=$(find csrc setup.py -type f | sort | xargs sha1sum | sha1sum | cut -c1-16)
+      if ! ls pysrc/radixserve/_C*.so >/dev/null 2>&1 && ls /tmp/rs_C/$key/_C*.so >/dev/null 2>&1; then
+        cp /tmp/rs_C/$key/_C*.so pysrc/radixserve/ && echo "ext reused ($key)" | tee -a "$OUT/log.txt"
+      fi
       if ! ls pysrc/radixserve/_C*.so >/dev/null 2>&1; then
         build_ext 20 | tee -a "$OUT/log.txt"
       fi
+      mkdir -p /tmp/rs_C/$key && cp pysrc/radixserve/_C*.so /tmp/rs_C/$key/ 2>/dev/null
       python3 -c "import torch, radixserve._C; print('ext ok', torch.__version__)" 2>&1 | tee -a "$OUT/log.txt" ;;
     wheel)
       # issue 14: the release wheel for this image's Python and torch, built from the carried
@@ -169,6 +176,40 @@ for stage in "$@"; do
           | grep -E "^(Succ|Failed|Bench|Total|Output|Median|Mean|P99|Server|error)" \
           | sed "s/^/[$name] /"
         [ -n "$spy" ] && wait $spy
+        kill $pid; wait $pid 2>/dev/null; first=0
+      done ;;
+    accept33)
+      # issue 33's acceptance runs: per server config of $ACCEPT_CONFIGS (name:flags; default
+      # overlap on and off), our client at SGLang's published config (200 prompts at 16 req/s,
+      # random 1024/1024 with SGLang's default range ratio 0.0) and at fixed 1024/1024 lengths
+      # (range ratio 1), then on the first config SGLang's own client (.sgl/bench_serving.py,
+      # git-ignored: see .sgl/README) on both workloads, --dataset-name random with the same
+      # seed, so the same lengths and arrival gaps
+      P=/tmp/preset-8b
+      python3 -m radixserve bench presets llama-3.1-8b --out $P > /dev/null
+      first=1
+      for cfg in ${ACCEPT_CONFIGS:-overlap: no-overlap:--disable-overlap-schedule}; do
+        name=${cfg%%:*}; extra=${cfg#*:}; extra=${extra//,/ }
+        python3 -m radixserve.launch_server --model-path $P --load-format dummy --port 30124 \
+          $extra > "$OUT/accept33-$name-server.log" 2>&1 &
+        pid=$!
+        for i in $(seq 300); do curl -sf localhost:30124/health >/dev/null && break; sleep 1; done
+        for wl in published:0 fixed:1; do
+          w=${wl%%:*}; r=${wl#*:}
+          python3 bench/serving.py --port 30124 --dataset random --random-range-ratio $r \
+            --random-input-len 1024 --random-output-len 1024 --num-prompts 200 --request-rate 16 \
+            --disable-tqdm --no-plots --output-file "$OUT/serving-$name-$w.json" 2>&1 \
+            | grep -E "^(Succ|Failed|Bench|Total|Output|Median|Mean|Server|Floor|Duration|error)" \
+            | sed "s/^/[$name $w] /"
+          if [ $first = 1 ] && [ -f .sgl/bench_serving.py ]; then
+            HF_HUB_OFFLINE=1 python3 .sgl/bench_serving.py --backend sglang --port 30124 \
+              --dataset-name random --dataset-path .sgl/sharegpt_small.json --tokenize-prompt \
+              --tokenizer $P --model $P --random-input-len 1024 --random-output-len 1024 \
+              --random-range-ratio $r --num-prompts 200 --request-rate 16 --disable-tqdm \
+              --output-file "$OUT/sglang-client-$name-$w.jsonl" 2>&1 \
+              | grep -E "^(Succ|Bench|Total|Output|Median|Mean)" | sed "s/^/[$name $w sglang-client] /"
+          fi
+        done
         kill $pid; wait $pid 2>/dev/null; first=0
       done ;;
     soak)
