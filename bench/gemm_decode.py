@@ -12,6 +12,11 @@ says how much of the gap any kernel can close at each point; its outputs are che
 cuBLAS's. Prints one table; --out writes the numbers as JSON with the command.
 
     python bench/gemm_decode.py --preset llama-3.1-8b --out bench/results/gemm-decode-h100.json
+
+--fp8 adds, per point, the FP8-weight GEMMs of issue 35 against the FP8 floor (one byte per
+weight): our fp8_skinny_linear (e4m3 weights, bf16 math; batches of up to 16 rows) when
+radixserve._C is built, and torch._scaled_mm with rowwise scales (W8A8: x quantized per token,
+outside the timing) at every batch size.
 """
 from __future__ import annotations
 
@@ -95,6 +100,35 @@ def triton_probe():
     return run
 
 
+def fp8_times(x, copies, iters: int):
+    """{"fp8_skinny_us", "scaled_mm_us"} for x [m, k] against e4m3 copies of the weights (each
+    checked against the dequantized product first)."""
+    from radixserve.ops._ext import kernels_available
+    qs = []
+    for w in copies:
+        scale = (w.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+        qs.append(((w.float() / scale).to(torch.float8_e4m3fn), scale.reshape(-1).contiguous()))
+    ref = x.float() @ (qs[0][0].float() * qs[0][1][:, None]).t()
+    out = {}
+    if kernels_available() and x.shape[0] <= 16:
+        y = torch.ops.radixserve.fp8_skinny_linear(x, qs[0][0], qs[0][1], None).float()
+        assert torch.allclose(y, ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+        out["fp8_skinny_us"] = 1e6 * time_fn(
+            lambda q: torch.ops.radixserve.fp8_skinny_linear(x, q[0], q[1], None), qs, iters)
+    xs = (x.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    xq = (x.float() / xs).to(torch.float8_e4m3fn)
+    try:
+        def smm(q):
+            return torch._scaled_mm(xq, q[0].t(), scale_a=xs, scale_b=q[1][None, :],
+                                    out_dtype=torch.bfloat16)
+        y = smm(qs[0]).float()
+        assert torch.allclose(y, ref, rtol=8e-2, atol=8e-2 * ref.abs().max().item())
+        out["scaled_mm_us"] = 1e6 * time_fn(smm, qs, iters)
+    except RuntimeError as e:        # a torch without rowwise scaling on this card
+        out["scaled_mm_error"] = str(e).splitlines()[0][:200]
+    return out
+
+
 TRITON_CONFIGS = [(bn, bk, st, wp) for bn in (64, 128) for bk in (128, 256)
                   for st in (3, 5) for wp in (4, 8)]
 
@@ -106,6 +140,7 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,8,16,32,48,64,96,128,192,256")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-triton", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="time the FP8-weight GEMMs too (doc)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -141,7 +176,14 @@ def main() -> None:
             if best is not None:
                 row.update(triton_us=best[0] * 1e6, triton_over_floor=best[0] / floor,
                            triton_config=list(best[1]))
+            if args.fp8:
+                row.update(fp8_times(x, copies, args.iters))
+                row["fp8_floor_us"] = (wbytes / 2 + 2 * m * (n + k)) / bw * 1e6
             rows.append(row)
+            if args.fp8:
+                print("         fp8 floor {:.1f} us: ".format(row["fp8_floor_us"]) + ", ".join(
+                    f"{key} {row[key]:.1f} us ({row[key] / row['fp8_floor_us']:.2f}x)"
+                    for key in ("fp8_skinny_us", "scaled_mm_us") if key in row))
             print(f"{label:>8} {n:>6} {k:>6} {m:>4} {floor * 1e6:>9.1f} {t_cublas * 1e6:>10.1f} "
                   f"{t_cublas / floor:>8.2f} "
                   + (f"{best[0] * 1e6:>10.1f} {best[0] / floor:>8.2f}  {best[1]}" if best else ""))

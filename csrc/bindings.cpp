@@ -18,6 +18,7 @@ TORCH_LIBRARY(radixserve, m) {
         "Tensor top_p, Tensor min_p, Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, bool gated) -> Tensor");
+  m.def("fp8_skinny_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache) -> ()");
@@ -35,6 +36,7 @@ TORCH_LIBRARY_IMPL(radixserve, CUDA, m) {
   m.impl("bitmask_sample", &radixserve::bitmask_sample);
   m.impl("argmax_rows", &radixserve::argmax_rows);
   m.impl("skinny_linear", &radixserve::skinny_linear);
+  m.impl("fp8_skinny_linear", &radixserve::fp8_skinny_linear);
   m.impl("rms_norm", &radixserve::rms_norm);
   m.impl("fused_add_rms_norm", &radixserve::fused_add_rms_norm);
   m.impl("rotary_embedding", &radixserve::rotary_embedding);

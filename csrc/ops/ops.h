@@ -40,6 +40,10 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias, bool gated);
 
+// fp8_gemv.cu
+at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
+                             const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias);
+
 // elementwise.cu
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
