@@ -178,6 +178,12 @@ for stage in "$@"; do
         [ -n "$spy" ] && wait $spy
         kill $pid; wait $pid 2>/dev/null; first=0
       done ;;
+    gemmfp8)
+      # decode-batch GEMMs of the 8B shape: cuBLAS bf16 against the bf16 floor, our
+      # fp8_skinny_linear (<= 16 rows) and torch._scaled_mm rowwise against the FP8 floor
+      python3 bench/gemm_decode.py --preset llama-3.1-8b --fp8 --no-triton \
+        --batch-sizes 1,2,4,8,16,32,64,128 --iters 40 --out "$OUT/gemm-decode-fp8.json" 2>&1 \
+        | tee "$OUT/gemmfp8.txt" | tail -60 ;;
     accept33)
       # issue 33's acceptance runs: per server config of $ACCEPT_CONFIGS (name:flags; default
       # overlap on and off), our client at SGLang's published config (200 prompts at 16 req/s,
