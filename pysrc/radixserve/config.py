@@ -317,7 +317,10 @@ class ServerArgs:
         "sequences than this, which could never be queued, a 400)", metavar="N")
     max_running_requests_per_client: Optional[int] = _flag(
         None, "running sequences one client (API key, else peer address) may hold while another "
-        "client's requests wait; default: no cap", metavar="N")
+        "client's requests wait; beyond it, its latest requests are retracted (KV kept in the "
+        "prefix cache) so a client under it can start; default: --max-running-requests divided "
+        "by the clients with live requests (equal to --max-running-requests: no fairness)",
+        metavar="N")
     chat_template_timeout: float = _flag(
         10.0, "seconds a chat template may take to render (a 400 beyond)", metavar="SECONDS")
     shutdown_timeout: float = _flag(

@@ -188,12 +188,13 @@ def test_prompt_logprobs_chunked_match_hf(make_scheduler, hf_gguf_model, text_pr
     assert r.input_top_logprobs[0][0][1] == int(ref[2].argmax())
 
 
-@pytest.mark.parametrize("cap", [None, 2])
+@pytest.mark.parametrize("cap", [None, 2, 4])
 def test_one_clients_fan_out_cannot_starve_another(make_scheduler, text_prompts, cap):
     """--max-running-requests-per-client: client a's 8 requests fill all 4 running slots while
-    nobody else waits (work conserving); once client b waits, a gets no slot beyond its share
-    of 2, so b is admitted at the first free slot, before a's queued requests. Without the cap
-    (fcfs) b waits behind all of them."""
+    nobody else waits (work conserving); once client b waits, a is over its share of 2, so one
+    of a's running requests is retracted and b is admitted before a's queued requests
+    (test_fair_preemption.py). Without the cap the share is the same, 4 slots // 2 clients. A
+    cap of 4 (= the slots) turns fairness off: fcfs, b waits behind all of them."""
     sched = make_scheduler(max_running_requests=4, max_running_requests_per_client=cap)
     fan_out = [greedy_req(f"a{i}", text_prompts[i % 8], 6 + i) for i in range(8)]
     for r in fan_out:
@@ -206,10 +207,12 @@ def test_one_clients_fan_out_cannot_starve_another(make_scheduler, text_prompts,
     other.client_id = "b"
     run_to_completion(sched, [other])
     assert all(r.finish_reason["type"] == "length" for r in fan_out + [other])
-    if cap is None:
+    if cap == 4:
         assert other.admit_order > max(r.admit_order for r in queued_a)
+        assert sched.counters["num_fair_retractions"] == 0
     else:
         assert other.admit_order < min(r.admit_order for r in queued_a)
+        assert sched.counters["num_fair_retractions"] == 1
     assert_all_slots_home(sched)
 
 

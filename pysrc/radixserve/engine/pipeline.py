@@ -7,12 +7,13 @@
 With overlap (the default) the host processes step N-1's results (stop checks, detokenizing,
 streaming, admission) and builds step N+1 while the device runs step N. A step is scheduled
 over the one in flight only when the host state it needs is known without that step's
-results: after a decode step, when no retraction is needed; after a prefill step whose
-requests all end their prompts there (no chunk to publish, no prompt logprobs), a step that
-prefills other waiting requests (Scheduler.can_prefill_over; its requests join the running
-batch when it is resolved, so no decode is scheduled over it). Otherwise the step in flight is
-resolved first. --disable-overlap-schedule resolves every step right after launching it (the
-serial loop, for A/B runs).
+results: after a decode step, when no retraction is needed (neither for memory,
+Scheduler.decode_memory_short, nor for fairness, Scheduler.fair_preempt_pending); after a
+prefill step whose requests all end their prompts there (no chunk to publish, no prompt
+logprobs), a step that prefills other waiting requests (Scheduler.can_prefill_over; its
+requests join the running batch when it is resolved, so no decode is scheduled over it).
+Otherwise the step in flight is resolved first. --disable-overlap-schedule resolves every step
+right after launching it (the serial loop, for A/B runs).
 
 The grammar slot: a step with grammar rows is launched up to its logits; its token bitmask needs
 the grammar state after step N-1's tokens, so the host fills it (Scheduler.grammar_bitmask)
@@ -96,7 +97,8 @@ class StepPipeline:
 
     def _can_schedule_over(self, batch) -> bool:
         return (self.overlap and batch.mode is ForwardMode.DECODE
-                and not self.scheduler.decode_memory_short())
+                and not self.scheduler.decode_memory_short()
+                and not self.scheduler.fair_preempt_pending())
 
     async def drain(self, wait: Wait) -> None:
         """Resolve the step in flight, if any (shutdown, tests)."""

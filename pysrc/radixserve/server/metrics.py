@@ -61,6 +61,9 @@ _COUNTERS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "num_decode_steps": (("num_decode_steps_total",), "Decode steps run"),
     "num_retractions": (("num_retractions_total", "num_retracted_requests_total"),
                         "Running requests retracted to the queue for lack of KV slots"),
+    "num_fair_retractions": (("num_fair_retractions_total",),
+                             "Running requests of a client over its fair share retracted to "
+                             "the queue so that a request of a client under it could start"),
     # the device's own time, split by step kind (bench serving reports them over a run)
     "decode_device_seconds": (("decode_device_seconds_total",),
                               "Device seconds of decode steps (CUDA events; on the CPU the "

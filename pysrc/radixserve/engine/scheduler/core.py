@@ -102,6 +102,7 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
         self.reqs: Dict[str, Req] = {}
         self._admit_counter = 0
         self._last_was_prefill = False
+        self._fair_preempt_wanted = False     # see prefill.py (fairness) and the pipeline
         # telemetry (decode.py's log line refreshes the rates)
         self._num_decode_steps = 0
         self._decode_log_tokens = 0
@@ -122,7 +123,8 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
         self.counters: Dict[str, int] = {
             "num_requests": 0, "num_finished_requests": 0, "num_aborted_requests": 0,
             "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
-            "num_retractions": 0, "num_prefill_steps": 0, "num_decode_steps": 0,
+            "num_retractions": 0, "num_fair_retractions": 0,
+            "num_prefill_steps": 0, "num_decode_steps": 0,
             "num_jumps": 0, "jump_forward_tokens": 0,
         }
 

@@ -8,9 +8,18 @@ predecessor to have reached the host. A request whose remaining tokens are all s
 
 If the pool cannot give every running request its slot even after eviction, the latest-admitted
 requests are retracted to the front of the queue: their computed KV is published to the cache
-(so resuming re-matches it) and they keep their output. Retraction needs the exact host state,
-so the pipeline resolves the step in flight before a step that may retract
-(decode_memory_short). Part of Scheduler (core.py); event-loop thread.
+(so resuming re-matches it) and they keep their output. While a client is over its fair share
+(prefill.py), the victims are that client's requests first, latest admitted first, so a
+retraction for memory does not undo a preemption made for fairness. Retraction needs the exact
+host state, so the pipeline resolves the step in flight before a step that may retract
+(decode_memory_short).
+
+Retraction for fairness (prefill.py) uses the same _retract: when a request of a client under
+its share cannot start for lack of running slots or KV memory, the latest-admitted requests of
+a client strictly over its share are retracted, just enough to admit it, at admission with no
+step in flight (the pipeline resolves it first when fair_preempt_pending()). They are counted in
+counters["num_fair_retractions"]; num_retractions counts retractions for memory only.
+Part of Scheduler (core.py); event-loop thread.
 """
 from __future__ import annotations
 
@@ -130,10 +139,16 @@ class DecodeMixin:
 
     def _retraction_victim(self) -> Optional[Req]:
         """The latest admitted of the running requests and the chunked one, keeping at least one
-        running request (admission guarantees a lone request fits the pool)."""
+        running request (admission guarantees a lone request fits the pool); while clients are
+        over their fair share (prefill.py), the latest admitted of theirs."""
         candidates = list(self.running) + ([self.chunked_req] if self.chunked_req else [])
         if len(candidates) <= 1:
             return None
+        fair = self._fair_share()
+        if fair is not None:
+            over = [r for r in candidates if fair.over(r.client_id)]
+            if over:
+                candidates = over
         return max(candidates, key=lambda r: r.admit_order)
 
     def _retract(self, req: Req) -> None:
