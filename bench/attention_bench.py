@@ -14,8 +14,16 @@
           heads, head_dim 128, bf16, causal. TFLOP/s (4 * S * S * D * H / 2) against torch SDPA
           with the flash and cuDNN backends on contiguous [1, H, S, D].
 
+  FP8 KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2, run_fp8): decode at batch 256 x 1,024
+          tokens (issue 35's acceptance shape; Llama-3.1-8B heads, bf16 q) over FP8 pages, the
+          tensor-core kernel and the CUDA-core one, slots in order and shuffled, bytes counted in
+          FP8 (K + V one byte a value, + q + out) over the same copy bandwidth; the bf16 pool at
+          the same shape beside it; batch 32 x 4,096 over FP8 pages; extend of 4,096 tokens over
+          FP8 pages (the mma.sync kernel: FP8 pools never take the wgmma one).
+
 `run(results)` adds keys to results (bench/kernels.py calls it); `python bench/attention_bench.py
-[--json PATH]` prints the table.
+[--json PATH] [--kv-cache-dtype fp8_e4m3]` prints the table (with an FP8 dtype: only the FP8
+benchmarks and their bf16 baselines).
 """
 from __future__ import annotations
 
@@ -245,6 +253,126 @@ def bench_extend(results: dict) -> None:
     results["extend_attention_prefix3k_new1k_tflops"] = _causal_flops(1024, 3072) / (ms * 1e-3) / 1e12
 
 
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _fp8_pages(n: int, hkv: int, d: int, kv_dtype, scale: float) -> torch.Tensor:
+    """[n, hkv, d] FP8 pages holding N(0, 1) values stored at `scale` (what store_kv writes)."""
+    from radixserve.ops.reference import quantize_fp8
+
+    out = torch.empty(n, hkv, d, device="cuda", dtype=kv_dtype)
+    for s in range(0, n, 1 << 16):         # in slices: no fp32 copy of the whole pool
+        e = min(n, s + (1 << 16))
+        out[s:e] = quantize_fp8(torch.randn(e - s, hkv, d, device="cuda"), kv_dtype, scale)
+    return out
+
+
+def bench_decode_fp8(results: dict, copy_bw: float, kv_name: str, batch: int = 256,
+                     kv_len: int = 1024) -> None:
+    """Decode over FP8 pages at batch x kv_len (Llama-3.1-8B heads, bf16 q, k_scale 0.5,
+    v_scale 0.25), each kernel under a CUDA graph, slots in order and shuffled; bytes in FP8.
+    The bf16 pool at the same shape for comparison (its bytes in bf16)."""
+    kv_dtype = FP8_DTYPES[kv_name]
+    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    nnz = batch * kv_len
+    scale = 1.0 / math.sqrt(d)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
+    kv_indptr = torch.arange(0, nnz + 1, kv_len, dtype=torch.int32, device="cuda")
+    orders = {"": torch.arange(1, nnz + 1, dtype=torch.int32, device="cuda"),
+              "_shuffled": (torch.randperm(nnz, device="cuda") + 1).to(torch.int32)}
+    tag = f"decode_attention_{kv_name}_bs{batch}_{kv_len // 1024}k"
+    base = f"decode_attention_bf16_bs{batch}_{kv_len // 1024}k"
+    prior = os.environ.pop("RADIXSERVE_DECODE_KERNEL", None)
+    try:
+        for name, pages, elem in ((tag, kv_dtype, 1), (base, dtype, 2)):
+            if pages == dtype:
+                k_cache = torch.randn(nnz + 1, hkv, d, device="cuda", dtype=dtype)
+                v_cache = torch.randn(nnz + 1, hkv, d, device="cuda", dtype=dtype)
+                ks = vs = 1.0
+            else:
+                k_cache = _fp8_pages(nnz + 1, hkv, d, kv_dtype, 0.5)
+                v_cache = _fp8_pages(nnz + 1, hkv, d, kv_dtype, 0.25)
+                ks, vs = 0.5, 0.25
+            nbytes = 2 * nnz * hkv * d * elem + 2 * q.numel() * 2     # K + V + q + out
+            results[name + "_bytes"] = nbytes
+            for kernel in ("tc", "simt"):
+                if kernel == "simt":
+                    os.environ["RADIXSERVE_DECODE_KERNEL"] = "simt"
+                else:
+                    os.environ.pop("RADIXSERVE_DECODE_KERNEL", None)
+                for suffix, idx in orders.items():
+                    ms = _graph_time_ms(lambda: ops.paged_decode_attention(
+                        q, k_cache, v_cache, kv_indptr, idx, scale, ks, vs), calls=10)
+                    key = f"{name}_{kernel}{suffix}"
+                    results[key + "_us"] = ms * 1e3
+                    results[key + "_bw_fraction"] = nbytes / (ms * 1e-3) / copy_bw
+            del k_cache, v_cache
+            torch.cuda.empty_cache()
+    finally:
+        os.environ.pop("RADIXSERVE_DECODE_KERNEL", None)
+        if prior is not None:
+            os.environ["RADIXSERVE_DECODE_KERNEL"] = prior
+    # the acceptance figure: the tensor-core kernel over FP8 pages, in-order slots
+    results[f"{tag}_bw_fraction"] = results[f"{tag}_tc_bw_fraction"]
+    results[f"{tag}_speedup_over_bf16"] = results[f"{base}_tc_us"] / results[f"{tag}_tc_us"]
+
+
+def bench_decode_fp8_long(results: dict, copy_bw: float, kv_name: str) -> None:
+    """Batch 32 x 4,096 tokens over FP8 pages (the bf16 decode bench's shape): split requests,
+    the CUDA-core kernel; bytes in FP8."""
+    kv_dtype = FP8_DTYPES[kv_name]
+    batch, kv_len, hq, hkv, d = 32, 4096, 32, 8, 128
+    nnz = batch * kv_len
+    k_cache = _fp8_pages(nnz + 1, hkv, d, kv_dtype, 0.5)
+    v_cache = _fp8_pages(nnz + 1, hkv, d, kv_dtype, 0.25)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    kv_indptr = torch.arange(0, nnz + 1, kv_len, dtype=torch.int32, device="cuda")
+    idx = torch.arange(1, nnz + 1, dtype=torch.int32, device="cuda")
+    nbytes = 2 * nnz * hkv * d + 2 * q.numel() * 2
+    ms = _graph_time_ms(lambda: ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, idx,
+                                                           1.0 / math.sqrt(d), 0.5, 0.25))
+    results[f"decode_attention_{kv_name}_bs32_4k_us"] = ms * 1e3
+    results[f"decode_attention_{kv_name}_bs32_4k_bw_fraction"] = nbytes / (ms * 1e-3) / copy_bw
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+
+
+def bench_extend_fp8(results: dict, kv_name: str, seq: int = 4096) -> None:
+    """Causal extend of one 4,096-token request over FP8 pages (32 heads, d 128, bf16 q):
+    TFLOP/s, beside the bf16 pool's mma.sync kernel on the same shape."""
+    kv_dtype = FP8_DTYPES[kv_name]
+    heads, d = 32, 128
+    flops = _causal_flops(seq)
+    q = torch.randn(seq, heads, d, device="cuda", dtype=torch.bfloat16)
+    k_cache = _fp8_pages(seq + 1, heads, d, kv_dtype, 0.5)
+    v_cache = _fp8_pages(seq + 1, heads, d, kv_dtype, 0.25)
+    qo_indptr = torch.tensor([0, seq], dtype=torch.int32, device="cuda")
+    kv_indices = torch.arange(1, seq + 1, dtype=torch.int32, device="cuda")
+    ms = _time_ms(lambda: ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, qo_indptr,
+                                                     kv_indices, 1.0 / math.sqrt(d), 0.5, 0.25))
+    results[f"extend_attention_{kv_name}_{seq // 1024}k_us"] = ms * 1e3
+    results[f"extend_attention_{kv_name}_{seq // 1024}k_tflops"] = flops / (ms * 1e-3) / 1e12
+    ours = _ours_extend(seq, 0, heads, d, torch.bfloat16)
+    os.environ["RADIXSERVE_EXTEND_KERNEL"] = "mma"
+    try:
+        ms = _time_ms(ours)
+    finally:
+        del os.environ["RADIXSERVE_EXTEND_KERNEL"]
+    results[f"extend_attention_bf16_mma_sm80_{seq // 1024}k_tflops"] = flops / (ms * 1e-3) / 1e12
+
+
+def run_fp8(results: dict, kv_name: str = "fp8_e4m3") -> None:
+    """Adds the FP8-KV-cache keys (module doc) to results (needs CUDA and radixserve._C)."""
+    if not (torch.cuda.is_available() and kernels_available()):
+        raise RuntimeError("attention bench needs CUDA and the radixserve._C extension")
+    results["device"] = torch.cuda.get_device_name()
+    bw = results.get("copy_bandwidth_bytes_per_s") or copy_bandwidth()
+    results["copy_bandwidth_bytes_per_s"] = bw
+    bench_decode_fp8(results, bw, kv_name)
+    bench_decode_fp8_long(results, bw, kv_name)
+    bench_extend_fp8(results, kv_name)
+
+
 def run(results: dict) -> None:
     """Adds the attention keys to results (needs CUDA and radixserve._C)."""
     if not (torch.cuda.is_available() and kernels_available()):
@@ -261,9 +389,14 @@ def run(results: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *FP8_DTYPES],
+                    help="auto: the bf16 benchmarks; an FP8 format: only the FP8-KV-cache ones")
     args = ap.parse_args()
     results: dict = {}
-    run(results)
+    if args.kv_cache_dtype == "auto":
+        run(results)
+    else:
+        run_fp8(results, args.kv_cache_dtype)
     width = max(len(k) for k in results)
     for k, v in results.items():
         print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")

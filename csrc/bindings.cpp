@@ -6,24 +6,30 @@
 #include "ops/ops.h"
 
 TORCH_LIBRARY(radixserve, m) {
-  m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_indices) -> ()");
+  m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_indices, "
+        "float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("build_kv_indices(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
         "Tensor(a!) kv_indptr, Tensor(b!) kv_indices) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, "
-        "Tensor kv_indices, float sm_scale) -> Tensor");
+        "Tensor kv_indices, float sm_scale, float k_scale=1.0, float v_scale=1.0) -> Tensor");
   m.def("paged_extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor qo_indptr, "
-        "Tensor kv_indptr, Tensor kv_indices, float sm_scale) -> Tensor");
+        "Tensor kv_indptr, Tensor kv_indices, float sm_scale, float k_scale=1.0, "
+        "float v_scale=1.0) -> Tensor");
   m.def("extend_attention_kernel(Tensor q) -> str");
   m.def("bitmask_sample(Tensor logits, Tensor? bitmask, Tensor temperature, Tensor top_k, "
         "Tensor top_p, Tensor min_p, Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, bool gated) -> Tensor");
   m.def("fp8_skinny_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor");
+  m.def("fp8_quantize(Tensor x, Tensor? input_scale) -> (Tensor, Tensor)");
+  m.def("rmsnorm_quant_fp8(Tensor x, Tensor(a!)? residual, Tensor weight, float eps, "
+        "Tensor? input_scale) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache) -> ()");
   m.def("rotary_embedding_store_kv(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor v, "
-        "Tensor cos_sin_cache, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_indices) -> ()");
+        "Tensor cos_sin_cache, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_indices, "
+        "float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
@@ -37,6 +43,8 @@ TORCH_LIBRARY_IMPL(radixserve, CUDA, m) {
   m.impl("argmax_rows", &radixserve::argmax_rows);
   m.impl("skinny_linear", &radixserve::skinny_linear);
   m.impl("fp8_skinny_linear", &radixserve::fp8_skinny_linear);
+  m.impl("fp8_quantize", &radixserve::fp8_quantize);
+  m.impl("rmsnorm_quant_fp8", &radixserve::rmsnorm_quant_fp8);
   m.impl("rms_norm", &radixserve::rms_norm);
   m.impl("fused_add_rms_norm", &radixserve::fused_add_rms_norm);
   m.impl("rotary_embedding", &radixserve::rotary_embedding);

@@ -1,11 +1,15 @@
-// paged_decode_attention and paged_extend_attention: input checks, dtype / head_dim dispatch,
-// launch on the current stream. Kernels live in include/radixserve/{decode,extend}_attention.cuh;
+// paged_decode_attention and paged_extend_attention: input checks, dtype / head_dim / pool dtype
+// dispatch, launch on the current stream. An FP8 pool (float8_e4m3fn / float8_e5m2, with q
+// bf16 or fp16) has k_scale folded into the softmax scale and v_scale into the output's
+// normalisation (DecodeParams / ExtendParams::v_scale); other pools ignore the scales. Kernels live in include/radixserve/{decode,extend}_attention.cuh;
 // contracts in pysrc/radixserve/ops/__init__.py.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -15,6 +19,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "ops/check.h"
+#include "ops/fp8_kv.h"
 #include "ops/ops.h"
 #include "radixserve/attention_launch.cuh"
 
@@ -43,7 +48,9 @@ void check_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
               "q rows must be 16-byte aligned");
   for (const at::Tensor* t : {&k_cache, &v_cache}) {
     TORCH_CHECK(t->device() == q.device(), "k_cache/v_cache must be on q's device");
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "k_cache/v_cache dtype must match q");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type() || is_fp8_kv_dtype(t->scalar_type()),
+                "k_cache/v_cache dtype must match q (or be float8_e4m3fn / float8_e5m2)");
+    TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), "k_cache and v_cache dtypes differ");
     TORCH_CHECK(t->dim() == 3, "k_cache/v_cache must be [num_slots, num_kv_heads, head_dim]");
     TORCH_CHECK(t->is_contiguous(), "k_cache/v_cache must be contiguous");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
@@ -75,6 +82,27 @@ void dispatch_dtype_dim(at::ScalarType st, int64_t d, F&& f) {
     if (d == 64) f(__half{}, std::integral_constant<int, 64>{});
     else f(__half{}, std::integral_constant<int, 128>{});
   }
+}
+
+// f(T tag, D, KV tag): KV the pool's element type (T, or __nv_fp8_e4m3 / __nv_fp8_e5m2)
+template <typename F>
+void dispatch_dtype_dim_kv(at::ScalarType st, int64_t d, at::ScalarType kv, F&& f) {
+  dispatch_dtype_dim(st, d, [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    if (kv == at::kFloat8_e4m3fn) f(tag, dim, __nv_fp8_e4m3{});
+    else if (kv == at::kFloat8_e5m2) f(tag, dim, __nv_fp8_e5m2{});
+    else f(tag, dim, T{});
+  });
+}
+
+// The softmax scale in the log2 domain, times k_scale for an FP8 pool; and the output factor
+// (v_scale for an FP8 pool, else 1). The scales of an FP8 pool must be finite and > 0.
+std::pair<float, float> kv_scales(const at::Tensor& k_cache, double sm_scale, double k_scale,
+                                  double v_scale) {
+  if (!is_fp8_kv_dtype(k_cache.scalar_type())) return {(float)sm_scale * kLog2e, 1.f};
+  check_fp8_scale(k_scale, "k_scale");
+  check_fp8_scale(v_scale, "v_scale");
+  return {(float)(sm_scale * k_scale) * kLog2e, (float)v_scale};
 }
 
 // Counters a kernel finds zero and leaves zero (the split decode's last-CTA merge,
@@ -149,7 +177,8 @@ bool decode_tensor_cores_allowed() {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& kv_indptr,
-                                  const at::Tensor& kv_indices, double sm_scale) {
+                                  const at::Tensor& kv_indices, double sm_scale, double k_scale,
+                                  double v_scale) {
   check_cache(q, k_cache, v_cache);
   check_index(kv_indptr, q, "kv_indptr");
   check_index(kv_indices, q, "kv_indices");
@@ -201,13 +230,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.num_sub = num_sub;
   p.num_splits = num_splits;
   p.num_sms = sms;
-  p.scale_log2 = (float)sm_scale * kLog2e;
+  std::tie(p.scale_log2, p.v_scale) = kv_scales(k_cache, sm_scale, k_scale, v_scale);
   p.no_split_tokens = no_split;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
+  dispatch_dtype_dim_kv(q.scalar_type(), q.size(2), k_cache.scalar_type(),
+                        [&](auto tag, auto dim, auto kv) {
     const cudaError_t err =
-        attn::launch_paged_decode<decltype(tag), decltype(dim)::value>(
+        attn::launch_paged_decode<decltype(tag), decltype(dim)::value, decltype(kv)>(
             p, (int)batch, stream, decode_tensor_cores_allowed());
     C10_CUDA_CHECK(err);
   });
@@ -217,7 +247,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& qo_indptr,
                                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                                  double sm_scale) {
+                                  double sm_scale, double k_scale, double v_scale) {
   check_cache(q, k_cache, v_cache);
   check_index(qo_indptr, q, "qo_indptr");
   check_index(kv_indptr, q, "kv_indptr");
@@ -250,20 +280,23 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.batch = (int)batch;
   p.num_q_heads = hq;
   p.group = hq / hkv;
-  p.scale_log2 = (float)sm_scale * kLog2e;
+  std::tie(p.scale_log2, p.v_scale) = kv_scales(k_cache, sm_scale, k_scale, v_scale);
   p.work_counters = nullptr;
   p.num_slots = k_cache.size(0);
   p.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
+  dispatch_dtype_dim_kv(q.scalar_type(), q.size(2), k_cache.scalar_type(),
+                        [&](auto tag, auto dim, auto kv) {
     using T = decltype(tag);
+    using KV = decltype(kv);
     constexpr int D = decltype(dim)::value;
-    const bool wgmma = use_wgmma_kernel<T, D>();
+    // an FP8 pool runs the mma.sync kernel (the wgmma kernel's tiles are 16-bit, by TMA)
+    const bool wgmma = !fp8::is_fp8<KV>() && use_wgmma_kernel<T, D>();
     if (wgmma)
       p.work_counters = left_zero_counters(q, kExtendItems, 2,
                                            "paged_extend_attention: the work-item counters");
-    const cudaError_t err = attn::launch_paged_extend<T, D>(p, q.size(0), wgmma, stream);
+    const cudaError_t err = attn::launch_paged_extend<T, D, KV>(p, q.size(0), wgmma, stream);
     C10_CUDA_CHECK(err);
   });
   return out;

@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include "ops/check.h"
+#include "ops/fp8_kv.h"
 #include "ops/ops.h"
 #include "radixserve/elementwise.cuh"
 
@@ -171,7 +172,8 @@ void check_kv_row_view(const at::Tensor& t, const char* name, int64_t num_tokens
            cache.size(1), ", ", cache.size(2), "]");
   RS_CHECK(t.stride(2) == 1 && (t.size(1) == 1 || t.stride(1) == t.size(2)), name,
            " rows ([num_kv_heads, head_dim]) must be contiguous");
-  RS_CHECK(t.scalar_type() == cache.scalar_type(), name, " dtype must equal the cache dtype");
+  RS_CHECK(t.scalar_type() == cache.scalar_type() || is_fp8_kv_dtype(cache.scalar_type()), name,
+           " dtype must equal the cache dtype (or the cache be FP8)");
 }
 
 }  // namespace
@@ -190,7 +192,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
 void rotary_embedding_store_kv(const at::Tensor& positions, at::Tensor q, at::Tensor k,
                                const at::Tensor& v, const at::Tensor& cos_sin_cache,
                                at::Tensor k_cache, at::Tensor v_cache,
-                               const at::Tensor& slot_indices) {
+                               const at::Tensor& slot_indices, double k_scale, double v_scale) {
   bool vec = false;
   const ew::RotaryParams p = rotary_params(positions, q, k, cos_sin_cache, &vec);
   check_on(k_cache, "k_cache", q);
@@ -217,11 +219,33 @@ void rotary_embedding_store_kv(const at::Tensor& positions, at::Tensor q, at::Te
   kv.num_slots = k_cache.size(0);
   kv.row_elems = k_cache.size(1) * k_cache.size(2);
   const int64_t n = 16 / q.element_size();
-  vec = vec && kv.row_elems % n == 0 && kv.v_stride % n == 0 && aligned16(kv.v) &&
-        aligned16(kv.k_cache) && aligned16(kv.v_cache);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool i64 = slot_indices.scalar_type() == at::kLong;
+  const auto cache_dtype = k_cache.scalar_type();
+  if (is_fp8_kv_dtype(cache_dtype)) {
+    // vec (the rotation's 16-byte vectors) stays as rotary_params said; the FP8 rows move in
+    // groups of 8 where the k / v rows are 16-byte aligned and the pool rows 8-byte aligned
+    kv.k_inv_scale = fp8_inv_scale(k_scale, "k_scale");
+    kv.v_inv_scale = fp8_inv_scale(v_scale, "v_scale");
+    const int64_t es = q.element_size();
+    kv.fp8_vec8 = kv.row_elems % 8 == 0 && (p.k_stride_t * es) % 16 == 0 &&
+                  (kv.v_stride * es) % 16 == 0 && aligned16(p.k) && aligned16(kv.v) &&
+                  (reinterpret_cast<uintptr_t>(kv.k_cache) & 7) == 0 &&
+                  (reinterpret_cast<uintptr_t>(kv.v_cache) & 7) == 0;
+    const bool e4m3 = cache_dtype == at::kFloat8_e4m3fn;
+    cudaError_t err = RS_DISPATCH(q.scalar_type(), [&] {
+      if (e4m3)
+        return i64 ? ew::launch_rotary_store_kv<T, int64_t, __nv_fp8_e4m3>(p, kv, vec, stream)
+                   : ew::launch_rotary_store_kv<T, int32_t, __nv_fp8_e4m3>(p, kv, vec, stream);
+      return i64 ? ew::launch_rotary_store_kv<T, int64_t, __nv_fp8_e5m2>(p, kv, vec, stream)
+                 : ew::launch_rotary_store_kv<T, int32_t, __nv_fp8_e5m2>(p, kv, vec, stream);
+    });
+    check_err(err, "rotary_embedding_store_kv");
+    return;
+  }
+  vec = vec && kv.row_elems % n == 0 && kv.v_stride % n == 0 && aligned16(kv.v) &&
+        aligned16(kv.k_cache) && aligned16(kv.v_cache);
   cudaError_t err = RS_DISPATCH(q.scalar_type(), [&] {
     return i64 ? ew::launch_rotary_store_kv<T, int64_t>(p, kv, vec, stream)
                : ew::launch_rotary_store_kv<T, int32_t>(p, kv, vec, stream);

@@ -1,4 +1,5 @@
 // store_kv and build_kv_indices: input checks, dtype dispatch, launch on the current stream.
+// store_kv into an FP8 pool quantizes (fp8_kv.cuh): bf16/fp16/fp32 k / v, fp32 1 / scale.
 // Kernels: csrc/include/radixserve/kv.cuh. Contracts: pysrc/radixserve/ops/__init__.py.
 #include <string>
 
@@ -7,8 +8,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "ops/check.h"
+#include "ops/fp8_kv.h"
 #include "ops/ops.h"
 #include "radixserve/kv.cuh"
 
@@ -49,10 +52,34 @@ void store_kv_typed(kv::StoreKvParams& p, const at::Tensor& slot_indices, bool v
   RS_CHECK(err == cudaSuccess, "store_kv launch failed: ", cudaGetErrorString(err));
 }
 
+template <typename F8>
+void store_kv_fp8_typed(kv::StoreKvParams& p, at::ScalarType in_dtype,
+                        const at::Tensor& slot_indices, bool vec8, cudaStream_t stream) {
+  const bool i32 = slot_indices.scalar_type() == at::kInt;
+  cudaError_t err;
+  switch (in_dtype) {
+    case at::kBFloat16:
+      err = i32 ? kv::launch_store_kv_fp8<__nv_bfloat16, F8, int32_t>(p, vec8, stream)
+                : kv::launch_store_kv_fp8<__nv_bfloat16, F8, int64_t>(p, vec8, stream);
+      break;
+    case at::kHalf:
+      err = i32 ? kv::launch_store_kv_fp8<__half, F8, int32_t>(p, vec8, stream)
+                : kv::launch_store_kv_fp8<__half, F8, int64_t>(p, vec8, stream);
+      break;
+    default:
+      err = i32 ? kv::launch_store_kv_fp8<float, F8, int32_t>(p, vec8, stream)
+                : kv::launch_store_kv_fp8<float, F8, int64_t>(p, vec8, stream);
+      break;
+  }
+  RS_CHECK(err == cudaSuccess, "store_kv launch failed: ", cudaGetErrorString(err));
+}
+
+bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7) == 0; }
+
 }  // namespace
 
 void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& slot_indices) {
+              const at::Tensor& slot_indices, double k_scale, double v_scale) {
   check_cuda(k_cache, "k_cache", k_cache);
   check_cuda(v_cache, "v_cache", k_cache);
   check_cuda(k, "k", k_cache);
@@ -64,10 +91,20 @@ void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
               " must equal k_cache shape ", k_cache.sizes());
   RS_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache/v_cache must be contiguous");
   const auto dtype = k_cache.scalar_type();
-  RS_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
-              "store_kv: cache dtype must be bf16, fp16 or fp32, got ", dtype);
-  RS_CHECK(v_cache.scalar_type() == dtype && k.scalar_type() == dtype && v.scalar_type() == dtype,
-              "store_kv: k, v, k_cache, v_cache must share one dtype");
+  const bool fp8 = is_fp8_kv_dtype(dtype);
+  RS_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat || fp8,
+              "store_kv: cache dtype must be bf16, fp16, fp32 or float8_e4m3fn / float8_e5m2, "
+              "got ", dtype);
+  RS_CHECK(v_cache.scalar_type() == dtype, "store_kv: k_cache and v_cache dtypes differ");
+  if (fp8) {
+    const auto in = k.scalar_type();
+    RS_CHECK((in == at::kBFloat16 || in == at::kHalf || in == at::kFloat) &&
+                 v.scalar_type() == in,
+             "store_kv: an FP8 cache takes k and v of one dtype, bf16, fp16 or fp32");
+  } else {
+    RS_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype,
+             "store_kv: k, v, k_cache, v_cache must share one dtype");
+  }
   const int64_t num_tokens = slot_indices.size(0);
   RS_CHECK(slot_indices.dim() == 1, "slot_indices must be 1-D [num_tokens]");
   RS_CHECK(slot_indices.scalar_type() == at::kInt || slot_indices.scalar_type() == at::kLong,
@@ -89,6 +126,19 @@ void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
   p.row_elems = k_cache.size(1) * k_cache.size(2);
   p.k_stride = k.stride(0);
   p.v_stride = v.stride(0);
+  if (fp8) {
+    p.k_inv_scale = fp8_inv_scale(k_scale, "k_scale");
+    p.v_inv_scale = fp8_inv_scale(v_scale, "v_scale");
+    const int64_t in_size = k.element_size();
+    const bool vec8 = p.row_elems % 8 == 0 && (p.k_stride * in_size) % 16 == 0 &&
+                      (p.v_stride * in_size) % 16 == 0 && aligned16(p.k) && aligned16(p.v) &&
+                      aligned8(p.k_cache) && aligned8(p.v_cache);
+    if (dtype == at::kFloat8_e4m3fn)
+      store_kv_fp8_typed<__nv_fp8_e4m3>(p, k.scalar_type(), slot_indices, vec8, stream);
+    else
+      store_kv_fp8_typed<__nv_fp8_e5m2>(p, k.scalar_type(), slot_indices, vec8, stream);
+    return;
+  }
   const int64_t esize = k_cache.element_size();
   const bool vec16 = (p.row_elems * esize) % 16 == 0 && (p.k_stride * esize) % 16 == 0 &&
                      (p.v_stride * esize) % 16 == 0 && aligned16(p.k_cache) &&

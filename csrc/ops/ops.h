@@ -13,18 +13,19 @@ namespace radixserve {
 
 // kv.cu
 void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& slot_indices);
+              const at::Tensor& slot_indices, double k_scale, double v_scale);
 void build_kv_indices(const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                       const at::Tensor& seq_lens, at::Tensor kv_indptr, at::Tensor kv_indices);
 
 // attention.cu
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& kv_indptr,
-                                  const at::Tensor& kv_indices, double sm_scale);
+                                  const at::Tensor& kv_indices, double sm_scale, double k_scale,
+                                  double v_scale);
 at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& qo_indptr,
                                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                                  double sm_scale);
+                                  double sm_scale, double k_scale, double v_scale);
 // which kernel paged_extend_attention runs for q's dtype / head_dim on q's device:
 // "wgmma_sm90" or "mma_sm80"
 std::string extend_attention_kernel(const at::Tensor& q);
@@ -44,6 +45,14 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                              const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias);
 
+// fp8_quant.cu
+std::tuple<at::Tensor, at::Tensor> fp8_quantize(const at::Tensor& x,
+                                                const std::optional<at::Tensor>& input_scale);
+std::tuple<at::Tensor, at::Tensor> rmsnorm_quant_fp8(const at::Tensor& x,
+                                                     const std::optional<at::Tensor>& residual,
+                                                     const at::Tensor& weight, double eps,
+                                                     const std::optional<at::Tensor>& input_scale);
+
 // elementwise.cu
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
@@ -52,7 +61,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
 void rotary_embedding_store_kv(const at::Tensor& positions, at::Tensor q, at::Tensor k,
                                const at::Tensor& v, const at::Tensor& cos_sin_cache,
                                at::Tensor k_cache, at::Tensor v_cache,
-                               const at::Tensor& slot_indices);
+                               const at::Tensor& slot_indices, double k_scale, double v_scale);
 at::Tensor silu_and_mul(const at::Tensor& x);
 
 }  // namespace radixserve

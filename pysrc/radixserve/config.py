@@ -50,9 +50,8 @@ REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     "--hf-chat-template-name": "of a tokenizer's named templates, chats use 'default' and "
                                "requests with tools 'tool_use'; --chat-template replaces them",
     # quantization and data type
-    "--quantization": "weights load unquantized, in --dtype",
-    "--quantization-param-path": "weights load unquantized, in --dtype",
-    "--kv-cache-dtype": "the KV cache is stored in the model's --dtype",
+    "--quantization-param-path": "FP8 scales come from the checkpoint (quantization_config) or "
+                                 "are computed at load (--quantization fp8)",
     # parallelism and distribution (--tp-size 1 and --dp-size 1 are accepted)
     "--pp-size": _ONE_DEVICE,
     "--pipeline-parallel-size": _ONE_DEVICE,
@@ -211,6 +210,17 @@ def _lower(value: str) -> str:
     return value.lower()
 
 
+# --quantization's values (radixserve.quant.fp8.QUANTIZATION_METHODS, SGLang's names)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")
+
+
+def _quantization(value: str) -> str:
+    if value not in QUANTIZATION_METHODS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from "
+                                         f"{', '.join(QUANTIZATION_METHODS)})")
+    return value
+
+
 @dataclass
 class ServerArgs:
     """Every flag of `radixserve serve` (one field each: --field-name); the help text of each
@@ -231,9 +241,23 @@ class ServerArgs:
         "dummy (the real shapes with random weights, for benchmarks)",
         choices=("auto", "safetensors", "dummy"))
     dtype: str = _flag(
-        "auto", "dtype of weights, activations and the KV cache; auto: float32 on the CPU, bfloat16 "
-        "on a GPU; float = float32, half = float16",
+        "auto", "dtype of weights, activations and (unless --kv-cache-dtype) the KV cache; "
+        "auto: float32 on the CPU, bfloat16 on a GPU; float = float32, half = float16",
         choices=("auto", "float32", "float", "bfloat16", "float16", "half"))
+    kv_cache_dtype: str = _flag(
+        "auto", "dtype of the KV cache: auto (the model's --dtype), fp8_e4m3 or fp8_e5m2 (one "
+        "byte per element, so the pool holds twice the tokens of bf16; K and V are stored "
+        "divided by the layer's k_scale / v_scale from the checkpoint, 1.0 where it has none, "
+        "and attention reads them back multiplied)", choices=("auto", "fp8_e4m3", "fp8_e5m2"))
+    quantization: Optional[str] = _flag(
+        None, "FP8 (e4m3) linear layers: fp8 quantizes a bf16/fp16 checkpoint at load "
+        "(per-output-channel weight scales; activations quantized per token for GEMMs of more "
+        "than 16 rows, FP8 weights with --dtype math below); an FP8 checkpoint (config.json's "
+        "quantization_config: compressed-tensors FP8/FP8_DYNAMIC or ModelOpt FP8) loads as it "
+        "ships, with fp8 or its own method name or without the flag; the LM head and "
+        "embeddings stay in --dtype; default: what the checkpoint's quantization_config says "
+        "(unquantized without one)", type=_quantization,
+        metavar="{" + ",".join(QUANTIZATION_METHODS) + "}")
     device: str = _flag(
         "auto", "device of the forward; auto: cuda when a GPU is visible, else cpu",
         choices=("auto", "cpu", "cuda"))
@@ -406,6 +430,12 @@ class ServerArgs:
         return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "half": torch.float16}[self.dtype]
 
+    def resolved_kv_cache_dtype(self) -> torch.dtype:
+        """The KV pool's dtype: the model's (resolved_dtype) for auto, else the FP8 format."""
+        if self.kv_cache_dtype == "auto":
+            return self.resolved_dtype()
+        return {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[self.kv_cache_dtype]
+
     def resolved_api_keys(self) -> List[Tuple[str, Optional[str]]]:
         """The client keys, each (key, name or None): --api-key's (one, or a list; without
         the flag, the environment's RADIXSERVE_API_KEY, an empty one counting as unset), then
@@ -477,6 +507,12 @@ class ServerArgs:
             raise ValueError(f"--load-format must be auto, safetensors or dummy, not {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
             raise ValueError(f"--dtype {self.dtype!r} is not supported")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"--kv-cache-dtype must be auto, fp8_e4m3 or fp8_e5m2, not "
+                             f"{self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                             f"not {self.quantization!r}")
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:

@@ -90,6 +90,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
                "r"(src_size));
 }
 
+// 8-byte cp.async (the FP8 pools' 8-value pieces; .ca: .cg copies 16 bytes only)
+__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool valid) {
+  int src_size = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_size));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // For a thread that reads back its own copies with no barrier in between (decode): the memory

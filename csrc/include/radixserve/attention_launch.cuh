@@ -13,6 +13,7 @@
 
 #include "radixserve/decode_attention.cuh"
 #include "radixserve/decode_attention_mma.cuh"
+#include "radixserve/decode_attention_mma_fp8.cuh"
 #include "radixserve/extend_attention.cuh"
 #include "radixserve/extend_attention_sm90.cuh"
 #include "radixserve/launch_utils.cuh"
@@ -48,7 +49,10 @@ inline bool decode_uses_tensor_cores(int group, int num_splits, int d, bool tens
 // and p.split_counters [batch * num_kv_heads * num_sub] (int32, zero; left zero) must be set.
 // Grid: (num_splits * num_sub, num_kv_heads, batch). tensor_cores: allow the tensor-core kernel
 // where decode_uses_tensor_cores says it serves (false: the CUDA-core kernel, for comparisons).
-template <typename T, int D>
+// KV: the pools' element type, T or __nv_fp8_e4m3 / __nv_fp8_e5m2 (then the tensor-core kernel
+// is paged_decode_mma_fp8_kernel, the CUDA-core one reads 8-byte pieces; p.scale_log2 carries
+// k_scale and p.v_scale the v_scale).
+template <typename T, int D, typename KV = T>
 cudaError_t launch_paged_decode(const DecodeParams& p, int batch, cudaStream_t stream,
                                 bool tensor_cores = true) {
   if (p.num_splits > 1 &&
@@ -62,21 +66,29 @@ cudaError_t launch_paged_decode(const DecodeParams& p, int batch, cudaStream_t s
     cudaError_t err;
     if constexpr ((G == 4 || G == 8) && D % 64 == 0) {
       if (mma) {
-        constexpr auto kernel = paged_decode_mma_kernel<T, D, G>;
-        constexpr int mma_smem = decode_mma_smem_bytes<D>();
-        err = set_max_dynamic_smem<kernel>(mma_smem);
-        if (err != cudaSuccess) return err;
-        kernel<<<grid, kDecodeMmaThreads, mma_smem, stream>>>(p);
+        if constexpr (fp8::is_fp8<KV>()) {
+          constexpr auto kernel = paged_decode_mma_fp8_kernel<T, KV, D, G>;
+          constexpr int mma_smem = decode_mma_fp8_smem_bytes<D>();
+          err = set_max_dynamic_smem<kernel>(mma_smem);
+          if (err != cudaSuccess) return err;
+          kernel<<<grid, kDecodeMmaThreads, mma_smem, stream>>>(p);
+        } else {
+          constexpr auto kernel = paged_decode_mma_kernel<T, D, G>;
+          constexpr int mma_smem = decode_mma_smem_bytes<D>();
+          err = set_max_dynamic_smem<kernel>(mma_smem);
+          if (err != cudaSuccess) return err;
+          kernel<<<grid, kDecodeMmaThreads, mma_smem, stream>>>(p);
+        }
         return cudaGetLastError();
       }
     }
     if (p.num_splits > 1) {
-      constexpr auto kernel = paged_decode_kernel<T, D, G, true>;
+      constexpr auto kernel = paged_decode_kernel<T, D, G, true, KV>;
       err = set_max_dynamic_smem<kernel>(smem);
       if (err != cudaSuccess) return err;
       kernel<<<grid, kDecodeThreads, smem, stream>>>(p);
     } else {
-      constexpr auto kernel = paged_decode_kernel<T, D, G, false>;
+      constexpr auto kernel = paged_decode_kernel<T, D, G, false, KV>;
       err = set_max_dynamic_smem<kernel>(smem);
       if (err != cudaSuccess) return err;
       kernel<<<grid, kDecodeThreads, smem, stream>>>(p);
@@ -170,38 +182,44 @@ inline bool encode_kv_map(CUtensorMap* map, const void* base, int64_t num_slots,
 // persistent, one CTA per multiprocessor (p.num_sms; at most one per item), which needs
 // p.work_counters (2 int32, zero; left zero); its whole, consecutive-slot K/V tiles load by TMA
 // when p.num_slots is set and the pools' strides allow (sm90::KvMaps), the rest by cp.async.
-template <typename T, int D>
+// KV: the pools' element type, T or an FP8 type; FP8 pools run the mma.sync kernel only (wgmma
+// must be false: its tiles are 16-bit, loaded by TMA).
+template <typename T, int D, typename KV = T>
 cudaError_t launch_paged_extend(const ExtendParams& p, int64_t num_q_tokens, bool wgmma,
                                 cudaStream_t stream) {
   if (p.num_q_heads > 65535) return cudaErrorInvalidValue;
+  if (fp8::is_fp8<KV>() && wgmma) return cudaErrorInvalidValue;
   cudaError_t err;
-  if (wgmma) {
-    if (p.work_counters == nullptr || p.num_sms < 1) return cudaErrorInvalidValue;
-    const int pack_log2 = sm90::extend_pack_log2(p.group);
-    const int tile_tokens = sm90::kBM >> pack_log2;
-    const int64_t tiles = (num_q_tokens + tile_tokens - 1) / tile_tokens + p.batch;
-    const int64_t items = tiles * (p.num_q_heads >> pack_log2);
-    if (items >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
-    constexpr int smem = sm90::extend_smem_bytes<D>();
-    constexpr auto kernel = sm90::paged_extend_kernel<T, D>;
-    err = set_max_dynamic_smem<kernel>(smem);
-    if (err != cudaSuccess) return err;
-    const int64_t ctas = sm90::kPersistent ? std::min<int64_t>(items, p.num_sms) : items;
-    sm90::KvMaps maps{};
-    const int hkv = p.num_q_heads / p.group;
-    maps.use = encode_kv_map(&maps.k, p.k, p.num_slots, hkv, D, p.kv_stride_slot, p.kv_stride_h) &&
-               encode_kv_map(&maps.v, p.v, p.num_slots, hkv, D, p.kv_stride_slot, p.kv_stride_h);
-    kernel<<<(unsigned)ctas, sm90::kThreads, smem, stream>>>(p, (int)tiles, maps);
-  } else {
-    const int64_t tiles = (num_q_tokens + kExtendBlockM - 1) / kExtendBlockM + p.batch;
-    if (tiles * p.num_q_heads >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
-    const dim3 grid((unsigned)tiles, (unsigned)p.num_q_heads);
-    constexpr int smem = extend_smem_bytes<D>();
-    constexpr auto kernel = paged_extend_kernel<T, D>;
-    err = set_max_dynamic_smem<kernel>(smem);
-    if (err != cudaSuccess) return err;
-    kernel<<<grid, kExtendThreads, smem, stream>>>(p);
+  if constexpr (!fp8::is_fp8<KV>()) {  // no wgmma instantiation for FP8 pools
+    if (wgmma) {
+      if (p.work_counters == nullptr || p.num_sms < 1) return cudaErrorInvalidValue;
+      const int pack_log2 = sm90::extend_pack_log2(p.group);
+      const int tile_tokens = sm90::kBM >> pack_log2;
+      const int64_t tiles = (num_q_tokens + tile_tokens - 1) / tile_tokens + p.batch;
+      const int64_t items = tiles * (p.num_q_heads >> pack_log2);
+      if (items >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
+      constexpr int smem = sm90::extend_smem_bytes<D>();
+      constexpr auto kernel = sm90::paged_extend_kernel<T, D>;
+      err = set_max_dynamic_smem<kernel>(smem);
+      if (err != cudaSuccess) return err;
+      const int64_t ctas = sm90::kPersistent ? std::min<int64_t>(items, p.num_sms) : items;
+      sm90::KvMaps maps{};
+      const int hkv = p.num_q_heads / p.group;
+      maps.use =
+          encode_kv_map(&maps.k, p.k, p.num_slots, hkv, D, p.kv_stride_slot, p.kv_stride_h) &&
+          encode_kv_map(&maps.v, p.v, p.num_slots, hkv, D, p.kv_stride_slot, p.kv_stride_h);
+      kernel<<<(unsigned)ctas, sm90::kThreads, smem, stream>>>(p, (int)tiles, maps);
+      return cudaGetLastError();
+    }
   }
+  const int64_t tiles = (num_q_tokens + kExtendBlockM - 1) / kExtendBlockM + p.batch;
+  if (tiles * p.num_q_heads >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
+  const dim3 grid((unsigned)tiles, (unsigned)p.num_q_heads);
+  constexpr int smem = extend_smem_bytes<D>();
+  constexpr auto kernel = paged_extend_kernel<T, D, KV>;
+  err = set_max_dynamic_smem<kernel>(smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, kExtendThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -30,11 +30,15 @@
 // The combine is the one that kernel did, with the same summation order, so outputs are unchanged.
 // No CTA waits for another: a CTA that is not the last exits, so nothing depends on which CTAs
 // are resident together.
+// FP8 pools (KV = __nv_fp8_e4m3 / __nv_fp8_e5m2): a thread's piece of a row is 8 values = 8 bytes
+// (cp.async of 8 bytes into the same 16-byte pipeline slots), converted to fp32 exactly
+// (fp8_kv.cuh); k_scale is part of scale_log2 and v_scale multiplies the normalised output.
 #pragma once
 
 #include <cstdint>
 
 #include "radixserve/attention_common.cuh"
+#include "radixserve/fp8_kv.cuh"
 #include "radixserve/pdl.cuh"
 
 namespace radixserve {
@@ -60,6 +64,9 @@ struct DecodeParams {
   float scale_log2;  // sm_scale * log2(e)
   // a request of at most this many KV tokens is never split (decode_plan_splits); 0: no such rule
   int no_split_tokens;
+  // multiplies every normalised output (and split partial): an FP8 pool's v_scale, else 1 (the
+  // FP8 pool's k_scale is folded into scale_log2 by the host)
+  float v_scale = 1.f;
 };
 
 constexpr int kDecodeThreads = 128;
@@ -231,7 +238,7 @@ __device__ __forceinline__ void decode_combine_parts(const DecodeParams& p, int 
       }
     }
     const int qh = qh0 + g;
-    const float o = den > 0.f ? num / den : 0.f;
+    const float o = den > 0.f ? num / den * p.v_scale : 0.f;
     if (partial) {
       const int64_t row = ((int64_t)b * p.num_q_heads + qh) * p.num_splits + split;
       p.part_o[row * D + d] = o;
@@ -243,9 +250,12 @@ __device__ __forceinline__ void decode_combine_parts(const DecodeParams& p, int 
   }
 }
 
-template <typename T, int D, int kGroupMax, bool kSplit>
+// KV: the pools' element type, T or an FP8 type (8-byte pieces, see the header comment)
+template <typename T, int D, int kGroupMax, bool kSplit, typename KV = T>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode_kernel(const DecodeParams p) {
+  constexpr bool kFp8 = fp8::is_fp8<KV>();
+  using KvElem = typename std::conditional<kFp8, uint8_t, T>::type;
   pdl_launch_dependents();  // the o projection after attention may start streaming its weights
   constexpr int kLanes = D / 8;
   constexpr int kRows = kDecodeThreads / kLanes;
@@ -320,8 +330,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   const int32_t* idx = p.kv_indices + kv_start;
   const int64_t head_off = (int64_t)kvh * p.kv_stride_h + ln * 8;
-  const T* kbase = static_cast<const T*>(p.k) + head_off;
-  const T* vbase = static_cast<const T*>(p.v) + head_off;
+  const KvElem* kbase = static_cast<const KvElem*>(p.k) + head_off;
+  const KvElem* vbase = static_cast<const KvElem*>(p.v) + head_off;
 
   // Thread-private cp.async pipeline: a thread copies exactly the 16-byte pieces it later reads,
   // so no barrier is needed; kStages - 1 steps (2 * kUnroll loads each) stay in flight.
@@ -345,8 +355,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
       for (int u = 0; u < kUnroll; ++u) {
         const bool ok = lo + it * kStep + u * kRows + rg < hi;
         const int64_t off = ok ? (int64_t)slots[u] * p.kv_stride_slot : 0;
-        cp_async_16(smem_u32(pipe_at(stage, u, 0)), kbase + off, ok);
-        cp_async_16(smem_u32(pipe_at(stage, u, 1)), vbase + off, ok);
+        if constexpr (kFp8) {
+          cp_async_8(smem_u32(pipe_at(stage, u, 0)), kbase + off, ok);
+          cp_async_8(smem_u32(pipe_at(stage, u, 1)), vbase + off, ok);
+        } else {
+          cp_async_16(smem_u32(pipe_at(stage, u, 0)), kbase + off, ok);
+          cp_async_16(smem_u32(pipe_at(stage, u, 1)), vbase + off, ok);
+        }
       }
     }
     cp_async_commit();
@@ -377,7 +392,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       float kf[8];
-      vec8_to_float<T>(kr[u], kf);
+      if constexpr (kFp8) fp8::to_float8<KV>(make_uint2(kr[u].x, kr[u].y), kf);
+      else vec8_to_float<T>(kr[u], kf);
 #pragma unroll
       for (int g = 0; g < kGroupMax; ++g) {
         float a = 0.f;
@@ -399,7 +415,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
     float vf[kUnroll][8];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) vec8_to_float<T>(vr[u], vf[u]);
+    for (int u = 0; u < kUnroll; ++u) {
+      if constexpr (kFp8) fp8::to_float8<KV>(make_uint2(vr[u].x, vr[u].y), vf[u]);
+      else vec8_to_float<T>(vr[u], vf[u]);
+    }
 
 #pragma unroll
     for (int g = 0; g < kGroupMax; ++g) {

@@ -311,7 +311,8 @@ __global__ void rotary_kernel(RotaryParams p) {
 // (after a barrier, so the rotated k is what it reads back) copies its k row and v row
 // ([num_kv_heads * head_dim], contiguous across heads) into the pool at slot_indices[t]. Slots
 // outside [0, num_slots) are skipped, as in store_kv; the copy runs also when the position is
-// out of range (rotation skipped), as the two separate ops would.
+// out of range (rotation skipped), as the two separate ops would. An FP8 pool (C = __nv_fp8_e4m3
+// / __nv_fp8_e5m2) gets the rows quantized as store_kv quantizes them (fp8::quantize_kv_row).
 struct KvRowTarget {
   void* k_cache;             // [num_slots, row_elems]
   void* v_cache;             // [num_slots, row_elems]
@@ -320,9 +321,14 @@ struct KvRowTarget {
   const void* slot_indices;  // [num_tokens] IdxT
   int64_t num_slots;
   int64_t row_elems;         // num_kv_heads * head_dim
+  // FP8 pools only: fp32 1 / k_scale, 1 / v_scale, and whether rows move in groups of 8
+  // (fp8::quantize_kv_row's vec8)
+  float k_inv_scale = 1.f;
+  float v_inv_scale = 1.f;
+  bool fp8_vec8 = false;
 };
 
-template <typename T, bool VEC, typename IdxT>
+template <typename T, bool VEC, typename IdxT, typename C = T>
 __global__ void rotary_store_kv_kernel(RotaryParams p, KvRowTarget kv) {
   pdl_launch_dependents();
   const int64_t t = blockIdx.x;
@@ -330,10 +336,18 @@ __global__ void rotary_store_kv_kernel(RotaryParams p, KvRowTarget kv) {
   __syncthreads();  // the rotated k rows of this token are visible to every thread of the CTA
   const int64_t slot = static_cast<int64_t>(static_cast<const IdxT*>(kv.slot_indices)[t]);
   if (slot < 0 || slot >= kv.num_slots) return;
-  kv::copy_kv_row<T, VEC>(static_cast<T*>(kv.k_cache) + slot * kv.row_elems,
-                          static_cast<T*>(kv.v_cache) + slot * kv.row_elems,
-                          static_cast<const T*>(p.k) + t * p.k_stride_t,
-                          static_cast<const T*>(kv.v) + t * kv.v_stride, kv.row_elems);
+  if constexpr (fp8::is_fp8<C>()) {
+    fp8::quantize_kv_row<T, C>(static_cast<uint8_t*>(kv.k_cache) + slot * kv.row_elems,
+                               static_cast<uint8_t*>(kv.v_cache) + slot * kv.row_elems,
+                               static_cast<const T*>(p.k) + t * p.k_stride_t,
+                               static_cast<const T*>(kv.v) + t * kv.v_stride, kv.row_elems,
+                               kv.k_inv_scale, kv.v_inv_scale, kv.fp8_vec8);
+  } else {
+    kv::copy_kv_row<T, VEC>(static_cast<T*>(kv.k_cache) + slot * kv.row_elems,
+                            static_cast<T*>(kv.v_cache) + slot * kv.row_elems,
+                            static_cast<const T*>(p.k) + t * p.k_stride_t,
+                            static_cast<const T*>(kv.v) + t * kv.v_stride, kv.row_elems);
+  }
 }
 
 template <typename T>
@@ -350,21 +364,23 @@ cudaError_t launch_rotary(const RotaryParams& p, bool vec, cudaStream_t stream) 
   return cudaGetLastError();
 }
 
-// vec: as for launch_rotary, and additionally every k/v/cache row start 16-byte aligned.
-template <typename T, typename IdxT>
+// vec: as for launch_rotary, and additionally (16-bit pools) every k/v/cache row start 16-byte
+// aligned. C: the pool's element type, T or an FP8 type (then kv.fp8_vec8 says how rows move).
+template <typename T, typename IdxT, typename C = T>
 cudaError_t launch_rotary_store_kv(const RotaryParams& p, const KvRowTarget& kv, bool vec,
                                    cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
   const int n = vec ? 16 / (int)sizeof(T) : 1;
   const int64_t rope_work = (p.num_q_heads + p.num_kv_heads) * (p.rotary_dim / 2 / n);
-  const int64_t copy_work = kv.row_elems / n;
+  const int64_t copy_work =
+      fp8::is_fp8<C>() ? (kv.fp8_vec8 ? kv.row_elems / 8 : kv.row_elems) : kv.row_elems / n;
   const int64_t work = rope_work > copy_work ? rope_work : copy_work;
   int threads = 32;
   while (threads < work && threads < 512) threads *= 2;
   if (vec)
-    rotary_store_kv_kernel<T, true, IdxT><<<(unsigned)p.num_tokens, threads, 0, stream>>>(p, kv);
+    rotary_store_kv_kernel<T, true, IdxT, C><<<(unsigned)p.num_tokens, threads, 0, stream>>>(p, kv);
   else
-    rotary_store_kv_kernel<T, false, IdxT><<<(unsigned)p.num_tokens, threads, 0, stream>>>(p, kv);
+    rotary_store_kv_kernel<T, false, IdxT, C><<<(unsigned)p.num_tokens, threads, 0, stream>>>(p, kv);
   return cudaGetLastError();
 }
 

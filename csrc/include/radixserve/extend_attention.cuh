@@ -14,11 +14,18 @@
 // over all requests (ceil(num_q_tokens / kBlockM) + batch); a CTA finds its request by a warp
 // scan over qo_indptr, spare CTAs exit. Tiles are handed out last-first (causal tiles at the
 // end of a request carry the most work).
+// FP8 pools (KV = __nv_fp8_e4m3 / __nv_fp8_e5m2): the K/V tiles hold fp16 converted from the
+// FP8 bytes (exactly, fp8_kv.cuh), and Q (converted from bf16 when T is bf16) and P enter the
+// products as fp16. The bytes of tile n + 1 are loaded into registers before tile n's products
+// and converted into the other shared-memory stage after them (cp.async cannot convert). k_scale
+// is part of scale_log2; v_scale multiplies the output's normalisation.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "radixserve/attention_common.cuh"
+#include "radixserve/fp8_kv.cuh"
 
 namespace radixserve {
 namespace attn {
@@ -40,6 +47,8 @@ struct ExtendParams {
   int* work_counters;
   int64_t num_slots;   // rows of the K/V pools (the sm_90a kernel's TMA maps span them)
   int num_sms;         // multiprocessors of the device (the sm_90a kernel's persistent grid)
+  // multiplies the output's normalisation: an FP8 pool's v_scale (mma.sync kernel), else 1
+  float v_scale = 1.f;
 };
 
 // Variable lengths in one launch: query tile `tile_id` of the concatenation of all requests'
@@ -139,9 +148,12 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
-template <typename T, int D>
+template <typename T, int D, typename KV = T>
 __global__ void __launch_bounds__(kExtendThreads, 1)
     paged_extend_kernel(const ExtendParams p) {
+  constexpr bool kFp8 = fp8::is_fp8<KV>();
+  using M = typename std::conditional<kFp8, __half, T>::type;   // K/V tiles, Q and P in the mma
+  using KvElem = typename std::conditional<kFp8, uint8_t, T>::type;
   constexpr int BM = kExtendBlockM;
   constexpr int BN = kExtendBlockN;
   constexpr int kChunks = D / 8;                          // 16-byte chunks per row
@@ -154,8 +166,8 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + BM * D;          // [2][BN][D]
-  T* sV = sK + 2 * BN * D;      // [2][BN][D]
+  M* sK = reinterpret_cast<M*>(sQ + BM * D);   // [2][BN][D]
+  M* sV = sK + 2 * BN * D;                     // [2][BN][D]
 
   __shared__ int s_req, s_tile;
 
@@ -176,8 +188,8 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
   const int first_masked = tl.first_masked;
 
   const T* qg = static_cast<const T*>(p.q);
-  const T* kg = static_cast<const T*>(p.k) + (int64_t)kvh * p.kv_stride_h;
-  const T* vg = static_cast<const T*>(p.v) + (int64_t)kvh * p.kv_stride_h;
+  const KvElem* kg = static_cast<const KvElem*>(p.k) + (int64_t)kvh * p.kv_stride_h;
+  const KvElem* vg = static_cast<const KvElem*>(p.v) + (int64_t)kvh * p.kv_stride_h;
   const int32_t* idx = p.kv_indices + kv_start;
 
   const int ld_chunk = tid % kChunks;
@@ -203,8 +215,8 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
     }
   };
   auto load_kv = [&](int stage) {
-    T* dk = sK + stage * BN * D;
-    T* dv = sV + stage * BN * D;
+    M* dk = sK + stage * BN * D;
+    M* dv = sV + stage * BN * D;
 #pragma unroll
     for (int i = 0; i < kKvPasses; ++i) {
       const int r = ld_row + i * kKvRowsPerPass;
@@ -214,9 +226,38 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
       cp_async_16(smem_u32(dv + swz<D>(r, ld_chunk)), vg + off, ok);
     }
   };
+  // FP8: a thread's 8-value pieces (8 bytes) of the next tile in registers, then converted into
+  // a stage (zeros for rows past the request)
+  uint2 kreg[kKvPasses], vreg[kKvPasses];
+  auto load_kv_regs = [&]() {
+#pragma unroll
+    for (int i = 0; i < kKvPasses; ++i) {
+      const bool ok = slots[i] >= 0;
+      const int64_t off = (int64_t)slots[i] * p.kv_stride_slot + ld_chunk * 8;
+      kreg[i] = ok ? __ldg(reinterpret_cast<const uint2*>(kg + off)) : make_uint2(0u, 0u);
+      vreg[i] = ok ? __ldg(reinterpret_cast<const uint2*>(vg + off)) : make_uint2(0u, 0u);
+    }
+  };
+  auto store_kv_regs = [&](int stage) {
+    if constexpr (kFp8) {
+      M* dk = sK + stage * BN * D;
+      M* dv = sV + stage * BN * D;
+#pragma unroll
+      for (int i = 0; i < kKvPasses; ++i) {
+        const int r = ld_row + i * kKvRowsPerPass;
+        *reinterpret_cast<uint4*>(dk + swz<D>(r, ld_chunk)) = fp8::to_half8<KV>(kreg[i]);
+        *reinterpret_cast<uint4*>(dv + swz<D>(r, ld_chunk)) = fp8::to_half8<KV>(vreg[i]);
+      }
+    }
+  };
 
   fetch_slots(0);
-  load_kv(0);
+  if constexpr (kFp8) {
+    load_kv_regs();
+    store_kv_regs(0);   // visible to all after the first iteration's barrier
+  } else {
+    load_kv(0);
+  }
   cp_async_commit();
   if (n_tiles > 1) fetch_slots(1);
 
@@ -235,7 +276,13 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
 
   for (int n = 0; n < n_tiles; ++n) {
     const int stage = n & 1;
-    if (n + 1 < n_tiles) {
+    if constexpr (kFp8) {
+      if (n + 1 < n_tiles) {
+        load_kv_regs();   // tile n + 1, in flight under this tile's products
+        if (n + 2 < n_tiles) fetch_slots(n + 2);
+      }
+      cp_async_wait_then_barrier<0>();   // the Q tile (first iteration)
+    } else if (n + 1 < n_tiles) {
       load_kv(stage ^ 1);
       cp_async_commit();
       if (n + 2 < n_tiles) fetch_slots(n + 2);
@@ -251,11 +298,15 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
         const int r = warp * 16 + (lane & 15);
         const int c = 2 * kk + (lane >> 4);
         ldmatrix_x4(smem_u32(sQ + swz<D>(r, c)), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+        if constexpr (kFp8) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) qf[kk][j] = fp8::to_half2_word<T>(qf[kk][j]);
+        }
       }
     }
 
-    const T* k_s = sK + stage * BN * D;
-    const T* v_s = sV + stage * BN * D;
+    const M* k_s = sK + stage * BN * D;
+    const M* v_s = sV + stage * BN * D;
 
     // ---- S = Q K^T  (16 x BN per warp)
     float s[kNT][4];
@@ -269,8 +320,8 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
         const int c = 2 * kk + ((lane >> 3) & 1);
         uint32_t b0, b1, b2, b3;
         ldmatrix_x4(smem_u32(k_s + swz<D>(r, c)), b0, b1, b2, b3);
-        mma_16816<T>(s[2 * pr], qf[kk], b0, b1);
-        mma_16816<T>(s[2 * pr + 1], qf[kk], b2, b3);
+        mma_16816<M>(s[2 * pr], qf[kk], b0, b1);
+        mma_16816<M>(s[2 * pr + 1], qf[kk], b2, b3);
       }
     }
 
@@ -307,8 +358,8 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
         // rounded to T once, here: the PV product and row_l use the same weights
         const float e0 = fast_exp2(fmaf(s[j][2 * h], sl2, -base));
         const float e1 = fast_exp2(fmaf(s[j][2 * h + 1], sl2, -base));
-        pk[j][h] = TypeTraits<T>::pack(e0, e1);
-        const float2 r = TypeTraits<T>::to_float2(pk[j][h]);
+        pk[j][h] = TypeTraits<M>::pack(e0, e1);
+        const float2 r = TypeTraits<M>::to_float2(pk[j][h]);
         sum += r.x + r.y;
       }
       row_l[h] = row_l[h] * alpha[h] + sum;
@@ -331,9 +382,13 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
         const int c = 2 * jp + (lane >> 4);
         uint32_t b0, b1, b2, b3;
         ldmatrix_x4_trans(smem_u32(v_s + swz<D>(r, c)), b0, b1, b2, b3);
-        mma_16816<T>(o[2 * jp], a, b0, b1);
-        mma_16816<T>(o[2 * jp + 1], a, b2, b3);
+        mma_16816<M>(o[2 * jp], a, b0, b1);
+        mma_16816<M>(o[2 * jp + 1], a, b2, b3);
       }
+    }
+    // FP8: tile n + 1 into the other stage, which every warp left at the last barrier
+    if constexpr (kFp8) {
+      if (n + 1 < n_tiles) store_kv_regs(stage ^ 1);
     }
     __syncthreads();  // this stage is overwritten by the next iteration's loads
   }
@@ -345,7 +400,7 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
     float l = row_l[h];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[h] = l > 0.f ? 1.f / l : 0.f;
+    inv[h] = l > 0.f ? 1.f / l * p.v_scale : 0.f;
   }
 #pragma unroll
   for (int j = 0; j < kDT; ++j) {

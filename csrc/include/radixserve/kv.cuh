@@ -8,6 +8,8 @@
 
 #include <cuda_runtime.h>
 
+#include "radixserve/fp8_kv.cuh"
+
 namespace radixserve {
 namespace kv {
 
@@ -17,6 +19,8 @@ namespace kv {
 // k_cache/v_cache row slot_indices[t]. Rows are moved as 16-byte words when every row start is
 // 16-byte aligned (VEC16), else element by element. Slots outside [0, num_slots) are skipped
 // (a device-side guard; the host cannot check without a sync).
+// An FP8 pool (store_kv_fp8_kernel) takes bf16/fp16/fp32 rows and stores each value times
+// k_inv_scale / v_inv_scale (fp32 1 / scale), saturated (fp8_kv.cuh).
 
 struct StoreKvParams {
   void* k_cache;             // [num_slots, row_elems]
@@ -29,6 +33,8 @@ struct StoreKvParams {
   int64_t row_elems;         // num_kv_heads * head_dim
   int64_t k_stride;
   int64_t v_stride;
+  float k_inv_scale = 1.f;   // FP8 pools only: 1 / k_scale, 1 / v_scale (fp32)
+  float v_inv_scale = 1.f;
 };
 
 // One token's k row and v row into their pool rows kd / vd, thread threadIdx.x of blockDim.x
@@ -87,6 +93,31 @@ cudaError_t launch_store_kv(const StoreKvParams& p, bool vec16, cudaStream_t str
     store_kv_kernel<T, IdxT, true><<<grid, block, 0, stream>>>(p);
   else
     store_kv_kernel<T, IdxT, false><<<grid, block, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// FP8 pool: row t quantized into row slot_indices[t] (fp8::quantize_kv_row; vec8: every k / v
+// row start 16-byte aligned, every pool row 8-byte aligned, row_elems % 8 == 0).
+template <typename T, typename F8, typename IdxT>
+__global__ void store_kv_fp8_kernel(StoreKvParams p, bool vec8) {
+  const int64_t t = blockIdx.x * (int64_t)blockDim.y + threadIdx.y;
+  if (t >= p.num_tokens) return;
+  const int64_t slot = static_cast<int64_t>(static_cast<const IdxT*>(p.slot_indices)[t]);
+  if (slot < 0 || slot >= p.num_slots) return;
+  fp8::quantize_kv_row<T, F8>(static_cast<uint8_t*>(p.k_cache) + slot * p.row_elems,
+                              static_cast<uint8_t*>(p.v_cache) + slot * p.row_elems,
+                              static_cast<const T*>(p.k) + t * p.k_stride,
+                              static_cast<const T*>(p.v) + t * p.v_stride, p.row_elems,
+                              p.k_inv_scale, p.v_inv_scale, vec8);
+}
+
+// T: the dtype of k / v; F8: __nv_fp8_e4m3 or __nv_fp8_e5m2, the pool's.
+template <typename T, typename F8, typename IdxT>
+cudaError_t launch_store_kv_fp8(const StoreKvParams& p, bool vec8, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  const dim3 block = store_kv_block(vec8 ? p.row_elems / 8 : p.row_elems);
+  const dim3 grid((unsigned)((p.num_tokens + block.y - 1) / block.y));
+  store_kv_fp8_kernel<T, F8, IdxT><<<grid, block, 0, stream>>>(p, vec8);
   return cudaGetLastError();
 }
 

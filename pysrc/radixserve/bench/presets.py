@@ -16,10 +16,15 @@ A preset directory holds:
 
 The weights are not real: the point is the shapes (parameter count, KV size per token, vocab,
 GQA layout), which is what serving speed depends on. Building takes a few seconds.
+
+The -fp8 presets (llama-3.1-8b-fp8, qwen3-8b-fp8, llama-3.1-70b-fp8) add the quantization_config
+of the model's FP8_DYNAMIC release to its config.json: with `--load-format dummy` the linear
+layers are random FP8 weights with per-channel scales (model/loader.py), the rest bf16.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -176,6 +181,51 @@ PRESETS: Dict[str, Preset] = {
         add_bos=False, generation={"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2},
         num_params=134_515_008),
 }
+
+
+# FP8 checkpoints (issue 35): the base model's published config plus the quantization_config its
+# FP8 release carries. llm-compressor's FP8_DYNAMIC scheme (RedHatAI, formerly neuralmagic):
+# e4m3 weights with a static scale per output channel, activations quantized per token at run
+# time, the LM head left out; the fields are the ones that tool writes (its version-specific
+# bookkeeping, global_compression_ratio and version, left null / out).
+def _fp8_dynamic_args(strategy: str, dynamic: bool, observer: Optional[str]) -> Dict:
+    return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": None,
+            "num_bits": 8, "observer": observer, "observer_kwargs": {}, "strategy": strategy,
+            "symmetric": True, "type": "float"}
+
+
+FP8_DYNAMIC_QUANTIZATION_CONFIG = {
+    "config_groups": {"group_0": {
+        "input_activations": _fp8_dynamic_args("token", True, None),
+        "output_activations": None,
+        "targets": ["Linear"],
+        "weights": _fp8_dynamic_args("channel", False, "minmax")}},
+    "format": "float-quantized",
+    "global_compression_ratio": None,
+    "ignore": ["lm_head"],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
+
+
+def _fp8_preset(base: Preset, hf_name: str, config: Optional[Dict] = None) -> Preset:
+    """base's model (or `config`, same tokenizer and chat format) as its FP8_DYNAMIC release:
+    `--load-format dummy` makes random FP8 weights with per-channel scales for it."""
+    return dataclasses.replace(base, hf_name=hf_name, config={
+        **(config or base.config), "quantization_config": FP8_DYNAMIC_QUANTIZATION_CONFIG})
+
+
+PRESETS["llama-3.1-8b-fp8"] = _fp8_preset(PRESETS["llama-3.1-8b"],
+                                          "RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8-dynamic")
+PRESETS["qwen3-8b-fp8"] = _fp8_preset(PRESETS["qwen3-8b"], "RedHatAI/Qwen3-8B-FP8-dynamic")
+# Llama-3.1-70B-Instruct: the 8B's family (tokenizer, chat format, rope), 80 layers of 8192
+PRESETS["llama-3.1-70b-fp8"] = dataclasses.replace(
+    _fp8_preset(PRESETS["llama-3.1-8b"], "RedHatAI/Meta-Llama-3.1-70B-Instruct-FP8-dynamic",
+                {**PRESETS["llama-3.1-8b"].config, "hidden_size": 8192,
+                 "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+                 "num_key_value_heads": 8}),
+    num_params=70_553_706_496)
 
 
 def ordinary_vocab_end(preset: Preset) -> int:

@@ -4,6 +4,10 @@ Ownership: the KVPool owns slots. A slot is either free (in the pool's free list
 exactly one holder: a running request (its new tokens) or the prefix cache (published tokens).
 Slot 0 is a padding slot that is never handed out, so kernels may read it harmlessly.
 Page size 1: one slot holds one token's K and V for every layer.
+The pages are in the model's dtype, or FP8 (--kv-cache-dtype fp8_e4m3 / fp8_e5m2: one byte per
+element, so the same memory holds twice the tokens of a bf16 pool); the layers' FP8 scales live
+with the model (LlamaAttention.k_scale / v_scale), which passes them to the store and attention
+ops. The prefix cache indexes slots whatever their dtype.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import torch
 
 
 class KVPool:
-    """Per-layer K and V buffers, each [num_slots + 1, num_kv_heads, head_dim] (slot 0 = padding).
+    """Per-layer K and V buffers, each [num_slots + 1, num_kv_heads, head_dim] (slot 0 = padding),
+    of dtype (the model's, or torch.float8_e4m3fn / float8_e5m2 for an FP8 cache).
 
     Contract: alloc(n) returns n distinct free slots (int64 tensor on the CPU) or None when fewer
     than n are free, and changes nothing in that case; free(slots) returns slots to the free list.
@@ -39,7 +44,12 @@ class KVPool:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K + V bytes of one token over all layers: 1 byte per element for FP8."""
         return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
     @property
     def size_bytes(self) -> int:

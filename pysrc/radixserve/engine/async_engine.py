@@ -379,6 +379,7 @@ class AsyncEngine:
         every server argument at the top level, max_total_num_tokens, max_req_input_len,
         version and internal_states (what SGLang's clients and dashboards read)."""
         from radixserve import __version__
+        from radixserve.quant import quantization_name
         mc = self.model_config
         args = dataclasses.asdict(self.server_args)
         sglang = {**args, "max_total_num_tokens": self.runner.max_total_tokens,
@@ -395,6 +396,7 @@ class AsyncEngine:
             "chunked_prefill_size": self.scheduler.chunk_size,
             "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).replace("torch.", ""),
+            "quantization": quantization_name(self.runner.model),
             "prefix_cache": type(self.scheduler.cache).__name__,
             "model": {"architecture": mc.architecture, "vocab_size": mc.vocab_size,
                       "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,

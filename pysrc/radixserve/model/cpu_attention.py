@@ -37,10 +37,11 @@ class CpuDecodeAttention:
         return CpuDecodeAttention(fb.kv_indptr, fb.kv_indices)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 sm_scale: float) -> torch.Tensor:
+                 sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """q [B, num_q_heads, head_dim] fp32, k_cache / v_cache [num_slots, num_kv_heads,
-        head_dim] fp32 -> [B, num_q_heads, head_dim]: ops.paged_decode_attention's values."""
+        head_dim] fp32 (or FP8, read times k_scale / v_scale) -> [B, num_q_heads, head_dim]:
+        ops.paged_decode_attention's values."""
         shape = (q.shape[1], k_cache.shape[1], q.shape[2], k_cache.element_size())
         if self._attn is None or self._attn[0] != shape:
             self._attn = (shape, ref.PagedAttention(self.kv_indptr, self.kv_indices, None, *shape))
-        return self._attn[1](q, k_cache, v_cache, sm_scale)
+        return self._attn[1](q, k_cache, v_cache, sm_scale, k_scale, v_scale)

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
+import re
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,8 @@ from radixserve.config import ModelConfig
 from radixserve.model.cpu_attention import CpuDecodeAttention
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model.rope import build_cos_sin_cache
+from radixserve.quant.fp8 import (FP8_DTYPE, Fp8Activation, Fp8Scheme, QuantConfig,
+                                  checkpoint_quant_config, init_fp8_params, load_fp8_tensor)
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +126,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return out_t.t().contiguous() if contiguous else out_t.t()
 
 
+# FP8 linear layers (quant/fp8.py). A GEMM of up to this many rows (a decode step's) keeps its
+# activations in the model dtype against the FP8 weights (W8A16: ops.fp8_linear act_quant "none",
+# on the GPU the fp8_skinny_linear kernel where it fits, else the dequantize-then-matmul
+# reference); a larger one quantizes them too (W8A8: per-token or static scales, then
+# torch._scaled_mm with rowwise scales on sm_90+). The same rule runs on the CPU, so its
+# reference forward computes the GPU's math. 16 is fp8_skinny_linear's largest batch; the
+# crossover against _scaled_mm is not measured yet (bench/gemm_decode.py --fp8).
+FP8_SKINNY_ROWS = 16
+
+
+def fp8_act_quant(scheme: Fp8Scheme, rows: int) -> str:
+    """ops.fp8_linear's act_quant for a GEMM of `rows` rows of an FP8 layer: "none" (weight-only)
+    for a weight-only scheme or rows <= FP8_SKINNY_ROWS, else the scheme's activations
+    ("dynamic" per token, or "static")."""
+    if scheme.activation == "none" or rows <= FP8_SKINNY_ROWS:
+        return "none"
+    return scheme.activation
+
+
+def fp8_layer_forward(layer: nn.Module, x, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y = x W^T (+ bias) of an FP8 layer (layer.quant set): x [M, in] in the model dtype, or an
+    Fp8Activation (rmsnorm_quant_fp8's output, for a W8A8 GEMM) -> [M, out] in the model dtype."""
+    if isinstance(x, Fp8Activation):
+        return ops.fp8_scaled_mm(x.data, x.scale, layer.weight, layer.weight_scale, bias, x.dtype)
+    return ops.fp8_linear(x, layer.weight, layer.weight_scale, bias,
+                          act_quant=fp8_act_quant(layer.quant, x.shape[0]),
+                          input_scale=layer.input_scale)
+
+
+def reads_fp8_input(layer: nn.Module, rows: int) -> bool:
+    """Whether layer's GEMM for `rows` rows quantizes its input to FP8 (the norm before it then
+    fuses that quantization: LlamaDecoderLayer)."""
+    scheme = getattr(layer, "quant", None)
+    return scheme is not None and fp8_act_quant(scheme, rows) != "none"
+
+
 # ----------------------------------------------------------------------------- parallel layers
 
 
@@ -136,9 +175,12 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool,
                  params_dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 shard_rows: Optional[Sequence[Tuple[int, int]]] = None):
+                 shard_rows: Optional[Sequence[Tuple[int, int]]] = None,
+                 quant: Optional[Fp8Scheme] = None):
         """shard_rows: (start in the full checkpoint tensor, rows) per logical output, for layers
-        that split unevenly (replicated KV heads); default: an even split by tp_rank."""
+        that split unevenly (replicated KV heads); default: an even split by tp_rank.
+        quant: an FP8 layer (quant/fp8.py: weight e4m3, weight_scale [rows] sharded with the
+        rows, input_scale for static schemes), None for the model dtype."""
         super().__init__()
         if shard_rows is None:
             for size in output_sizes:
@@ -155,30 +197,51 @@ class ColumnParallelLinear(nn.Module):
             self.shards.append((offset, src_start, rows))
             offset += rows
         # [sum of local rows, input_size]
-        self.weight = _frozen(torch.empty(offset, input_size, dtype=params_dtype))
+        self.quant = quant
+        if quant is None:
+            self.weight = _frozen(torch.empty(offset, input_size, dtype=params_dtype))
+        else:
+            init_fp8_params(self, offset, input_size, quant)
         self.bias = _frozen(torch.empty(offset, dtype=params_dtype)) if bias else None
 
     def is_fused(self, name: str, loaded: torch.Tensor) -> bool:
         """Whether loaded is the whole fused tensor (all logical outputs stacked, as Phi-3's
-        checkpoints store q|k|v and gate|up) rather than one logical output."""
+        checkpoints store q|k|v and gate|up) rather than one logical output; a single FP8
+        scale of a fused layer counts as fused (it is every part's)."""
+        if len(self.output_sizes) > 1 and name in ("weight_scale", "input_scale") and \
+                loaded.numel() == 1:
+            return True
         return len(self.output_sizes) > 1 and loaded.shape[0] == sum(self.output_sizes) and \
             (name != "weight" or loaded.dim() == 2)
 
     def load_fused(self, name: str, loaded: torch.Tensor) -> None:
         """Load a fused checkpoint tensor: each logical output's rows as its shard."""
+        if name in ("weight_scale", "input_scale") and loaded.numel() == 1:
+            for shard_id in range(len(self.output_sizes)):
+                self.load_weight(name, loaded, shard_id)
+            return
         for shard_id, part in enumerate(loaded.split(self.output_sizes, dim=0)):
             self.load_weight(name, part, shard_id)
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
         dst_offset, src_start, rows = self.shards[shard_id]
         full = self.output_sizes[shard_id]
+        if self.quant is not None and name != "bias":
+            if name == "weight":
+                _check_shape(f"{name}[{shard_id}]", loaded.shape, (full, self.input_size))
+            load_fp8_tensor(self, name, loaded, f"{name}[{shard_id}]", full, src_start, rows,
+                            dst_offset)
+            return
         expected = (full, self.input_size) if name == "weight" else (full,)
         _check_shape(f"{name}[{shard_id}]", loaded.shape, expected)
         param = self.weight if name == "weight" else self.bias
         param.data.narrow(0, dst_offset, rows).copy_(loaded.narrow(0, src_start, rows))
 
     def forward(self, x: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
-        """x [num_tokens, input_size] -> [num_tokens, local outputs]; contiguous: see linear()."""
+        """x [num_tokens, input_size] (or an Fp8Activation for an FP8 layer) -> [num_tokens,
+        local outputs]; contiguous: see linear()."""
+        if self.quant is not None:
+            return fp8_layer_forward(self, x, self.bias)
         return linear(x, self.weight, self.bias, contiguous)
 
 
@@ -190,7 +253,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool, params_dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+                 bias: bool, params_dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                 quant: Optional[Fp8Scheme] = None):
         if num_heads % tp_size:
             raise ValueError(f"{num_heads} attention heads are not divisible by tp_size {tp_size}")
         if num_kv_heads >= tp_size and num_kv_heads % tp_size:
@@ -206,7 +270,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
                                        num_kv_heads * head_dim], bias, params_dtype, tp_rank,
                          tp_size, shard_rows=[(tp_rank * q_local, q_local), (kv_start, kv_local),
-                                              (kv_start, kv_local)])
+                                              (kv_start, kv_local)], quant=quant)
         self.local_heads, self.local_kv_heads = local_heads, local_kv_heads
 
 
@@ -215,7 +279,9 @@ class RowParallelLinear(nn.Module):
     then the (unsplit) bias is added once."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, quant: Optional[Fp8Scheme] = None):
+        """quant: an FP8 layer (quant/fp8.py: weight e4m3 split by input columns, weight_scale
+        [output_size] whole on every rank), None for the model dtype."""
         super().__init__()
         if input_size % tp_size:
             raise ValueError(f"input size {input_size} is not divisible by tp_size {tp_size}")
@@ -223,10 +289,20 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.local_input = input_size // tp_size
         # [output_size, input_size / tp]
-        self.weight = _frozen(torch.empty(output_size, self.local_input, dtype=params_dtype))
+        self.quant = quant
+        if quant is None:
+            self.weight = _frozen(torch.empty(output_size, self.local_input, dtype=params_dtype))
+        else:
+            init_fp8_params(self, output_size, self.local_input, quant)
         self.bias = _frozen(torch.empty(output_size, dtype=params_dtype)) if bias else None
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        if self.quant is not None and name != "bias":
+            if name == "weight":
+                _check_shape(name, loaded.shape, (self.output_size, self.input_size))
+            load_fp8_tensor(self, name, loaded, name, self.output_size, 0, self.output_size, 0,
+                            cols=(self.tp_rank * self.local_input, self.local_input))
+            return
         if name == "weight":
             _check_shape(name, loaded.shape, (self.output_size, self.input_size))
             self.weight.data.copy_(loaded.narrow(1, self.tp_rank * self.local_input, self.local_input))
@@ -235,7 +311,8 @@ class RowParallelLinear(nn.Module):
             self.bias.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tp_all_reduce(linear(x, self.weight), self.tp_size)     # [num_tokens, output_size]
+        local = linear(x, self.weight) if self.quant is None else fp8_layer_forward(self, x, None)
+        out = tp_all_reduce(local, self.tp_size)                      # [num_tokens, output_size]
         return out + self.bias if self.bias is not None else out
 
 
@@ -345,29 +422,43 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool,
-                 params_dtype: torch.dtype, tp_rank: int, tp_size: int, qk_norm: bool = False):
-        """qk_norm: Qwen3's per-head RMSNorm of q and k before rope (q_norm, k_norm)."""
+                 params_dtype: torch.dtype, tp_rank: int, tp_size: int, qk_norm: bool = False,
+                 quant_config: Optional[QuantConfig] = None):
+        """qk_norm: Qwen3's per-head RMSNorm of q and k before rope (q_norm, k_norm).
+        quant_config: which of q|k|v and o are FP8 (quant/fp8.py), None: none."""
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = config.head_dim
+        prefix = f"model.layers.{layer_id}.self_attn."
+        qkv_quant = o_quant = None
+        if quant_config is not None:
+            qkv_quant = quant_config.scheme_for([prefix + p for p in ("q_proj", "k_proj", "v_proj")],
+                                                prefix + "qkv_proj")
+            o_quant = quant_config.scheme_for([prefix + "o_proj"])
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim,
                                           config.num_attention_heads, config.num_key_value_heads,
-                                          qkv_bias, params_dtype, tp_rank, tp_size)
+                                          qkv_bias, params_dtype, tp_rank, tp_size, qkv_quant)
         self.num_heads = self.qkv_proj.local_heads
         self.num_kv_heads = self.qkv_proj.local_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim ** -0.5
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim,
-                                        config.hidden_size, o_bias, params_dtype, tp_rank, tp_size)
+                                        config.hidden_size, o_bias, params_dtype, tp_rank, tp_size,
+                                        o_quant)
         self.q_norm = self.k_norm = None
         if qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype)
+        # an FP8 KV cache's scales (stored = k / k_scale; read = stored * k_scale): Python floats,
+        # so CUDA graphs capture them as launch arguments; the checkpoint's where it has them
+        # (set_kv_cache_scales), else 1.0; ignored by a 16/32-bit cache
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor, cos_sin_cache: torch.Tensor,
                 cpu_attn: Optional[CpuDecodeAttention] = None) -> torch.Tensor:
-        """cpu_attn: the step's CPU decode table (fp32 decode on the CPU), else None."""
+        """cpu_attn: the step's CPU decode table (fp32 decode on the CPU), else None. hidden may
+        be an Fp8Activation (the normed input already quantized for an FP8 q|k|v)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)                        # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -380,16 +471,17 @@ class LlamaAttention(nn.Module):
         v_cache = fb.kv_pool.v_buffers[self.layer_id]
         # k, v, q stay strided views into qkv: the rope + store kernel and attention read each
         # token's [heads, head_dim] rows through their strides (no copy kernels on the step path)
+        ks, vs = self.k_scale, self.v_scale
         ops.rotary_embedding_store_kv(fb.positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                                      fb.out_cache_loc)
+                                      fb.out_cache_loc, ks, vs)
         if cpu_attn is not None:
-            out = cpu_attn(q, k_cache, v_cache, self.scaling)
+            out = cpu_attn(q, k_cache, v_cache, self.scaling, ks, vs)
         elif fb.mode is ForwardMode.DECODE:
             out = ops.paged_decode_attention(q, k_cache, v_cache, fb.kv_indptr, fb.kv_indices,
-                                             self.scaling)
+                                             self.scaling, ks, vs)
         else:
             out = ops.paged_extend_attention(q, k_cache, v_cache, fb.qo_indptr, fb.kv_indptr,
-                                             fb.kv_indices, self.scaling)
+                                             fb.kv_indices, self.scaling, ks, vs)
         return self.o_proj(out.view(num_tokens, self.q_size))     # [num_tokens, hidden_size]
 
     def _norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -403,20 +495,30 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, bias: bool, params_dtype: torch.dtype,
-                 tp_rank: int, tp_size: int):
+                 tp_rank: int, tp_size: int, quant_config: Optional[QuantConfig] = None,
+                 prefix: str = "model.layers.0.mlp."):
+        """quant_config: which of gate|up and down are FP8 (quant/fp8.py); prefix: the
+        checkpoint name of this MLP, with its trailing dot."""
         super().__init__()
         act = config.hf_config.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
         inter = config.intermediate_size
+        gate_up_quant = down_quant = None
+        if quant_config is not None:
+            gate_up_quant = quant_config.scheme_for([prefix + "gate_proj", prefix + "up_proj"],
+                                                    prefix + "gate_up_proj")
+            down_quant = quant_config.scheme_for([prefix + "down_proj"])
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias,
-                                                 params_dtype, tp_rank, tp_size)
+                                                 params_dtype, tp_rank, tp_size,
+                                                 quant=gate_up_quant)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, params_dtype,
-                                           tp_rank, tp_size)
+                                           tp_rank, tp_size, down_quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden_size], or an Fp8Activation for an FP8 gate|up."""
         weight, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
-        if skinny_gemm_ok(x, weight):                      # batch-1 decode on the GPU: one kernel
+        if self.gate_up_proj.quant is None and skinny_gemm_ok(x, weight):   # batch-1 decode, GPU
             act = ops.skinny_gated_linear(x, weight, bias)  # [num_tokens, inter / tp]
         else:
             gate_up = self.gate_up_proj(x, contiguous=False)   # [num_tokens, 2 * inter / tp]
@@ -427,11 +529,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool,
                  mlp_bias: bool, params_dtype: torch.dtype, tp_rank: int, tp_size: int,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, quant_config: Optional[QuantConfig] = None):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, params_dtype,
-                                        tp_rank, tp_size, qk_norm)
-        self.mlp = LlamaMLP(config, mlp_bias, params_dtype, tp_rank, tp_size)
+                                        tp_rank, tp_size, qk_norm, quant_config)
+        self.mlp = LlamaMLP(config, mlp_bias, params_dtype, tp_rank, tp_size, quant_config,
+                            f"model.layers.{layer_id}.mlp.")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
 
@@ -446,26 +549,46 @@ class LlamaDecoderLayer(nn.Module):
         rounding that sum to bf16 after each of the 2 * num_layers additions was the largest
         avoidable error of the bf16 model against fp32. On the default model (bf16 vs fp32,
         teacher forced) it takes the mean |logit diff| from 0.13 to 0.08 and the 99.9th
-        percentile from 0.94 to 0.43. It costs 4 bytes per hidden element of the batch."""
-        if residual is None:
+        percentile from 0.94 to 0.43. It costs 4 bytes per hidden element of the batch.
+
+        Before an FP8 q|k|v or gate|up whose GEMM quantizes its input (W8A8), the norm and that
+        quantization run as one op (ops.rmsnorm_quant_fp8)."""
+        first = residual is None
+        if first:
             residual = hidden.float()          # [num_tokens, hidden_size] f32 (hidden if f32)
-            hidden = self.input_layernorm(hidden)
-        else:
-            self.input_layernorm.forward_add(hidden, residual)
+        hidden = self._norm(self.input_layernorm, hidden, None if first else residual,
+                            self.self_attn.qkv_proj)
         hidden = self.self_attn(fb, hidden, cos_sin_cache, cpu_attn)
-        self.post_attention_layernorm.forward_add(hidden, residual)
+        hidden = self._norm(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
         return self.mlp(hidden), residual
+
+    @staticmethod
+    def _norm(norm: "RMSNorm", hidden: torch.Tensor, residual: Optional[torch.Tensor],
+              consumer: nn.Module):
+        """The norm before consumer (q|k|v or gate|up): norm(hidden) when residual is None, else
+        in place residual += hidden, hidden = norm(residual). Where consumer's GEMM reads FP8
+        activations for these rows, the quantization is fused in and an Fp8Activation returns
+        (the residual update is the same)."""
+        if reads_fp8_input(consumer, hidden.shape[0]):
+            data, scale = ops.rmsnorm_quant_fp8(hidden, residual, norm.weight, norm.eps,
+                                                consumer.input_scale)
+            return Fp8Activation(data, scale, hidden.dtype)
+        if residual is None:
+            return norm(hidden)
+        norm.forward_add(hidden, residual)
+        return hidden
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 params_dtype: torch.dtype, tp_rank: int, tp_size: int, qk_norm: bool = False):
+                 params_dtype: torch.dtype, tp_rank: int, tp_size: int, qk_norm: bool = False,
+                 quant_config: Optional[QuantConfig] = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    params_dtype, tp_rank, tp_size)
         self.layers = nn.ModuleList([
             LlamaDecoderLayer(config, i, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size,
-                              qk_norm)
+                              qk_norm, quant_config)
             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
         # [max_context, head_dim] float32 = [cos | sin]
@@ -491,6 +614,37 @@ _STACKED_PARAMS = (("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_p
                    ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
 # checkpoint entries that carry no parameter of ours (recomputed buffers)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# FP8 checkpoints' KV-cache scales: ModelOpt writes self_attn.k_proj.k_scale, compressed-tensors
+# self_attn.k_scale (and some exports self_attn.attn.k_scale); all are read as self_attn.k_scale
+_KV_SCALE_NAME = re.compile(r"\.(?:k_proj|v_proj|attn)\.([kv]_scale)$")
+# older FP8 exports name them after the k / v projections' outputs: self_attn.k_proj.output_scale
+_KV_OUTPUT_SCALE_NAME = re.compile(r"\.([kv])_proj\.output_scale$")
+
+
+def set_kv_cache_scales(model: nn.Module) -> int:
+    """Give each attention layer the FP8 KV-cache scales of its checkpoint
+    (model.checkpoint_kv_scales, which load_weights fills: "model.layers.N.self_attn.k_scale" /
+    ".v_scale" -> value), 1.0 where the checkpoint has none or one that is not finite and > 0
+    (logged). Returns the number of layers that got a scale from the checkpoint. The runner calls
+    it before the KV pool is made; an FP8 pool's store and attention ops then use the scales."""
+    import math
+
+    found = getattr(model, "checkpoint_kv_scales", None) or {}
+    count = 0
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        prefix = f"model.layers.{attn.layer_id}.self_attn."
+        got = False
+        for which in ("k", "v"):
+            value = found.get(f"{prefix}{which}_scale")
+            if value is not None and not (math.isfinite(value) and value > 0):
+                logger.warning("checkpoint %s%s_scale = %r is not a finite positive scale; the "
+                               "FP8 KV cache uses 1.0", prefix, which, value)
+                value = None
+            got = got or value is not None
+            setattr(attn, f"{which}_scale", 1.0 if value is None else float(value))
+        count += got
+    return count
 
 
 class LlamaForCausalLM(nn.Module):
@@ -501,15 +655,24 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False            # per-head RMSNorm of q and k before rope (Qwen3)
 
     def __init__(self, config: ModelConfig, params_dtype: torch.dtype = torch.float32,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, quant_config: Optional[QuantConfig] = None):
+        """quant_config: the FP8 linear layers (quant/fp8.py; model/loader.py resolves it from
+        --quantization and the checkpoint); None: what config.json's quantization_config says
+        (none without one). The LM head and the embeddings stay in params_dtype."""
         super().__init__()
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        if quant_config is None:
+            quant_config = checkpoint_quant_config(config.hf_config)
+        self.quant_config = quant_config
+        # KV-cache scales an FP8 checkpoint carries that no parameter of ours takes
+        # ({self_attn name + ".k_scale" / ".v_scale": value}), for the KV cache's use
+        self.checkpoint_kv_scales: Dict[str, float] = {}
         qkv_bias = self._qkv_bias(config)
         o_bias = config.attention_bias and self.o_proj_follows_attention_bias
         mlp_bias = bool(config.hf_config.get("mlp_bias", False))
         self.model = LlamaModel(config, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size,
-                                self.qk_norm)
+                                self.qk_norm, quant_config)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -537,23 +700,46 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors into our (fused, sliced) parameters.
 
         Returns the set of (parameter name, shard id) filled. Raises ValueError on a name that
-        maps to no parameter or a tensor of the wrong shape.
+        maps to no parameter or a tensor of the wrong shape. FP8 checkpoints: weight_scale and
+        input_scale load into the FP8 layers (quant/fp8.py); an FP8 weight of a layer kept in
+        the model dtype (an LM head the checkpoint quantized) is dequantized with its
+        weight_scale; an input_scale such a layer does not use is skipped; KV-cache scales
+        (k_scale, v_scale) go to a parameter of that name if the model has one, else into
+        checkpoint_kv_scales.
         """
         params: Dict[str, nn.Parameter] = dict(self.named_parameters())
         loaded: Set[Tuple[str, int]] = set()
+        pending: Dict[str, Dict[str, Any]] = {}   # HF module -> FP8 weight, weight_scale, dtype
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            name = _KV_OUTPUT_SCALE_NAME.sub(r".\1_scale", name)   # older: k_proj.output_scale
+            if name.endswith((".k_scale", ".v_scale")):
+                kv_name = _KV_SCALE_NAME.sub(r".\1", name)
+                if kv_name in params:
+                    params[kv_name].data.copy_(tensor.reshape(params[kv_name].shape))
+                    loaded.add((kv_name, 0))
+                else:
+                    self.checkpoint_kv_scales[kv_name] = float(tensor.float().reshape(-1)[0])
                 continue
             target, shard_id = name, 0
             for fused, hf_name, sid in _STACKED_PARAMS:
                 if f".{hf_name}." in name:
                     target, shard_id = name.replace(f".{hf_name}.", f".{fused}."), sid
                     break
+            hf_module, leaf = name.rsplit(".", 1)
+            if leaf in ("weight_scale", "input_scale") and target not in params:
+                if leaf == "weight_scale":      # of an FP8 weight kept in the model dtype
+                    pending.setdefault(hf_module, {})["weight_scale"] = tensor
+                continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
                                  f"{type(self).__name__}")
+            if tensor.dtype == FP8_DTYPE and params[target].dtype != FP8_DTYPE:
+                pending.setdefault(hf_module, {}).update(weight=tensor, dtype=params[target].dtype)
+                continue
             module_name, param_name = target.rsplit(".", 1)
             module = self.get_submodule(module_name)
             if target == name and isinstance(module, ColumnParallelLinear) and \
@@ -563,6 +749,15 @@ class LlamaForCausalLM(nn.Module):
                 continue
             module.load_weight(param_name, tensor, shard_id)
             loaded.add((target, shard_id))
+        for hf_module, parts in pending.items():
+            if "weight" not in parts:
+                continue                        # a scale beside a weight stored unquantized
+            if "weight_scale" not in parts:
+                raise ValueError(f"checkpoint tensor {hf_module}.weight is FP8 but the "
+                                 f"checkpoint has no {hf_module}.weight_scale")
+            scale = parts["weight_scale"].float().reshape(-1)
+            dequantized = parts["weight"].float() * (scale if scale.numel() == 1 else scale[:, None])
+            loaded |= self.load_weights([(hf_module + ".weight", dequantized.to(parts["dtype"]))])
         return loaded
 
     def expected_weights(self) -> Set[Tuple[str, int]]:
@@ -570,6 +765,9 @@ class LlamaForCausalLM(nn.Module):
         expected = set()
         for name, _ in self.named_parameters():
             module = self.get_submodule(name.rsplit(".", 1)[0])
+            scheme = getattr(module, "quant", None)
+            if scheme is not None and not scheme.expects(name.rsplit(".", 1)[1]):
+                continue                        # weight_scale of weights quantized at load
             shards = len(module.shards) if isinstance(module, ColumnParallelLinear) else 1
             expected.update((name, sid) for sid in range(shards))
         return expected
@@ -595,14 +793,14 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     a sliding_window is not applied, as for Mistral (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, params_dtype: torch.dtype = torch.float32,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, quant_config: Optional[QuantConfig] = None):
         rope = config.rope_scaling or {}
         partial = config.hf_config.get("partial_rotary_factor",
                                        rope.get("partial_rotary_factor", 1.0))
         if partial not in (None, 1, 1.0):
             raise ValueError(f"partial_rotary_factor {partial} is not supported (rope over the "
                              f"whole head only)")
-        super().__init__(config, params_dtype, tp_rank, tp_size)
+        super().__init__(config, params_dtype, tp_rank, tp_size, quant_config)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -1,5 +1,9 @@
 """Build a model from a model directory: safetensors weights (single file or sharded), or random
 ("dummy") weights from config.json alone. Also resolves what --model-path names.
+
+FP8 (quant/fp8.py): a checkpoint's quantization_config (or hf_quant_config.json) makes its linear
+layers FP8 as it ships them; --quantization fp8 quantizes a bf16/fp16 checkpoint at load; dummy
+weights of an FP8 config are random FP8 weights with per-channel scales.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from tqdm.auto import tqdm
 
 from radixserve.config import ModelConfig
 from radixserve.model.llama import get_model_class
+from radixserve.quant.fp8 import FP8_DTYPE, init_dummy_fp8, resolve_quant_config
 
 logger = logging.getLogger(__name__)
 
@@ -73,35 +78,47 @@ def _iterate_safetensors(files: List[str]) -> Iterator[Tuple[str, torch.Tensor]]
 
 def _init_dummy(model: nn.Module, seed: int = 0) -> None:
     """Random weights with finite, moderate activations: normal(0, 0.02) for matrices and biases,
-    ones for norm weights (as the real checkpoints start)."""
+    ones for norm weights (as the real checkpoints start); FP8 layers get normal(0, 0.02)
+    weights quantized per output channel (quant/fp8.py: init_dummy_fp8)."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for name, param in model.named_parameters():
+        if param.dtype == FP8_DTYPE or name.endswith(("weight_scale", "input_scale")):
+            continue
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         else:
             param.data.normal_(0.0, 0.02, generator=gen)
+    init_dummy_fp8(model, gen)
 
 
 def load_model(model_path: str, model_config: ModelConfig, load_format: str,
-               dtype: torch.dtype, device: str) -> nn.Module:
+               dtype: torch.dtype, device: str, quantization: Optional[str] = None) -> nn.Module:
     """Build the model for model_config on device in dtype and fill its weights; eval mode.
 
     load_format: "auto"/"safetensors" read model_path's safetensors (sharded or not), checking
     that every parameter was filled; "dummy" draws random weights (no weight file is read, only
-    the config). Raises ValueError for an unknown format or architecture, missing or unexpected
-    tensors, or tensors of the wrong shape.
+    the config). quantization: --quantization (None, fp8, compressed-tensors, modelopt); with the
+    checkpoint's quantization_config it decides the FP8 layers (quant/fp8.py:
+    resolve_quant_config); model.quant_config says what was built. Raises ValueError for an
+    unknown format, architecture or quantization method, missing or unexpected tensors, or
+    tensors of the wrong shape or dtype.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} is not supported; use one of "
                          f"{', '.join(LOAD_FORMATS)}")
     model_cls = get_model_class(model_config.architecture)
+    quant_config = resolve_quant_config(model_config.hf_config, quantization, model_path)
     with torch.device(device):
-        model = model_cls(model_config, params_dtype=dtype)   # parameters allocated on device
+        # parameters allocated on device
+        model = model_cls(model_config, params_dtype=dtype, quant_config=quant_config)
+    model.quant_config = quant_config
+    quant = "" if quant_config is None else f", quantization {quant_config.describe()}"
     if load_format == "dummy":
         _init_dummy(model)
-        logger.info("built %s with dummy weights on %s (%s)", model_config.architecture, device, dtype)
+        logger.info("built %s with dummy weights on %s (%s%s)", model_config.architecture, device,
+                    dtype, quant)
     else:
         files = safetensors_files(model_path)
         loaded = model.load_weights(_iterate_safetensors(files))
@@ -110,6 +127,6 @@ def load_model(model_path: str, model_config: ModelConfig, load_format: str,
             names = sorted(f"{n}[{s}]" if s else n for n, s in missing)
             raise ValueError(f"checkpoint in {model_path!r} lacks {len(names)} tensors, e.g. "
                              f"{names[:5]}")
-        logger.info("loaded %s from %d file(s) on %s (%s)", model_config.architecture, len(files),
-                    device, dtype)
+        logger.info("loaded %s from %d file(s) on %s (%s%s)", model_config.architecture,
+                    len(files), device, dtype, quant)
     return model.eval()

@@ -123,6 +123,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(server_args.resolved_device())
         self.dtype = server_args.resolved_dtype()
+        self.kv_dtype = server_args.resolved_kv_cache_dtype()   # the model's, or FP8
         self.context_len = context_len or server_args.context_length or model_config.max_context
         if self.device.type == "cpu" and server_args.cpu_threads:
             torch.set_num_threads(server_args.cpu_threads)
@@ -132,9 +133,16 @@ class ModelRunner:
         self.kernel_status = log_kernel_status(self.device, logger)
         if model is None:
             model = load_model(model_path, model_config, server_args.load_format, self.dtype,
-                               self.device)
+                               self.device, server_args.quantization)
         self.model = model
         self.model.eval()
+        if self.kv_dtype != self.dtype:
+            from radixserve.model.llama import set_kv_cache_scales
+
+            scaled = set_kv_cache_scales(self.model)
+            logger.info("KV cache in %s: k/v scales from the checkpoint for %d of %d layers "
+                        "(1.0 elsewhere)", server_args.kv_cache_dtype, scaled,
+                        model_config.num_hidden_layers)
         # the batch-1 decode floor, measured here before the KV pool takes the free memory
         # (weight_floor.py; None on the CPU)
         self.weight_floor_s: Optional[float] = None
@@ -148,7 +156,7 @@ class ModelRunner:
         self.max_total_tokens = self._kv_pool_tokens()
         self.kv_pool = KVPool(self.max_total_tokens, model_config.num_hidden_layers,
                               model_config.num_key_value_heads, model_config.head_dim,
-                              self.dtype, self.device)
+                              self.kv_dtype, self.device)
         self.num_rows = self.max_running_requests
         self.padding_row = self.num_rows
         dev = self.device
@@ -162,8 +170,8 @@ class ModelRunner:
         if dev.type == "cuda":
             self.compute_stream = torch.cuda.Stream(device=dev)
             self.copy_stream = torch.cuda.Stream(device=dev)
-        logger.info("KV pool: %d tokens, %.1f MB", self.max_total_tokens,
-                    self.kv_pool.size_bytes / (1 << 20))
+        logger.info("KV pool: %d tokens, %.1f MB, %s", self.max_total_tokens,
+                    self.kv_pool.size_bytes / (1 << 20), str(self.kv_dtype).replace("torch.", ""))
         self.graph_runner = None
         if self._cuda_graph_usable():
             from radixserve.model.cuda_graph_runner import CudaGraphRunner
@@ -195,7 +203,7 @@ class ModelRunner:
                 raise ValueError("--max-total-tokens must be at least 2")
             return sa.max_total_tokens
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads,
-                                           mc.head_dim, self.dtype)
+                                           mc.head_dim, self.kv_dtype)   # 1 byte a value: FP8
         if self.device.type == "cuda":
             fraction = sa.mem_fraction_static or GPU_MEM_FRACTION
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -9,15 +9,26 @@ long prompt fits where the kernels are missing.
 
 Index dtypes: slot indices and indptrs are int32 on the kernel path; references accept
 int32 or int64. Naming: *_indptr has length batch + 1; *_indices are KV pool slots.
+
+FP8 KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): the pool's pages are torch.float8_e4m3fn /
+float8_e5m2. store_kv (and rotary_embedding_store_kv) write x / scale, saturated to the format's
+largest finite value (reference.quantize_fp8), with the layer's k_scale / v_scale (fp32 scalars,
+passed as Python floats: a CUDA graph captures them as launch arguments, no host sync); the
+attention ops read the pages back times the same scales (the reference dequantizes, then
+attends; the kernels convert FP8 to 16-bit floats as they load K/V and fold k_scale into the
+softmax scale and v_scale into the output's normalisation). For other caches the scales are
+ignored.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
 
 from radixserve.ops import reference as ref
 from radixserve.ops._ext import kernels_available
+from radixserve.ops.reference import KV_FP8_DTYPES, is_fp8  # noqa: F401  (re-exported)
 
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -47,20 +58,23 @@ class SampleOutput(NamedTuple):
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_indices: torch.Tensor) -> None:
+             slot_indices: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write new K/V rows into the pool, in place.
 
-    k_cache, v_cache: [num_slots, num_kv_heads, head_dim] (bf16/fp16/fp32, contiguous)
-    k, v:             [num_tokens, num_kv_heads, head_dim], same dtype as the cache
+    k_cache, v_cache: [num_slots, num_kv_heads, head_dim] (bf16/fp16/fp32 or FP8, contiguous)
+    k, v:             [num_tokens, num_kv_heads, head_dim], same dtype as the cache (an FP8
+                      cache: bf16/fp16/fp32 k and v, stored as quantize_fp8(k, k_scale),
+                      quantize_fp8(v, v_scale), bit for bit the reference's bytes)
+    k_scale, v_scale: the layer's FP8 scales (> 0); ignored by other caches
     slot_indices:     [num_tokens] int32/int64, each < num_slots, no duplicates except the
                       padding slot 0 (padded rows of a CUDA-graph batch all write there; which
                       row's K/V it ends up holding is unspecified, and nothing reads it)
     Mutates k_cache[slot_indices], v_cache[slot_indices]; nothing else.
     """
     if _use_kernel(k_cache):
-        torch.ops.radixserve.store_kv(k_cache, v_cache, k, v, slot_indices)
+        torch.ops.radixserve.store_kv(k_cache, v_cache, k, v, slot_indices, k_scale, v_scale)
     else:
-        ref.store_kv(k_cache, v_cache, k, v, slot_indices)
+        ref.store_kv(k_cache, v_cache, k, v, slot_indices, k_scale, v_scale)
 
 
 def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -86,29 +100,35 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                           sm_scale: float) -> torch.Tensor:
+                           sm_scale: float, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """One query token per request over its paged KV (page size 1).
 
     q:        [batch, num_q_heads, head_dim]; num_q_heads % num_kv_heads == 0 (GQA)
-    k_cache:  [num_slots, num_kv_heads, head_dim], v_cache likewise, same dtype as q
+    k_cache:  [num_slots, num_kv_heads, head_dim], v_cache likewise, same dtype as q, or FP8
+              (read as k_cache * k_scale, v_cache * v_scale; scales ignored otherwise)
     kv_indptr:[batch + 1] int32, kv_indices: [nnz] int32 (as build_kv_indices makes them);
               every request has at least one KV token (its own)
     returns   [batch, num_q_heads, head_dim], dtype of q: softmax(q k^T * sm_scale) v
     The kernel takes bf16/fp16; float32 runs the torch reference on any device. Batches that
     fill the GPU without splitting requests, with 4 to 8 q heads per kv head (per subgroup) and
     head_dim a multiple of 64, run on tensor cores (P rounded to q's dtype before P V, as flash
-    attention does); the rest, or everything under RADIXSERVE_DECODE_KERNEL=simt, on the
-    CUDA-core kernel.
+    attention does; with an FP8 cache the tensor-core products run in fp16, K/V converted from
+    FP8 exactly, q rounded to fp16, P rounded to fp16); the rest, or everything under
+    RADIXSERVE_DECODE_KERNEL=simt, on the CUDA-core kernel.
     """
     if _use_attention_kernel(q):
         return torch.ops.radixserve.paged_decode_attention(_kernel_q(q), k_cache, v_cache,
-                                                           kv_indptr, kv_indices, sm_scale)
-    return ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale)
+                                                           kv_indptr, kv_indices, sm_scale,
+                                                           k_scale, v_scale)
+    return ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale,
+                                      k_scale, v_scale)
 
 
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                           kv_indices: torch.Tensor, sm_scale: float) -> torch.Tensor:
+                           kv_indices: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """New query tokens over [cached prefix + themselves], causal among the new tokens.
 
     q:         [num_q_tokens, num_q_heads, head_dim], requests concatenated
@@ -117,14 +137,17 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                with store_kv); extend_len_b = qo_len_b <= kv_len_b
     Query i of request b sits at position kv_len_b - qo_len_b + i and attends KV positions <= it.
     returns    [num_q_tokens, num_q_heads, head_dim], dtype of q
-    The kernel takes bf16/fp16; float32 runs the torch reference on any device.
+    k_cache, v_cache as for paged_decode_attention (q's dtype, or FP8 read times the scales).
+    The kernel takes bf16/fp16; float32 runs the torch reference on any device. With an FP8
+    cache the mma.sync kernel runs (also on sm_90a: the wgmma kernel reads 16-bit tiles only),
+    its products in fp16 (K/V converted from FP8 exactly, Q and P rounded to fp16).
     """
     if _use_attention_kernel(q):
         return torch.ops.radixserve.paged_extend_attention(_kernel_q(q), k_cache, v_cache,
                                                            qo_indptr, kv_indptr, kv_indices,
-                                                           sm_scale)
+                                                           sm_scale, k_scale, v_scale)
     return ref.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
-                                      sm_scale)
+                                      sm_scale, k_scale, v_scale)
 
 
 def bitmask_sample(logits: torch.Tensor, bitmask: Optional[torch.Tensor],
@@ -245,17 +268,20 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def rotary_embedding_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, cos_sin_cache: torch.Tensor,
                               k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              slot_indices: torch.Tensor) -> None:
+                              slot_indices: torch.Tensor, k_scale: float = 1.0,
+                              v_scale: float = 1.0) -> None:
     """rotary_embedding(positions, q, k, cos_sin_cache) then store_kv(k_cache, v_cache, k, v,
-    slot_indices), in one kernel launch: the rotated k (and v) rows land in the pool.
+    slot_indices, k_scale, v_scale), in one kernel launch: the rotated k (and v) rows land in
+    the pool (an FP8 pool: quantized as store_kv does; k itself stays rotated in q's dtype).
     Arguments and mutation as for those two ops; k and v must have each token's
     [num_kv_heads, head_dim] row contiguous (views into a fused qkv buffer do)."""
     if _use_kernel(q):
         torch.ops.radixserve.rotary_embedding_store_kv(positions, q, k, v, cos_sin_cache,
-                                                       k_cache, v_cache, slot_indices)
+                                                       k_cache, v_cache, slot_indices,
+                                                       k_scale, v_scale)
     else:
         ref.rotary_embedding(positions, q, k, cos_sin_cache)
-        ref.store_kv(k_cache, v_cache, k, v, slot_indices)
+        ref.store_kv(k_cache, v_cache, k, v, slot_indices, k_scale, v_scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -263,3 +289,188 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _use_kernel(x):
         return torch.ops.radixserve.silu_and_mul(x)
     return ref.silu_and_mul(x)
+
+
+# ----------------------------------------------------------------------------- FP8 linear layers
+# FP8 (float8_e4m3fn) weights with fp32 scales, one per output channel ([N]) or one in all ([1]);
+# activations per token (dynamic: one scale per row, amax / 448) or per tensor (static: the
+# checkpoint's input_scale). Quantization of a value v with scale s: clamp(v / s, -448, 448)
+# rounded to e4m3. The references (ops/reference.py) dequantize and compute in fp32: the oracle
+# of every kernel below, and what the CPU runs.
+
+FP8_ACT_QUANT = ("none", "dynamic", "static")
+
+
+@functools.lru_cache(maxsize=None)
+def _extension_has(op: str) -> bool:
+    return hasattr(torch.ops.radixserve, op)
+
+
+def _use_kernel_op(op: str, t: torch.Tensor) -> bool:
+    """t is on a GPU, radixserve._C is in use and registers op."""
+    return _use_kernel(t) and _extension_has(op)
+
+
+@functools.lru_cache(maxsize=None)
+def _rowwise_scaled_mm_device(index: int) -> bool:
+    """torch._scaled_mm's rowwise scaling (CUTLASS, fp32 scales per row of A and column of B)
+    runs on sm_90+."""
+    return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def fp8_scaled_mm_fits(x_fp8: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether fp8_scaled_mm runs torch._scaled_mm for x_fp8 [M, K] and weight [N, K]: CUDA e4m3
+    tensors on an sm_90+ GPU, M >= 1, K and N multiples of 16, both contiguous (weight.t() is
+    then the column-major second operand cuBLASLt wants). RADIXSERVE_DISABLE_KERNELS=1 does not
+    turn it off: it is torch's GEMM, not one of ours."""
+    return (x_fp8.is_cuda and weight.is_cuda and x_fp8.dtype == torch.float8_e4m3fn
+            and weight.dtype == torch.float8_e4m3fn and x_fp8.dim() == 2 and weight.dim() == 2
+            and x_fp8.shape[0] >= 1 and x_fp8.shape[1] == weight.shape[1]
+            and x_fp8.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0
+            and x_fp8.is_contiguous() and weight.is_contiguous()
+            and _rowwise_scaled_mm_device(x_fp8.device.index if x_fp8.device.index is not None
+                                          else torch.cuda.current_device()))
+
+
+# rmsnorm_quant_fp8's kernel keeps a row in registers: rows of up to this many elements
+# (csrc/include/radixserve/fp8_quant.cuh); longer rows run the reference.
+FP8_NORM_KERNEL_MAX = 8192
+
+
+def _rows16(t: torch.Tensor) -> bool:
+    """t [rows, cols]: each row contiguous and starting at a 16-byte boundary."""
+    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def _fp8_quant_kernel_fits(x: torch.Tensor, input_scale: Optional[torch.Tensor]) -> bool:
+    """Whether the FP8 quantization kernels take x: bf16/fp16 [rows, hidden], hidden a multiple
+    of 8, 16-byte rows, and a static scale (if any) of one fp32 value on x's device."""
+    return (x.dtype in _HALF_DTYPES and x.dim() == 2 and x.shape[1] % 8 == 0 and _rows16(x)
+            and (input_scale is None or (input_scale.dtype == torch.float32
+                                         and input_scale.numel() == 1
+                                         and input_scale.device == x.device)))
+
+
+def fp8_quantize(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None):
+    """Quantize activations to e4m3 for a W8A8 GEMM.
+
+    x:           [M, K] bf16/fp16/fp32
+    input_scale: None: dynamic, one scale per row (token): amax(|x[m]|) / 448 (floored at
+                 1e-12 / 448); else [1] (or a 0-dim) fp32 static per-tensor scale used for
+                 every row
+    returns      (x_fp8 [M, K] float8_e4m3fn contiguous, x_scale [M, 1] fp32 contiguous) with
+                 x[m] ~= x_fp8[m].float() * x_scale[m]; no host synchronisation (the scales stay
+                 on the device)
+    A kernel when radixserve._C registers fp8_quantize, else the reference (torch ops, also on a
+    GPU).
+    """
+    if _fp8_quant_kernel_fits(x, input_scale) and _use_kernel_op("fp8_quantize", x):
+        return torch.ops.radixserve.fp8_quantize(x, input_scale)
+    return ref.fp8_quantize(x, input_scale)
+
+
+def fp8_scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                  weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The W8A8 GEMM: out[m, n] = (sum_k x_fp8[m, k] * weight[n, k]) * x_scale[m] *
+    weight_scale[n] (+ bias[n]), accumulated in fp32.
+
+    x_fp8:        [M, K] float8_e4m3fn (rows from fp8_quantize or rmsnorm_quant_fp8)
+    x_scale:      [M, 1] fp32
+    weight:       [N, K] float8_e4m3fn, contiguous (nn.Linear layout)
+    weight_scale: [N] fp32 per output channel, or [1] per tensor
+    bias:         None or [N] in out_dtype
+    returns       [M, N] out_dtype
+    CUDA (sm_90+, fp8_scaled_mm_fits): torch._scaled_mm with rowwise scales (scale_a = x_scale
+    [M, 1], scale_b = weight_scale as [1, N], second operand weight.t() column-major, bf16
+    output; an fp16/fp32 out_dtype is converted from it, and the bias is added after the GEMM
+    in out_dtype, so it is rounded twice where the reference rounds once). Elsewhere the
+    reference: fp32 math, rounded once into out_dtype.
+    """
+    if x_fp8.shape[0] and fp8_scaled_mm_fits(x_fp8, weight):
+        n = weight.shape[0]
+        scale_b = weight_scale.float().reshape(1, -1).expand(1, n).contiguous()      # [1, N]
+        out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale.float().reshape(-1, 1),
+                               scale_b=scale_b, out_dtype=torch.bfloat16)
+        if out_dtype != torch.bfloat16:
+            out = out.to(out_dtype)
+        return out if bias is None else out.add_(bias.to(out_dtype))
+    return ref.fp8_scaled_mm(x_fp8, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+# fp8_skinny_linear (csrc/include/radixserve/fp8_gemv.cuh) serves up to this many rows.
+FP8_SKINNY_MAX_ROWS = 16
+
+
+def fp8_skinny_linear_fits(x: torch.Tensor, weight: torch.Tensor,
+                           weight_scale: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether fp8_linear(act_quant="none") runs the fp8_skinny_linear kernel: CUDA, the
+    extension in use, x bf16 [m, k] with 1 <= m <= FP8_SKINNY_MAX_ROWS, rows contiguous and
+    16-byte aligned, k a multiple of 16, weight e4m3 [n, k] contiguous and 16-byte aligned,
+    weight_scale contiguous fp32 [n] or [1], bias None or contiguous bf16 [n]."""
+    return (x.dtype == torch.bfloat16 and x.dim() == 2 and weight.dim() == 2
+            and weight.dtype == torch.float8_e4m3fn and 1 <= x.shape[0] <= FP8_SKINNY_MAX_ROWS
+            and x.shape[1] == weight.shape[1] and x.shape[1] % 16 == 0 and x.shape[1] > 0
+            and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+            and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+            and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
+            and weight_scale.numel() in (1, weight.shape[0])
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+            and weight.is_cuda and _use_kernel_op("fp8_skinny_linear", x))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: Optional[torch.Tensor] = None, *, act_quant: str,
+               input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for an FP8 weight W = weight.float() * weight_scale[:, None].
+
+    x:            [M, K] bf16/fp16/fp32
+    weight:       [N, K] float8_e4m3fn, contiguous
+    weight_scale: [N] fp32 (per output channel) or [1] (per tensor)
+    bias:         None or [N] in x's dtype
+    act_quant:    how the activations enter the GEMM (the caller's choice: model/llama.py's
+                  fp8_act_quant):
+                  "none"    weight-only (W8A16): the weight dequantized, math in x's dtype. CUDA:
+                            fp8_skinny_linear where fp8_skinny_linear_fits (dequantization in
+                            registers, bf16 x bf16 -> fp32 on the tensor cores); elsewhere the
+                            reference: (weight.float() * scale).to(x.dtype), then F.linear in
+                            x's dtype (on a GPU that dequantizes the whole weight per call)
+                  "dynamic" W8A8: x quantized per token (fp8_quantize(x)), then fp8_scaled_mm
+                  "static"  W8A8: x quantized with input_scale ([1] fp32), then fp8_scaled_mm
+    input_scale:  [1] fp32, required for "static", ignored otherwise
+    returns       [M, N] in x's dtype
+    """
+    if act_quant not in FP8_ACT_QUANT:
+        raise ValueError(f"act_quant must be one of {FP8_ACT_QUANT}, not {act_quant!r}")
+    if act_quant == "none":
+        if fp8_skinny_linear_fits(x, weight, weight_scale, bias):
+            return torch.ops.radixserve.fp8_skinny_linear(x, weight, weight_scale, bias)
+        return ref.fp8_linear(x, weight, weight_scale, bias, "none", None)
+    if act_quant == "static" and input_scale is None:
+        raise ValueError("fp8_linear: act_quant 'static' needs input_scale")
+    x_fp8, x_scale = fp8_quantize(x, input_scale if act_quant == "static" else None)
+    return fp8_scaled_mm(x_fp8, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def rmsnorm_quant_fp8(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                      eps: float, input_scale: Optional[torch.Tensor] = None):
+    """RMSNorm (with the residual add, when residual is given) fused with the FP8 quantization
+    of its output: the input of a W8A8 GEMM (q|k|v, gate|up) straight from the norm.
+
+    x:           [num_tokens, hidden] bf16/fp16/fp32 (not modified)
+    residual:    None, or [num_tokens, hidden] contiguous, dtype of x or float32: then, in place,
+                 residual <- residual + x (the sum in fp32, rounded once into residual's dtype)
+    weight:      [hidden], dtype of x
+    input_scale: None: per-token scales (dynamic); [1] fp32: that static scale for every row
+    returns      (x_fp8 [num_tokens, hidden] float8_e4m3fn, x_scale [num_tokens, 1] fp32) =
+                 fp8_quantize(y, input_scale) where y = rms_norm(sum or x) * weight rounded to
+                 x's dtype: exactly fused_add_rms_norm (or rms_norm) then fp8_quantize, so the
+                 fused and unfused paths agree bit for bit on the reference.
+    A kernel when radixserve._C registers rmsnorm_quant_fp8, else the reference.
+    """
+    if (_fp8_quant_kernel_fits(x, input_scale) and x.shape[1] <= FP8_NORM_KERNEL_MAX
+            and (residual is None or _rows16(residual))
+            and _use_kernel_op("rmsnorm_quant_fp8", x)):
+        return torch.ops.radixserve.rmsnorm_quant_fp8(x, residual, weight, eps, input_scale)
+    return ref.rmsnorm_quant_fp8(x, residual, weight, eps, input_scale)

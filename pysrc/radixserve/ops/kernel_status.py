@@ -106,8 +106,8 @@ def _import_extension():
 # every op csrc/bindings.cpp registers: what a build must provide (.ci/run, release/check_wheel.sh)
 EXTENSION_OPS = ("store_kv", "build_kv_indices", "paged_decode_attention",
                  "paged_extend_attention", "extend_attention_kernel", "bitmask_sample",
-                 "argmax_rows", "skinny_linear", "fp8_skinny_linear", "rms_norm",
-                 "fused_add_rms_norm",
+                 "argmax_rows", "skinny_linear", "fp8_skinny_linear", "fp8_quantize",
+                 "rmsnorm_quant_fp8", "rms_norm", "fused_add_rms_norm",
                  "rotary_embedding", "rotary_embedding_store_kv", "silu_and_mul")
 
 

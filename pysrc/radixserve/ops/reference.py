@@ -16,10 +16,40 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------- KV cache
 
 
+# The FP8 formats a KV cache may be stored in (--kv-cache-dtype fp8_e4m3 / fp8_e5m2).
+KV_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype in KV_FP8_DTYPES
+
+
+def quantize_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x / scale in `dtype` (an FP8 format), saturating: fp32(x) * fp32(1 / scale), clamped to
+    the format's largest finite value (a NaN stays NaN), rounded to nearest even. The kernels
+    compute exactly this (the same fp32 product and rounding), so their bytes are equal."""
+    fmax = torch.finfo(dtype).max
+    return (x.float() * (1.0 / scale)).clamp_(-fmax, fmax).to(dtype)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x (FP8) as fp32 times scale: the values attention reads from an FP8 cache."""
+    return x.float().mul_(scale)          # one fp32 copy (x is FP8, so .float() is new)
+
+
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_indices: torch.Tensor) -> None:
+             slot_indices: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     # k_cache, v_cache: [num_slots, num_kv_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    # an FP8 cache stores quantize_fp8(k, k_scale), quantize_fp8(v, v_scale); other caches ignore
+    # the scales
     idx = slot_indices.long()
+    if is_fp8(k_cache):
+        # written through uint8 views: torch has no index_copy_ for FP8 on the CPU
+        k_cache.view(torch.uint8).index_copy_(
+            0, idx, quantize_fp8(k, k_cache.dtype, k_scale).view(torch.uint8))
+        v_cache.view(torch.uint8).index_copy_(
+            0, idx, quantize_fp8(v, v_cache.dtype, v_scale).view(torch.uint8))
+        return
     k_cache.index_copy_(0, idx, k.to(k_cache.dtype))
     v_cache.index_copy_(0, idx, v.to(v_cache.dtype))
 
@@ -270,9 +300,11 @@ class PagedAttention:
         return mask.view(1, 1, group * rows, t.kv_len)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 sm_scale: float) -> torch.Tensor:
+                 sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """q [num_tokens, num_q_heads, head_dim]; k_cache, v_cache [num_slots, num_kv_heads,
-        head_dim] -> [num_tokens, num_q_heads, head_dim] in q's dtype (computed in fp32)."""
+        head_dim] -> [num_tokens, num_q_heads, head_dim] in q's dtype (computed in fp32).
+        An FP8 cache is dequantized as it is gathered (dequantize_fp8: times k_scale, v_scale);
+        other caches ignore the scales."""
         whole = self._whole and q.shape[0] == self.num_tokens
         out = None if whole else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         group, d = self.group, self.head_dim
@@ -283,8 +315,8 @@ class PagedAttention:
             if kv is None or kv[0] != key:
                 kv = None                                 # free the last tile's K/V first
                 slots = self._slots[(t.req_start, t.req_end)]
-                kv = (key, _gather_heads(k_cache, slots, reqs, t.head_start, t.head_end),
-                      _gather_heads(v_cache, slots, reqs, t.head_start, t.head_end))
+                kv = (key, _gather_heads(k_cache, slots, reqs, t.head_start, t.head_end, k_scale),
+                      _gather_heads(v_cache, slots, reqs, t.head_start, t.head_end, v_scale))
             k, v = kv[1], kv[2]
             if k.shape[2] > t.kv_len:
                 k, v = k[:, :, :t.kv_len], v[:, :, :t.kv_len]          # [reqs, heads, kv_len, d]
@@ -306,33 +338,41 @@ class PagedAttention:
 
 
 def _gather_heads(cache: torch.Tensor, slots: torch.Tensor, reqs: int, h0: int,
-                  h1: int) -> torch.Tensor:
+                  h1: int, scale: float = 1.0) -> torch.Tensor:
     # cache [num_slots, num_kv_heads, head_dim], slots [reqs * len]
-    # -> [reqs, h1 - h0, len, head_dim] fp32 (a transposed view)
-    x = cache[:, h0:h1].index_select(0, slots)                         # [reqs * len, heads, d]
+    # -> [reqs, h1 - h0, len, head_dim] fp32 (a transposed view); an FP8 cache dequantized
+    # (times scale), gathered through a uint8 view
+    if is_fp8(cache):
+        x = cache.view(torch.uint8)[:, h0:h1].index_select(0, slots).view(cache.dtype)
+        x = dequantize_fp8(x, scale)
+    else:
+        x = cache[:, h0:h1].index_select(0, slots)                     # [reqs * len, heads, d]
     return x.view(reqs, -1, h1 - h0, cache.shape[-1]).float().transpose(1, 2)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                           sm_scale: float) -> torch.Tensor:
+                           sm_scale: float, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     # q: [batch, num_q_heads, head_dim] -> out: [batch, num_q_heads, head_dim]
+    # an FP8 cache: dequantized (times k_scale, v_scale), then attended
     if q.shape[0] == 0:
         return torch.empty_like(q)
     attn = PagedAttention(kv_indptr, kv_indices, None, q.shape[1], k_cache.shape[1], q.shape[2],
                           k_cache.element_size())
-    return attn(q, k_cache, v_cache, sm_scale)
+    return attn(q, k_cache, v_cache, sm_scale, k_scale, v_scale)
 
 
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                           kv_indices: torch.Tensor, sm_scale: float) -> torch.Tensor:
+                           kv_indices: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     # q: [num_q_tokens, num_q_heads, head_dim] -> out: same shape
     if qo_indptr.shape[0] <= 1 or q.shape[0] == 0:
         return torch.empty_like(q)
     attn = PagedAttention(kv_indptr, kv_indices, qo_indptr, q.shape[1], k_cache.shape[1],
                           q.shape[2], k_cache.element_size())
-    return attn(q, k_cache, v_cache, sm_scale)
+    return attn(q, k_cache, v_cache, sm_scale, k_scale, v_scale)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -507,3 +547,115 @@ def skinny_gated_linear(x: torch.Tensor, weight: torch.Tensor,
                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     # x: [m, k], weight: [2 * inter, k] -> [m, inter]
     return silu_and_mul(F.linear(x, weight, bias))
+
+
+# ----------------------------------------------------------------------------- FP8 (e4m3) linear
+# Contracts: radixserve/ops/__init__.py (fp8_quantize, fp8_scaled_mm, fp8_linear,
+# rmsnorm_quant_fp8). The math is the kernels' in fp32: an e4m3 value times an e4m3 value is exact
+# in fp32, sums are fp32, scales multiply the fp32 sum, one rounding into the output dtype.
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0           # the largest finite float8_e4m3fn value
+FP8_MIN_AMAX = 1e-12      # floor of a row's (or tensor's) amax: an all-zero row gets a tiny scale
+#                           and quantizes to zeros instead of dividing by zero
+
+
+def fp8_scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """The e4m3 scale of values whose largest magnitude is amax: max(amax, FP8_MIN_AMAX) / 448
+    (fp32), so that value / scale spans [-448, 448]."""
+    return amax.float().clamp(min=FP8_MIN_AMAX) / FP8_MAX
+
+
+def fp8_cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale (fp32) clamped to +-448 and rounded to float8_e4m3fn (nearest even)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _scale_per_row(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    # [rows] or [1] (or a scalar) -> [rows] fp32 (a broadcast view for [1])
+    flat = scale.float().reshape(-1)
+    return flat.expand(rows) if flat.numel() == 1 else flat
+
+
+def fp8_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """weight [N, K] e4m3, weight_scale [N] or [1] fp32 -> weight.float() * scale per row,
+    rounded once to dtype: [N, K]."""
+    return (weight.float() * _scale_per_row(weight_scale, weight.shape[0])[:, None]).to(dtype)
+
+
+def fp8_quantize(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None):
+    # x: [M, K] -> (x_fp8 [M, K] e4m3, x_scale [M, 1] fp32); per-token amax / 448 when
+    # input_scale is None, else input_scale ([1] or a scalar) on every row; in tiles of rows
+    rows, cols = x.shape[0], x.shape[1]
+    out = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    static = None if input_scale is None else input_scale.float().reshape(1, 1)
+    for start, end in _row_tiles(rows, cols):
+        xf = x[start:end].float()
+        s = fp8_scale_of(xf.abs().amax(-1, keepdim=True)) if static is None \
+            else static.expand(end - start, 1)
+        scale[start:end] = s
+        out[start:end] = fp8_cast(xf, s)
+    return out, scale
+
+
+def fp8_scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                  weight_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    # [M, K] e4m3 x [N, K] e4m3 -> [M, N] out_dtype: (x w^T) * x_scale[m] * w_scale[n] (+ bias)
+    # in fp32, rounded once; in tiles of weight rows and of x rows (bounded fp32 copies)
+    rows, n, k = x_fp8.shape[0], weight.shape[0], weight.shape[1]
+    out = torch.empty((rows, n), dtype=out_dtype, device=x_fp8.device)
+    ws = _scale_per_row(weight_scale, n)
+    xs = x_scale.float().reshape(-1, 1)
+    for n0, n1 in _row_tiles(n, k):
+        wf = weight[n0:n1].float()                                      # [n1 - n0, K]
+        for m0, m1 in _row_tiles(rows, k):
+            acc = torch.mm(x_fp8[m0:m1].float(), wf.t())                # [m, n] fp32, exact products
+            acc.mul_(xs[m0:m1]).mul_(ws[n0:n1])
+            if bias is not None:
+                acc.add_(bias[n0:n1].float())
+            out[m0:m1, n0:n1] = acc                                     # rounded to out_dtype
+    return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: Optional[torch.Tensor], act_quant: str,
+               input_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    # x: [M, K] -> [M, N] in x's dtype; act_quant "none": dequantize the weight to x's dtype and
+    # F.linear in x's dtype (weight-only); "dynamic" / "static": fp8_quantize x (per token / with
+    # input_scale), then fp8_scaled_mm
+    if act_quant == "none":
+        n, k = weight.shape
+        tiles = _row_tiles(n, k)
+        if len(tiles) <= 1:
+            return F.linear(x, fp8_dequantize(weight, weight_scale, x.dtype), bias)
+        ws = _scale_per_row(weight_scale, n)
+        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+        for n0, n1 in tiles:
+            out[:, n0:n1] = F.linear(x, fp8_dequantize(weight[n0:n1], ws[n0:n1], x.dtype),
+                                     None if bias is None else bias[n0:n1])
+        return out
+    if act_quant == "dynamic":
+        x_fp8, x_scale = fp8_quantize(x)
+    elif act_quant == "static":
+        if input_scale is None:
+            raise ValueError("fp8_linear: act_quant 'static' needs input_scale")
+        x_fp8, x_scale = fp8_quantize(x, input_scale)
+    else:
+        raise ValueError(f"fp8_linear: act_quant must be none, dynamic or static, not {act_quant!r}")
+    return fp8_scaled_mm(x_fp8, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def rmsnorm_quant_fp8(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                      eps: float, input_scale: Optional[torch.Tensor] = None):
+    # residual None: y = rms_norm(x) * weight; else, in place, residual <- residual + x and
+    # y = rms_norm(residual + x) * weight (fused_add_rms_norm's math, x itself unchanged);
+    # y rounded to x's dtype, then fp8_quantize(y, input_scale)
+    if residual is None:
+        y = rms_norm(x, weight, eps)
+    else:
+        y = x.clone()
+        fused_add_rms_norm(y, residual, weight, eps)
+    return fp8_quantize(y, input_scale)

@@ -1,0 +1,263 @@
+// Paged decode attention on tensor cores over an FP8 KV pool (--kv-cache-dtype fp8_e4m3 /
+// fp8_e5m2): the FP8 counterpart of decode_attention_mma.cuh, with the same grid, the same use
+// (GQA subgroups of 4 or 8 q heads, no split) and the same online softmax and combine; the
+// products run in fp16 (every FP8 value is an fp16 value; q is rounded to fp16, P to fp16).
+//
+// Why not the 16-bit kernel's tiles: it gathers K/V rows into shared memory and feeds the mma
+// through ldmatrix. FP8 bytes would need converting in shared memory first (a second pass over
+// every byte). Here each lane loads exactly the bytes that its mma fragments hold, converts them
+// in registers (fp8_kv.cuh: bit placement, no conversion instruction) and never shares them, so
+// its cp.async pipeline is thread-private, as the CUDA-core kernel's is (no barriers, no
+// ldmatrix). That needs two permutations, each applied to both operands of a product, which
+// leave the products unchanged:
+//   S = q K^T, m16n8k16: lane (g, t) (g = lane / 4, t = lane % 4) supplies B's rows (logical
+//     k) 2t, 2t+1, 2t+8, 2t+9 of column (token) g, and A's (q's) same columns of row g. Logical
+//     k (k-step kk, those four) is physical dim t * D/4 + 4 kk + {0, 2, 1, 3}: the lane's K
+//     bytes are the D/4 contiguous bytes [t * D/4, (t+1) * D/4) of tokens g and g + 8 (one or
+//     two 16-byte loads each), and 32-bit word kk of them, [b3 b2 b1 b0], is the pair (b0, b2)
+//     for b0 and (b1, b3) for b1, as fp8_kv.cuh's conversion produces them. q gets the same
+//     order (one byte permute per k-step, once per CTA).
+//   O += P V: B's rows are tokens (P's columns, as S left them: no permutation), its column g of
+//     n-tile nn is physical dim g * D/8 + nn: the lane's V bytes are the D/8 contiguous bytes
+//     [g * D/8, (g+1) * D/8) of tokens 2t, 2t+1, 2t+8, 2t+9; a byte permute pairs token 2t's
+//     byte nn with token 2t+1's. The accumulator's column c of n-tile nn is then dim
+//     c * D/8 + nn, undone when the warps' states go to shared memory.
+// Per 16-token tile and lane: D / 2 bytes of K and D / 2 of V. k_scale is in p.scale_log2 and
+// v_scale in the combine (decode_combine_parts), as for every kernel over an FP8 pool.
+#pragma once
+
+#include <cstdint>
+
+#include "radixserve/attention_common.cuh"
+#include "radixserve/decode_attention.cuh"
+#include "radixserve/decode_attention_mma.cuh"
+#include "radixserve/fp8_kv.cuh"
+#include "radixserve/pdl.cuh"
+
+namespace radixserve {
+namespace attn {
+
+constexpr int kDecodeMmaFp8Stages = 3;   // tiles per warp in the pipeline (2 in flight)
+
+// dynamic shared memory: [warps][stages][pieces][32 lanes] 16-byte slots, pieces = 2 * D/64 (K:
+// tokens g, g + 8) + 4 (V: tokens 2t, 2t+1, 2t+8, 2t+9; 8 bytes used of a slot when D = 64)
+template <int D>
+__host__ __device__ constexpr int decode_mma_fp8_smem_bytes() {
+  return kDecodeMmaWarps * kDecodeMmaFp8Stages * (2 * (D / 64) + 4) * 32 * 16;
+}
+
+template <int N>
+__device__ __forceinline__ uint32_t word_of(const uint4 (&v)[N], int w) {
+  const uint4 x = v[w / 4];
+  const int c = w % 4;
+  return c == 0 ? x.x : c == 1 ? x.y : c == 2 ? x.z : x.w;
+}
+
+template <typename T, typename F8, int D, int kGroupMax>
+__global__ void __launch_bounds__(kDecodeMmaThreads)
+    paged_decode_mma_fp8_kernel(const DecodeParams p) {
+  static_assert(D % 64 == 0, "D / 4 bytes of K per lane: whole 16-byte pieces");
+  static_assert(kGroupMax == 4 || kGroupMax == 8, "q heads of a subgroup: rows 0..7 of the mma");
+  pdl_launch_dependents();  // the o projection after attention may start streaming its weights
+  constexpr int kKSteps = D / 16;          // mma k-steps of S = q K^T
+  constexpr int kNTiles = D / 8;           // mma n-tiles of O
+  constexpr int kKPieces = D / 64;         // 16-byte pieces of one token's D/4 K bytes
+  constexpr int kVBytes = D / 8;           // one token's V bytes per lane (8 or 16)
+  static_assert(kVBytes <= 16, "one 16-byte slot per token of V (D <= 128)");
+  constexpr int kPieces = 2 * kKPieces + 4;
+  constexpr int kStages = kDecodeMmaFp8Stages;
+  using H = TypeTraits<__half>;
+
+  // same name and alignment as the 16-bit mma kernel's (one translation unit holds both)
+  extern __shared__ __align__(128) unsigned char decode_mma_smem[];
+  __shared__ float sm_m[kDecodeMmaWarps][kGroupMax];
+  __shared__ float sm_l[kDecodeMmaWarps][kGroupMax];
+  static_assert(kDecodeMmaWarps * kGroupMax * D * 4 <= decode_mma_fp8_smem_bytes<D>(),
+                "combine buffer inside the pipeline's");
+  auto sm_acc = reinterpret_cast<float (*)[kGroupMax][D]>(decode_mma_smem);
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int sg = blockIdx.x;  // q-head subgroup (one split: blockIdx.x < num_sub)
+  const int kvh = blockIdx.y;
+  const int b = blockIdx.z;
+  const int qh0 = kvh * p.group + sg * kGroupMax;
+  const int gcount = min(kGroupMax, p.group - sg * kGroupMax);
+  const int kv_start = p.kv_indptr[b];
+  const int kv_len = p.kv_indptr[b + 1] - kv_start;
+
+  // q as the A operand (row g; rows >= gcount and 8..15 zero), fp16, in the permuted k order:
+  // k-step kk takes physical dims t * D/4 + 4 kk + {0, 2} (qa[kk][0]) and {1, 3} (qa[kk][1])
+  uint32_t qa[kKSteps][2];
+  {
+    const T* qrow = static_cast<const T*>(p.q) + (int64_t)b * p.q_stride_b +
+                    (int64_t)(qh0 + g) * p.q_stride_h + t * (D / 4);
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      const uint2 w = g < gcount ? *reinterpret_cast<const uint2*>(qrow + kk * 4) : make_uint2(0u, 0u);
+      const uint32_t h01 = fp8::to_half2_word<T>(w.x), h23 = fp8::to_half2_word<T>(w.y);
+      qa[kk][0] = __byte_perm(h01, h23, 0x5410);  // (q0, q2)
+      qa[kk][1] = __byte_perm(h01, h23, 0x7632);  // (q1, q3)
+    }
+  }
+
+  // this warp's tiles: w, w + warps, ... of the request's ceil(kv_len / 16)
+  const int tiles = (kv_len + kDecodeMmaTile - 1) / kDecodeMmaTile;
+  const int n_it = tiles > warp ? (tiles - warp + kDecodeMmaWarps - 1) / kDecodeMmaWarps : 0;
+  const int32_t* idx = p.kv_indices + kv_start;
+  const uint8_t* kbase = static_cast<const uint8_t*>(p.k) + (int64_t)kvh * p.kv_stride_h + t * (D / 4);
+  const uint8_t* vbase = static_cast<const uint8_t*>(p.v) + (int64_t)kvh * p.kv_stride_h + g * (D / 8);
+  uint4* pipe = reinterpret_cast<uint4*>(decode_mma_smem);
+  auto piece = [&](int stage, int j) -> uint4* {
+    return pipe + ((warp * kStages + stage) * kPieces + j) * 32 + lane;
+  };
+  auto tile_start = [&](int it) { return (it * kDecodeMmaWarps + warp) * kDecodeMmaTile; };
+
+  // lane l < 16 holds the slot of token l of the tile fetched last (0 past the request)
+  int slot = 0;
+  auto fetch = [&](int it) {
+    const int tok = tile_start(it) + lane;
+    slot = it < n_it && lane < kDecodeMmaTile && tok < kv_len ? __ldg(idx + tok) : 0;
+  };
+  // cp.async of this lane's bytes of tile it into stage it % kStages (past the request: zeros)
+  auto issue = [&](int it) {
+    if (it < n_it) {
+      const int t0 = tile_start(it);
+      const int stage = it % kStages;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // K of tokens g, g + 8
+        const int r = g + 8 * h;
+        const int s = __shfl_sync(0xffffffffu, slot, r);
+        const bool ok = t0 + r < kv_len;
+        const int64_t off = ok ? (int64_t)s * p.kv_stride_slot : 0;
+#pragma unroll
+        for (int i = 0; i < kKPieces; ++i)
+          cp_async_16(smem_u32(piece(stage, h * kKPieces + i)), kbase + off + i * 16, ok);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // V of tokens 2t, 2t+1, 2t+8, 2t+9
+        const int r = 2 * t + (j & 1) + (j >> 1) * 8;
+        const int s = __shfl_sync(0xffffffffu, slot, r);
+        const bool ok = t0 + r < kv_len;
+        const int64_t off = ok ? (int64_t)s * p.kv_stride_slot : 0;
+        if constexpr (kVBytes == 16)
+          cp_async_16(smem_u32(piece(stage, 2 * kKPieces + j)), vbase + off, ok);
+        else
+          cp_async_8(smem_u32(piece(stage, 2 * kKPieces + j)), vbase + off, ok);
+      }
+    }  // n_it is warp-uniform: the shuffles above run on every lane or on none
+    cp_async_commit();
+  };
+
+  float m = -INFINITY, l = 0.f;          // row g's running max (log2 domain) and this lane's
+                                         // share of its sum
+  float acc[kNTiles][4];                 // O: [n-tile][c0..c3]; c2, c3 are rows 8..15 (zero)
+#pragma unroll
+  for (int n = 0; n < kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    fetch(st);
+    issue(st);
+  }
+  fetch(kStages - 1);
+
+  for (int it = 0; it < n_it; ++it) {
+    // the stage issue() refills is the one this lane read in the last iteration (its own copies,
+    // read into registers before use): no barrier
+    issue(it + kStages - 1);
+    fetch(it + kStages);
+    cp_async_wait<kStages - 1>();
+    const int stage = it % kStages;
+    const int t0 = tile_start(it);
+
+    // S = q K^T: n-tile 0 = tokens 0..7 (column g: token g), n-tile 1 = tokens 8..15
+    uint4 k0[kKPieces], k1[kKPieces];
+#pragma unroll
+    for (int i = 0; i < kKPieces; ++i) {
+      k0[i] = *piece(stage, i);
+      k1[i] = *piece(stage, kKPieces + i);
+    }
+    float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      uint32_t b0, b1, c0, c1;
+      fp8::Traits<F8>::to_half2x2(word_of(k0, kk), b0, b1);
+      fp8::Traits<F8>::to_half2x2(word_of(k1, kk), c0, c1);
+      const uint32_t a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
+      mma_16816<__half>(s0, a, b0, b1);
+      mma_16816<__half>(s1, a, c0, c1);
+    }
+
+    // online softmax of row g over this tile's tokens 2t, 2t+1 (s0) and 8 + 2t, 9 + 2t (s1)
+    const int tq = t0 + t * 2;
+    float x[4] = {s0[0] * p.scale_log2, s0[1] * p.scale_log2, s1[0] * p.scale_log2,
+                  s1[1] * p.scale_log2};
+    x[0] = tq < kv_len ? x[0] : -INFINITY;
+    x[1] = tq + 1 < kv_len ? x[1] : -INFINITY;
+    x[2] = tq + 8 < kv_len ? x[2] : -INFINITY;
+    x[3] = tq + 9 < kv_len ? x[3] : -INFINITY;
+    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new;  // no token yet: nothing is inf - inf
+    const float alpha = fast_exp2(m - base);
+    float pr[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pr[i] = fast_exp2(x[i] - base);  // -inf -> 0
+    l = l * alpha + ((pr[0] + pr[1]) + (pr[2] + pr[3]));
+    m = m_new;
+#pragma unroll
+    for (int n = 0; n < kNTiles; ++n) {
+      acc[n][0] *= alpha;
+      acc[n][1] *= alpha;
+    }
+
+    // O += P V: P's A fragment (k = tokens 2t, 2t+1 | 2t+8, 2t+9), V's B fragments from the
+    // lane's bytes of those tokens, token 2t's byte nn paired with token 2t+1's
+    const uint32_t pa[4] = {H::pack(pr[0], pr[1]), 0u, H::pack(pr[2], pr[3]), 0u};
+    const uint4 va[1] = {*piece(stage, 2 * kKPieces + 0)};
+    const uint4 vb[1] = {*piece(stage, 2 * kKPieces + 1)};
+    const uint4 vc[1] = {*piece(stage, 2 * kKPieces + 2)};
+    const uint4 vd[1] = {*piece(stage, 2 * kKPieces + 3)};
+#pragma unroll
+    for (int w = 0; w < kVBytes / 4; ++w) {
+      const uint32_t a = word_of(va, w), bw = word_of(vb, w);
+      const uint32_t c = word_of(vc, w), d = word_of(vd, w);
+      uint32_t lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3;
+      fp8::Traits<F8>::to_half2x2(__byte_perm(a, bw, 0x5410), lo0, hi0);  // dims 4w, 4w+1
+      fp8::Traits<F8>::to_half2x2(__byte_perm(a, bw, 0x7632), lo1, hi1);  // dims 4w+2, 4w+3
+      fp8::Traits<F8>::to_half2x2(__byte_perm(c, d, 0x5410), lo2, hi2);
+      fp8::Traits<F8>::to_half2x2(__byte_perm(c, d, 0x7632), lo3, hi3);
+      mma_16816<__half>(acc[4 * w + 0], pa, lo0, lo2);
+      mma_16816<__half>(acc[4 * w + 1], pa, hi0, hi2);
+      mma_16816<__half>(acc[4 * w + 2], pa, lo1, lo3);
+      mma_16816<__half>(acc[4 * w + 3], pa, hi1, hi3);
+    }
+  }
+  cp_async_wait<0>();
+
+  // the row's sum over the quad's lanes; the warps' states into shared memory (accumulator
+  // column c of n-tile nn is dim c * D/8 + nn), then combined
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads();  // every warp is done with the pipeline buffer the combine reuses
+  if (g < kGroupMax) {
+    if (t == 0) {
+      sm_m[warp][g] = m;
+      sm_l[warp][g] = l;
+    }
+#pragma unroll
+    for (int n = 0; n < kNTiles; ++n) {
+      sm_acc[warp][g][(2 * t) * (D / 8) + n] = acc[n][0];
+      sm_acc[warp][g][(2 * t + 1) * (D / 8) + n] = acc[n][1];
+    }
+  }
+  __syncthreads();
+  decode_combine_parts<T, D, kGroupMax, kDecodeMmaWarps>(p, b, qh0, gcount, 0, false, sm_m, sm_l,
+                                                         sm_acc);
+}
+
+}  // namespace attn
+}  // namespace radixserve

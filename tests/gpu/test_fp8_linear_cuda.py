@@ -1,0 +1,161 @@
+"""The FP8 W8A8 path on an sm_90+ GPU: ops.fp8_scaled_mm / fp8_linear run torch._scaled_mm with
+rowwise scales (no radixserve._C needed) and agree with the torch reference on the same
+quantized operands; the path captures in a CUDA graph; a tiny FP8 model's forward on the GPU
+(W8A8 prefill, weight-only decode-sized GEMMs) tracks the same model run by the CPU
+references."""
+import pytest
+import torch
+
+from radixserve import ops
+from radixserve.ops import reference as ref
+from radixserve.quant.fp8 import quantize_weight_per_channel
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="needs an sm_90+ GPU (torch._scaled_mm's rowwise scaling)")]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-2) -> None:
+    """bf16 outputs of two fp32 accumulations (orders differ) and, with a bias, one extra
+    rounding on the _scaled_mm path."""
+    got, want = got.float(), want.float()
+    err = (got - want).abs()
+    bound = rel * want.abs() + rel * want.abs().max()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+
+
+@pytest.fixture
+def counted_scaled_mm(monkeypatch):
+    calls = []
+    real = torch._scaled_mm
+
+    def counting(*args, **kw):
+        calls.append(args[0].shape)
+        return real(*args, **kw)
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    return calls
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 300])
+@pytest.mark.parametrize("n,k", [(64, 128), (1040, 576), (4096, 4096)])
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_fp8_linear_w8a8_runs_scaled_mm(counted_scaled_mm, m, n, k, mode):
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    wq, ws = quantize_weight_per_channel(torch.randn(n, k, generator=g, device="cuda") / k ** 0.5)
+    bias = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16)
+    scale = torch.tensor([4.0 / 448], device="cuda") if mode == "static" else None
+    for b in (None, bias):
+        got = ops.fp8_linear(x, wq, ws, b, act_quant=mode, input_scale=scale)
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        _close(got, ref.fp8_linear(x, wq, ws, b, mode, scale))
+    assert len(counted_scaled_mm) == 2
+
+
+def test_fp8_scaled_mm_per_tensor_scale_and_other_dtypes(counted_scaled_mm):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(256, 512, generator=g, device="cuda") * 0.05
+    ws = (w.abs().amax() / 448).reshape(1)
+    wq = (w / ws).clamp(-448, 448).to(torch.float8_e4m3fn)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(40, 512, generator=g, device="cuda").to(dtype)
+        got = ops.fp8_linear(x, wq, ws, None, act_quant="dynamic")
+        assert got.dtype == dtype
+        _close(got, ref.fp8_linear(x, wq, ws, None, "dynamic", None))
+    assert len(counted_scaled_mm) == 3
+
+
+def test_shapes_scaled_mm_cannot_take_run_the_reference(counted_scaled_mm):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(20, 72, generator=g, device="cuda").to(torch.bfloat16)      # k % 16 != 0
+    wq, ws = quantize_weight_per_channel(torch.randn(40, 72, generator=g, device="cuda"))
+    got = ops.fp8_linear(x, wq, ws, None, act_quant="dynamic")
+    assert counted_scaled_mm == []
+    _close(got, ref.fp8_linear(x, wq, ws, None, "dynamic", None), rel=1e-3)
+
+
+def test_fp8_w8a8_in_a_cuda_graph():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(24, 256, generator=g, device="cuda").to(torch.bfloat16)
+    wq, ws = quantize_weight_per_channel(torch.randn(512, 256, generator=g, device="cuda") / 16)
+    norm_w = torch.ones(256, device="cuda", dtype=torch.bfloat16)
+    residual = torch.zeros(24, 256, device="cuda")
+
+    def step():
+        q, s = ops.rmsnorm_quant_fp8(x, residual, norm_w, 1e-6)
+        return ops.fp8_scaled_mm(q, s, wq, ws, None, torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    residual.zero_()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(2):
+        x.copy_(torch.randn(24, 256, generator=g, device="cuda"))
+        residual.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        snapshot = residual.clone()
+        residual.zero_()
+        want = step()
+        assert torch.equal(residual, snapshot)
+        assert torch.equal(out, want)
+
+
+def test_tiny_fp8_model_on_the_gpu_tracks_the_cpu_references(tmp_path):
+    import json
+    import os
+
+    from radixserve.cache.kv_pool import KVPool
+    from radixserve.config import ModelConfig
+    from radixserve.model.forward_batch import ForwardBatch, ForwardMode
+    from radixserve.model.loader import load_model
+
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 256, "hidden_size": 128,
+           "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256,
+           "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+           "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
+                                   "exclude_modules": ["lm_head"]}}
+    os.makedirs(tmp_path / "m")
+    with open(tmp_path / "m" / "config.json", "w") as f:
+        json.dump(cfg, f)
+    config = ModelConfig.from_path(str(tmp_path / "m"))
+    gpu = load_model(str(tmp_path / "m"), config, "dummy", torch.bfloat16, "cuda")
+    with torch.no_grad():       # O(1) logits; FP8 layers keep their dummy FP8 weights
+        gen = torch.Generator(device="cuda").manual_seed(4)
+        for name, p in gpu.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen, device="cuda"))
+            elif p.dtype == torch.bfloat16:
+                p.copy_(torch.randn(p.shape, generator=gen, device="cuda") / p.shape[-1] ** 0.5)
+            elif name.endswith("weight_scale"):
+                p.mul_(4.0)
+    cpu = load_model(str(tmp_path / "m"), config, "dummy", torch.bfloat16, "cpu")
+    cpu.load_state_dict({k: v.cpu() for k, v in gpu.state_dict().items()})
+
+    def logits(model, device, seqs):
+        n = sum(len(s) for s in seqs)
+        pool = KVPool(n + 1, 2, 2, 32, torch.bfloat16, device)
+        lens = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
+        indptr = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        indptr[1:] = lens.cumsum(0)
+        fb = ForwardBatch(mode=ForwardMode.EXTEND, batch_size=len(seqs),
+                          input_ids=torch.tensor([t for s in seqs for t in s]).to(device),
+                          positions=torch.cat([torch.arange(len(s)) for s in seqs]).to(device),
+                          out_cache_loc=torch.arange(1, n + 1).to(device),
+                          qo_indptr=indptr.to(device), kv_indptr=indptr.to(device),
+                          kv_indices=torch.arange(1, n + 1, dtype=torch.int32).to(device),
+                          seq_lens=lens.to(device), logits_indices=torch.arange(n).to(device),
+                          kv_pool=pool)
+        return model.compute_logits(model(fb)).float().cpu()
+    for seqs in ([list(range(3, 40)), list(range(50, 61))],      # 48 rows: W8A8
+                 [[7, 8, 9], [11]]):                            # 4 rows: weight-only
+        got, want = logits(gpu, "cuda", seqs), logits(cpu, "cpu", seqs)
+        assert want.abs().max() > 0.5
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 0.03, rel
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
