@@ -1,7 +1,8 @@
 """radixserve: an LLM serving runtime organised around KV reuse (see DESIGN.md).
 
-`radixserve.Engine` is the offline API (engine/engine.py); it is imported lazily so that
-`import radixserve` stays cheap for the CLI.
+`radixserve.Engine` is the offline API (offline.py); it is imported lazily so that
+`import radixserve` stays cheap for the CLI. The package root sits above every layer
+(tests/unit/test_import_layers.py): modules below read the version from version.py.
 """
 import os
 from typing import Any
@@ -13,12 +14,13 @@ from typing import Any
 # benches); an explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-__version__ = "0.1.0"
+from radixserve.version import __version__  # noqa: E402  (after the OpenMP policy)
+
 __all__ = ["Engine"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from radixserve.engine.engine import Engine
+        from radixserve.offline import Engine
         return Engine
     raise AttributeError(f"module 'radixserve' has no attribute {name!r}")

@@ -14,8 +14,8 @@ import logging
 import sys
 from typing import List, Optional
 
-from radixserve import __version__
 from radixserve.config import HelpFormatter, ServerArgs, serve_epilog
+from radixserve.version import __version__
 
 LOG_FORMAT = "[%(asctime)s %(levelname)s %(name)s] %(message)s"
 SERVE_DESCRIPTION = "Serve a model over HTTP (OpenAI-compatible and native routes)."

@@ -85,7 +85,7 @@ def _release(runner, slots):
 
 
 def _eager_decode(runner, rows_t, seq_t, loc):
-    from radixserve.model.runner import decode_prologue
+    from radixserve.model.forward_batch import decode_prologue
 
     dev = runner.device
     kv_indptr = torch.zeros(rows_t.numel() + 1, dtype=torch.int32, device=dev)
@@ -179,7 +179,8 @@ def test_graph_bounds(runner):
 
 
 def _decode_step(rows, seq_lens, loc):
-    from radixserve.model.step_io import SamplingInputs, StepInput
+    from radixserve.model.step_io import StepInput
+    from radixserve.sampling.inputs import SamplingInputs
 
     n = len(rows)
     si = SamplingInputs(temperature=[0.0] * n, top_k=[-1] * n, top_p=[1.0] * n, min_p=[0.0] * n,

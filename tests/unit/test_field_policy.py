@@ -13,11 +13,11 @@ from referencing.jsonschema import DRAFT202012
 from starlette.testclient import TestClient
 
 from radixserve.engine.io import GenerateOutput
+from radixserve.errors import ApiError
+from radixserve.parsers import tool_calls as T
 from radixserve.server import protocol as P
 from radixserve.server import schemas as S
-from radixserve.server import tool_calls as T
 from radixserve.server.app import create_app
-from radixserve.server.errors import ApiError
 from radixserve.server.openapi import openapi_document
 
 from test_server_fake_engine import LOCAL, FakeEngine, err_of, sse_events

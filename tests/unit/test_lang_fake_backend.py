@@ -22,7 +22,7 @@ from radixserve.lang.choices import (greedy_token_selection, token_length_normal
                                      unconditional_likelihood_normalized)
 from radixserve.lang.interpreter import ProgramState
 from radixserve.lang.program import PRECACHE_MIN_CHARS, function, trace_prefix
-from radixserve.lang.roles import (FIXED_FORMATS, FixedRoles, TemplateRoles, _chatml,
+from radixserve.tokenizer.roles import (FIXED_FORMATS, FixedRoles, TemplateRoles, _chatml,
                                    role_format_for)
 from radixserve.tokenizer.chat_template import ChatTemplate
 
@@ -1164,7 +1164,7 @@ def test_separate_reasoning_needs_a_known_model_type():
 def test_a_read_of_the_separated_variable_waits_for_the_split(monkeypatch):
     """While the split runs, s[name] is not final (its done event, which reads wait on, is
     unset, though the gen already stored the raw generation), so a reader gets the answer."""
-    from radixserve.server import reasoning
+    from radixserve.parsers import reasoning
 
     splitting, go = threading.Event(), threading.Event()
     real = reasoning.split_reasoning

@@ -84,7 +84,7 @@ def test_a_batch_larger_than_one_handoff_keeps_order_and_is_refused_whole(smol_e
     """generate() hands its requests to the loop RUN_ALL_BATCH at a time (the first step can
     start meanwhile): outputs still come back in prompt order, and a bad prompt anywhere in
     the batch refuses the whole batch before any of it runs."""
-    from radixserve.engine.engine import RUN_ALL_BATCH
+    from radixserve.offline import RUN_ALL_BATCH
 
     n = 2 * RUN_ALL_BATCH + 5
     prompts = [[100 + i, 200 + 3 * i, 7] for i in range(n)]
@@ -100,3 +100,59 @@ def test_a_batch_larger_than_one_handoff_keeps_order_and_is_refused_whole(smol_e
     assert sched.counters["num_prefill_steps"] == steps
     with pytest.raises(ValueError, match="out of range"):
         smol_engine.generate(input_ids=[[1, True, 2]], sampling_params=sp)   # bool is not an id
+
+
+def test_expand_requests_is_prompts_times_n():
+    """engine/io.expand_requests, the one n expansion of the HTTP routes and the Engine:
+    sequence p * n + j of prompt p, each with n=1, seed + j, rid "<rid>-<index>"."""
+    from radixserve.engine.io import expand_requests
+    from radixserve.sampling.params import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=3, temperature=0.7, n=3, seed=40)
+    greedy = SamplingParams(max_new_tokens=3, n=3)
+    reqs = expand_requests("r", [[1, 2], [3]], 3, [sp, greedy])
+    assert [r.input_ids for r in reqs] == [[1, 2]] * 3 + [[3]] * 3
+    assert [r.rid for r in reqs] == [f"r-{i}" for i in range(6)]
+    assert [r.sampling_params.n for r in reqs] == [1] * 6
+    assert [r.sampling_params.seed for r in reqs] == [40, 41, 42, None, None, None]
+    assert sp.n == 3 and sp.seed == 40          # the caller's params are not changed
+    one = expand_requests("r", [[1, 2]], 1, [SamplingParams(seed=5)])
+    assert [(r.rid, r.sampling_params.seed) for r in one] == [("r", 5)]
+    named = expand_requests("r", [[1], [2]], 2, [greedy, greedy], rids=["a", "b"])
+    assert [r.rid for r in named] == ["a-0", "a-1", "b-0", "b-1"]
+
+
+def test_n_is_expanded_like_the_native_route(smol_engine):
+    """Engine.generate(prompt, {"n": 4}) gives 4 completions, the ones /generate gives for
+    the same body (sample j seeded seed + j), in the same shape: a list, prompt-major."""
+    prompt = "Once upon a time"
+    sp = {"max_new_tokens": 6, "temperature": 1.0, "seed": 11, "n": 4, "ignore_eos": True}
+    outs = smol_engine.generate(prompt, sp)
+    assert isinstance(outs, list) and len(outs) == 4
+    native = smol_engine.native("/generate", {"text": prompt, "sampling_params": sp})
+    assert isinstance(native, list) and len(native) == 4
+
+    def same(o):
+        m = o["meta_info"]
+        return (o["text"], o["output_ids"], m["prompt_tokens"], m["completion_tokens"],
+                m["finish_reason"])
+
+    assert [same(o) for o in outs] == [same(o) for o in native]
+    assert all(len(o["output_ids"]) == 6 for o in outs)
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1      # n samples, not one repeated
+    ids = [o["meta_info"]["id"] for o in outs]
+    assert len(set(ids)) == 4 and all(i.endswith(f"-{j}") for j, i in enumerate(ids))
+    # sample j is the n=1 request seeded seed + j
+    for j, o in enumerate(outs):
+        alone = smol_engine.generate(prompt, {**sp, "n": 1, "seed": 11 + j})
+        assert isinstance(alone, dict) and alone["output_ids"] == o["output_ids"]
+    # a batch: prompt p's sample j at p * n + j, as /generate answers it
+    prompts = [prompt, "Water boils at"]
+    pair = smol_engine.generate(prompts, {**sp, "n": 2})
+    native_pair = smol_engine.native("/generate", {"text": prompts,
+                                                   "sampling_params": {**sp, "n": 2}})
+    assert [same(o) for o in pair] == [same(o) for o in native_pair]
+    assert [o["output_ids"] for o in pair[:2]] == [o["output_ids"] for o in outs[:2]]
+    # the async twin expands the same way
+    assert [same(o) for o in asyncio.run(smol_engine.async_generate(prompt, sp))] == \
+        [same(o) for o in outs]

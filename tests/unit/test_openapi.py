@@ -19,9 +19,9 @@ from starlette.testclient import TestClient
 
 from radixserve.config import ServerArgs
 from radixserve.engine.io import GenerateOutput
+from radixserve.errors import ApiError
 from radixserve.server import protocol as P
 from radixserve.server.app import create_app
-from radixserve.server.errors import ApiError
 from radixserve.server.openapi import openapi_document
 
 from test_server_fake_engine import LOCAL, FakeEngine

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from radixserve.engine.io import GenerateOutput
+from radixserve.errors import ApiError
 from radixserve.server import protocol as P
-from radixserve.server.errors import ApiError
 from radixserve.server.sse import DONE_EVENT, encode_event
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

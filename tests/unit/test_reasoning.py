@@ -1,9 +1,9 @@
-"""server/reasoning.py: the <think> block split from the answer, whole and streamed."""
+"""parsers/reasoning.py: the <think> block split from the answer, whole and streamed."""
 import random
 
 import pytest
 
-from radixserve.server.reasoning import PARSERS, ReasoningSplitter, split_reasoning
+from radixserve.parsers.reasoning import PARSERS, ReasoningSplitter, split_reasoning
 
 CASES = [
     # (parser, model output, reasoning (None: no block), answer)
@@ -78,7 +78,7 @@ def test_the_server_flag_offers_every_parser():
 
 
 def test_a_grammar_spec_that_does_not_parse_is_not_wrapped():
-    from radixserve.server.reasoning import reasoning_grammar
+    from radixserve.parsers.reasoning import reasoning_grammar
 
     deep = "[" * 100_000 + "]" * 100_000
     assert reasoning_grammar("qwen3", "json_schema", deep) is None
@@ -91,7 +91,7 @@ def test_a_grammar_spec_that_does_not_parse_is_not_wrapped():
 def test_wrapped_grammars_constrain_the_answer_after_the_reasoning(parser, prefix):
     import xgrammar as xgr
 
-    from radixserve.server.reasoning import reasoning_grammar
+    from radixserve.parsers.reasoning import reasoning_grammar
 
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
     for kind, spec, good, bad in (("json_schema", schema, '{"a": 1}', '{"a": "x"}'),
@@ -120,7 +120,7 @@ class _Vocab:
 
 
 def test_reasoning_tokens_count_through_the_closing_tag():
-    from radixserve.server.reasoning import reasoning_token_count
+    from radixserve.parsers.reasoning import reasoning_token_count
 
     ids = [5, 6, 7, 9, 3, 4]                       # <think> a b </think> answer...
     assert reasoning_token_count(ids, "ab", _Vocab(True)) == 4

@@ -1,5 +1,5 @@
 """--reasoning-parser and chat_template_kwargs through the chat route, over the fake engine
-(server/reasoning.py has the splitter's own tests): message.reasoning_content and content, the
+(parsers/reasoning.py has the splitter's own tests): message.reasoning_content and content, the
 streamed deltas, SGLang's separate_reasoning / stream_reasoning switches, the requests the
 split is skipped for, and template variables reaching the template."""
 import dataclasses

@@ -11,9 +11,9 @@ from referencing import Registry
 from referencing.jsonschema import DRAFT202012
 from starlette.testclient import TestClient
 
+from radixserve.errors import ApiError
 from radixserve.server import schemas as S
 from radixserve.server.app import create_app
-from radixserve.server.errors import ApiError
 from radixserve.server.openapi import openapi_document
 from radixserve.server.responses_api import ResponseStore
 from radixserve.server.responses_schemas import ResponseCreateRequest

@@ -624,7 +624,7 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_it_is_encoded(
 def test_full_waiting_queue_gets_503_with_retry_after(engine, client):
     """Beyond --max-queued-requests the engine refuses before anything starts: 503 with
     Retry-After, the OpenAI error shape, and no sequence handed to the engine."""
-    from radixserve.engine.io import EngineOverloaded
+    from radixserve.errors import EngineOverloaded
 
     def check_capacity(num_new):
         if num_new > 1:
@@ -647,7 +647,7 @@ def test_async_engine_capacity_counts_the_waiting_queue():
     import pytest
 
     from radixserve.engine.async_engine import AsyncEngine
-    from radixserve.engine.io import EngineOverloaded
+    from radixserve.errors import EngineOverloaded
 
     fake = SimpleNamespace(scheduler=SimpleNamespace(waiting=[object()] * 3),
                            server_args=SimpleNamespace(max_queued_requests=4), _draining=False)

@@ -1,4 +1,4 @@
-"""server/tool_calls.py's wire formats (--tool-call-parser): each format's grammar accepts its
+"""parsers/tool_calls.py's wire formats (--tool-call-parser): each format's grammar accepts its
 own calls and refuses bad arguments (xgrammar, compiled here on the CPU), parsing whole outputs,
 and streaming that holds back exactly the text that may be a call."""
 import json
@@ -7,7 +7,7 @@ import random
 import pytest
 import xgrammar as xgr
 
-from radixserve.server import tool_calls as T
+from radixserve.parsers import tool_calls as T
 
 WEATHER = {"name": "get_weather", "description": "", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

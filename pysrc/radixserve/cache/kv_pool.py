@@ -133,7 +133,7 @@ class ReqToTokenPool:
 
     def write_many(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token[rows[i], cols[i]] = slots[i], one indexed write: a decode step's slots,
-        which the step itself writes on the device (model/runner.decode_prologue)."""
+        which the step itself writes on the device (model/forward_batch.decode_prologue)."""
         self.req_to_token[rows, cols] = slots.to(torch.int32)
 
     def slots(self, row: int, end: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from radixserve.engine.io import RequestError
+from radixserve.errors import RequestError
 
 logger = logging.getLogger(__name__)
 

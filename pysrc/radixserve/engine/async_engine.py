@@ -26,10 +26,11 @@ from typing import Any, AsyncIterator, Callable, Dict, Optional
 
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.constrained import GrammarBackend
-from radixserve.engine.io import EngineOverloaded, GenerateOutput, GenerateReqInput, RequestError
+from radixserve.engine.io import GenerateOutput, GenerateReqInput
 from radixserve.engine.req import Req
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.thread_cpu import ThreadCPU
+from radixserve.errors import EngineOverloaded, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -378,7 +379,7 @@ class AsyncEngine:
         """Ours (server_args nested, the model's shape, ...) and, beside them, SGLang's names:
         every server argument at the top level, max_total_num_tokens, max_req_input_len,
         version and internal_states (what SGLang's clients and dashboards read)."""
-        from radixserve import __version__
+        from radixserve.version import __version__
         from radixserve.quant import quantization_name
         mc = self.model_config
         args = dataclasses.asdict(self.server_args)

@@ -1,9 +1,12 @@
 """The engine's request and output types: what the server (and the offline Engine) hand to
-AsyncEngine.generate and what comes back, one GenerateOutput per step that produced text."""
+AsyncEngine.generate and what comes back, one GenerateOutput per step that produced text; and
+expand_requests, the one place a request's prompts x n become those sequences (the HTTP routes
+and the offline Engine both call it, so n means the same everywhere)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from radixserve.sampling.params import SamplingParams
 
@@ -13,7 +16,7 @@ LogprobEntry = Tuple[float, int, Optional[str]]
 
 @dataclass
 class GenerateReqInput:
-    """One sequence to generate (the server expands batches and n>1 into several of these)."""
+    """One sequence to generate (expand_requests turns batches and n>1 into several of these)."""
     rid: str
     input_ids: List[int]                      # already tokenized (templates applied upstream)
     sampling_params: SamplingParams
@@ -47,14 +50,6 @@ class GenerateOutput:
     output_ids_rollback: int = 0
 
 
-class RequestError(ValueError):
-    """A request the engine refuses, naming the field to change (param): a 400 upstream."""
-
-    def __init__(self, message: str, param: Optional[str] = None):
-        super().__init__(message)
-        self.param = param
-
-
 def apply_ids_delta(ids: List[int], out: GenerateOutput) -> None:
     """Bring a consumer's accumulated output ids up to date with out (rollback, then delta)."""
     if out.output_ids_rollback:
@@ -62,10 +57,37 @@ def apply_ids_delta(ids: List[int], out: GenerateOutput) -> None:
     ids.extend(out.output_ids_delta)
 
 
-class EngineOverloaded(Exception):
-    """The waiting queue is full: the request was refused before it started (a 503 with
-    Retry-After upstream); nothing changed in the engine."""
-
-    def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+def expand_requests(rid: str, prompt_ids: Sequence[List[int]], n: int,
+                    sampling: Sequence[SamplingParams], stream: bool = False,
+                    return_logprob: Optional[Sequence[bool]] = None,
+                    logprob_start_len: Optional[Sequence[int]] = None,
+                    top_logprobs_num: Optional[Sequence[int]] = None,
+                    return_text_in_logprobs: bool = False,
+                    rids: Optional[Sequence[str]] = None,
+                    cache_salts: Optional[Sequence[Optional[str]]] = None
+                    ) -> List[GenerateReqInput]:
+    """One GenerateReqInput per (prompt, sample): index p * n + j, each with n=1 (n is a
+    request-level field: the engine runs single sequences). With a single sequence the rid is
+    `rid` (or rids[0]); otherwise "<rid>-<index>" (or "<rids[p]>-<j>" when the client named each
+    prompt). A seed s gives sample j the seed s + j, so samples differ but each is
+    reproducible. Per-prompt settings are sequences with one entry per prompt (cache_salts
+    too: a prompt's sequences share its salt); None leaves GenerateReqInput's default."""
+    total = len(prompt_ids) * n
+    reqs = []
+    for p, ids in enumerate(prompt_ids):
+        for j in range(n):
+            index = p * n + j
+            sp = sampling[p]
+            sp = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+            if rids is not None:
+                seq_rid = rids[p] if n == 1 else f"{rids[p]}-{j}"
+            else:
+                seq_rid = rid if total == 1 else f"{rid}-{index}"
+            reqs.append(GenerateReqInput(
+                rid=seq_rid, input_ids=list(ids), sampling_params=sp, stream=stream,
+                return_logprob=False if return_logprob is None else return_logprob[p],
+                logprob_start_len=-1 if logprob_start_len is None else logprob_start_len[p],
+                top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num[p],
+                return_text_in_logprobs=return_text_in_logprobs,
+                cache_salt=cache_salts[p] if cache_salts is not None else None))
+    return reqs

@@ -16,7 +16,8 @@ import torch
 from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.engine.req import Req
 from radixserve.model.forward_batch import ForwardMode
-from radixserve.model.step_io import SamplingInputs, StepInput
+from radixserve.model.step_io import StepInput
+from radixserve.sampling.inputs import SamplingInputs
 
 
 @dataclass

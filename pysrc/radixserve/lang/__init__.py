@@ -13,8 +13,9 @@ the import:
     print(qa.run(question="What is 2 + 2?")["answer"])
 
 Modules: api (gen, select, roles), program (function, run, run_batch), interpreter (the state
-and its executor), backend (RuntimeEndpoint, EngineBackend), roles (chat-template role text),
-choices (select's methods), ir (the expressions).
+and its executor), backend (RuntimeEndpoint, EngineBackend), choices (select's methods), ir
+(the expressions). The chat-template role text is the tokenizer's (radixserve.tokenizer.roles),
+shared with the server's /get_model_info.
 """
 from radixserve.lang.api import (assistant, assistant_begin, assistant_end, gen, gen_int,
                                  gen_string, image, select, separate_reasoning, system,

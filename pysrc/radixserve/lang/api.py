@@ -112,7 +112,7 @@ def separate_reasoning(expr: Optional[ir.Expr] = None,
     the server's --reasoning-parser `model_type` splits (qwen3, deepseek-r1, qwen3-thinking):
     s[name] is the answer and s[name + "_reasoning_content"] the reasoning (None when the
     output had no reasoning block)."""
-    from radixserve.server.reasoning import PARSERS
+    from radixserve.parsers.reasoning import PARSERS
 
     if model_type not in PARSERS:
         raise ValueError(f"separate_reasoning(model_type={model_type!r}): choose one of "

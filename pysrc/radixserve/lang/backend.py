@@ -9,7 +9,7 @@ What a program needs from a backend:
     generate_stream(text, params)   -> iterator of (text delta, meta_info)
     cache_prefix(text)              -> meta_info: prefill `text` so later prompts reuse its KV
     select(text, choices, method)   -> choices.Decision, from one batched scoring request
-    role_format                     -> roles.RoleFormat of the served model's chat template
+    role_format                     -> tokenizer/roles.RoleFormat of the served chat template
 
 A request the server refuses, or a transport failure, raises BackendError, which names the
 route, the request id and the server's message.
@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from radixserve.lang.choices import ChoicesMethod, Decision, token_length_normalized
 from radixserve.lang.ir import SamplingParams
-from radixserve.lang.roles import RoleFormat, role_format_for
+from radixserve.tokenizer.roles import RoleFormat, role_format_for
 
 
 class BackendError(RuntimeError):
@@ -160,8 +160,8 @@ class Backend:
 
 class RuntimeEndpoint(Backend):
     """A running server at base_url (radixserve, or SGLang: the same native API). `api_key`
-    is sent as a bearer token; `chat_template_name` (see roles.FIXED_FORMATS) overrides the
-    template the server reports."""
+    is sent as a bearer token; `chat_template_name` (see tokenizer/roles.FIXED_FORMATS)
+    overrides the template the server reports."""
 
     def __init__(self, base_url: str, api_key: Optional[str] = None,
                  chat_template_name: Optional[str] = None, timeout: float = 600.0):
@@ -221,7 +221,7 @@ class EngineBackend(Backend):
     def __init__(self, engine=None, **engine_kwargs: Any):
         super().__init__()
         if engine is None:
-            from radixserve.engine.engine import Engine
+            from radixserve.offline import Engine
             engine = Engine(**engine_kwargs)
             self._owns = True
         else:
@@ -235,7 +235,7 @@ class EngineBackend(Backend):
         return self._call(path, body)
 
     def _call(self, path: str, body: Optional[dict]) -> Any:
-        from radixserve.server.errors import ApiError
+        from radixserve.errors import ApiError
         try:
             return self.engine.native(path, body)
         except ApiError as e:
@@ -243,7 +243,7 @@ class EngineBackend(Backend):
                                e.message) from None
 
     def _stream(self, path: str, body: dict) -> Iterator[dict]:
-        from radixserve.server.errors import ApiError
+        from radixserve.errors import ApiError
         chunks = self.engine.native_stream(path, body)
         try:
             yield from chunks

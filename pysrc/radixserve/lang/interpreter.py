@@ -245,7 +245,7 @@ class Executor:
             self._set(name, ir.dtype_value(params.dtype, text), meta)
 
     def _separate_reasoning(self, expr: ir.SeparateReasoning) -> None:
-        from radixserve.server.reasoning import split_reasoning
+        from radixserve.parsers.reasoning import split_reasoning
 
         for name in expr.names:
             value = self.variables.get(name)

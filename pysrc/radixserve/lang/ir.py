@@ -157,7 +157,7 @@ class Image(Expr):
 @dataclass
 class SeparateReasoning(Expr):
     """After the gens named in `names` ran: each variable's <think> block moves to
-    `<name>_reasoning_content` and the variable keeps the answer (server/reasoning.py's split
+    `<name>_reasoning_content` and the variable keeps the answer (parsers/reasoning.py's split
     under `parser`). The state's text keeps what the model wrote."""
     parser: str
     names: List[str]

@@ -5,7 +5,7 @@ GPU waits on the host between them. Captured once, a step is one graph launch.
 
 What a graph holds, for `bucket` rows: the decode prologue (each row's new slot into the
 runner's req_to_token, kv_indptr / kv_indices built from it, the input id read from the
-runner's next_ids: model/runner.decode_prologue) -> embedding -> every layer (rotary, store_kv,
+runner's next_ids: model/forward_batch.decode_prologue) -> embedding -> every layer (rotary, store_kv,
 paged decode attention, MLP) -> final norm -> logits (fp32). It reads only the static inputs
 below and the runner's fixed tensors (req_to_token, next_ids, the KV pool) and writes those and
 the static logits buffer.
@@ -109,7 +109,7 @@ class CudaGraphRunner:
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
     def _run(self, bs: int, capacity: int) -> torch.Tensor:
-        from radixserve.model.runner import decode_prologue
+        from radixserve.model.forward_batch import decode_prologue
 
         r = self.runner
         kv_indices = self.kv_indices[:bs * capacity]     # the decode grid is planned from this

@@ -2,6 +2,8 @@
 
 Built by the engine (engine/schedule_batch.py) from a ScheduleBatch; consumed by the model
 (model/llama.py) and the runner (model/runner.py). The model never looks at requests.
+decode_prologue is the device half of building a decode batch, shared by the runner's eager
+decode and the CUDA graphs that capture it (model/cuda_graph_runner.py).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve import ops
 from radixserve.cache.kv_pool import KVPool
 
 
@@ -31,3 +34,16 @@ class ForwardBatch:
     seq_lens: torch.Tensor        # [batch] int32, prefix + new tokens per request
     logits_indices: torch.Tensor  # [num_logit_rows] int64, rows of the hidden states that get logits
     kv_pool: KVPool
+
+
+def decode_prologue(req_to_token: torch.Tensor, next_ids: torch.Tensor, rows: torch.Tensor,
+                    seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, kv_indptr: torch.Tensor,
+                    kv_indices: torch.Tensor):
+    """The device half of building a decode batch (graph-safe: no host reads).
+    rows [B] int64, seq_lens [B] int32 (KV length after this step), out_cache_loc [B] int64.
+    Writes each row's new slot at position seq_len - 1 and flattens the rows into kv_indptr /
+    kv_indices; returns (input_ids [B] int64 = next_ids[rows], positions [B] int64)."""
+    positions = seq_lens.long() - 1
+    req_to_token.index_put_((rows, positions), out_cache_loc.to(torch.int32))
+    ops.build_kv_indices(req_to_token, rows, seq_lens, kv_indptr, kv_indices)
+    return next_ids.index_select(0, rows), positions

@@ -28,7 +28,7 @@ import torch
 from radixserve import ops
 from radixserve.cache.kv_pool import KVPool
 from radixserve.config import ModelConfig, ServerArgs
-from radixserve.model.forward_batch import ForwardBatch, ForwardMode
+from radixserve.model.forward_batch import ForwardBatch, ForwardMode, decode_prologue
 from radixserve.model.staging import Packer, Upload
 from radixserve.model.step_io import SampleResult, StepInput, StepOutput
 from radixserve.ops.kernel_status import log_kernel_status
@@ -52,19 +52,6 @@ def _cpu_available_bytes() -> int:
     except OSError:
         pass
     return 4 << 30
-
-
-def decode_prologue(req_to_token: torch.Tensor, next_ids: torch.Tensor, rows: torch.Tensor,
-                    seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, kv_indptr: torch.Tensor,
-                    kv_indices: torch.Tensor):
-    """The device half of building a decode batch (graph-safe: no host reads).
-    rows [B] int64, seq_lens [B] int32 (KV length after this step), out_cache_loc [B] int64.
-    Writes each row's new slot at position seq_len - 1 and flattens the rows into kv_indptr /
-    kv_indices; returns (input_ids [B] int64 = next_ids[rows], positions [B] int64)."""
-    positions = seq_lens.long() - 1
-    req_to_token.index_put_((rows, positions), out_cache_loc.to(torch.int32))
-    ops.build_kv_indices(req_to_token, rows, seq_lens, kv_indptr, kv_indices)
-    return next_ids.index_select(0, rows), positions
 
 
 class PendingStep:

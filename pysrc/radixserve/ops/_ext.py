@@ -1,24 +1,13 @@
-"""Loads the compiled extension radixserve._C once, on first use, and says whether it is there.
+"""Whether the compiled extension radixserve._C is there and used: kernels_available(), the
+one question the ops ask before launching a kernel.
 
-Why it is or is not used (CPU torch, not built, torch ABI mismatch, a GPU architecture the build
-lacks, ...) is worked out in ops/kernel_status.py; the model runner logs it once at start.
+It is answered, and cached, in ops/kernel_status.py, which also works out why the kernels are or
+are not used (CPU torch, not built, torch ABI mismatch, a GPU architecture the build lacks, ...);
+the model runner logs that once at start. The import points one way (this module ->
+kernel_status), so there is no circle between the two.
 """
 from __future__ import annotations
 
-import functools
+from radixserve.ops.kernel_status import kernels_available
 
-import torch
-
-from radixserve.ops import kernel_status as _status
-
-
-@functools.lru_cache(maxsize=None)
-def kernels_available() -> bool:
-    """True when radixserve._C imported, registered torch.ops.radixserve.*, and has code for the
-    current GPU's architecture (otherwise CUDA tensors run the torch references, which is also
-    what a GPU the build lacks gets instead of a 'no kernel image' error).
-
-    RADIXSERVE_DISABLE_KERNELS=1 forces the torch references everywhere (for A/B checks).
-    False without a GPU (no CUDA tensor can exist then).
-    """
-    return torch.cuda.is_available() and _status.kernel_status("cuda").in_use
+__all__ = ["kernels_available"]

@@ -279,6 +279,18 @@ def kernel_status(device: Union[None, str, torch.device] = None) -> KernelStatus
     return _cached("auto" if device is None else str(torch.device(device)))
 
 
+@functools.lru_cache(maxsize=None)
+def kernels_available() -> bool:
+    """True when radixserve._C imported, registered torch.ops.radixserve.*, and has code for the
+    current GPU's architecture (otherwise CUDA tensors run the torch references, which is also
+    what a GPU the build lacks gets instead of a 'no kernel image' error).
+
+    RADIXSERVE_DISABLE_KERNELS=1 forces the torch references everywhere (for A/B checks).
+    False without a GPU (no CUDA tensor can exist then). Cached; reset() forgets it.
+    """
+    return torch.cuda.is_available() and kernel_status("cuda").in_use
+
+
 def log_kernel_status(device: Union[None, str, torch.device] = None,
                       log: Optional[logging.Logger] = None) -> KernelStatus:
     """Log the one start-up line (see KernelStatus.log_line) and return the status."""
@@ -290,8 +302,6 @@ def log_kernel_status(device: Union[None, str, torch.device] = None,
 
 def reset() -> None:
     """Forget the import attempt and every cached status, kernels_available()'s too (tests)."""
-    from radixserve.ops._ext import kernels_available
-
     _load_extension.cache_clear()
     _cached.cache_clear()
     kernels_available.cache_clear()

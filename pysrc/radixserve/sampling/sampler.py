@@ -16,8 +16,8 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from radixserve import ops
-from radixserve.model.step_io import SamplingInputs
 from radixserve.sampling import cpu_sampling
+from radixserve.sampling.inputs import SamplingInputs
 from radixserve.sampling.penalties import PenaltyState, ban_tokens
 
 # rows of prompt logits turned into log_softmax at a time (bounds the [rows, vocab] temporaries)

@@ -24,8 +24,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from radixserve.config import ServerArgs
+from radixserve.errors import ApiError
 from radixserve.server import native_api, openai_api, openapi, responses_api, score_api
-from radixserve.server.errors import ApiError, error_response
+from radixserve.server.jsonio import error_response
 from radixserve.server.security import (ClientView, Door, DoorPolicy, RequestOwners, client_identity,
                                         is_loopback_bind)
 

@@ -1,5 +1,6 @@
-"""Running a request's sequences on the engine: expand prompts x n into GenerateReqInputs,
-validate them all before anything starts, and drive their engine generators together.
+"""Running a request's sequences on the engine (prompts x n expanded by engine/io.expand_requests,
+which the offline Engine shares): validate them all before anything starts, and drive their
+engine generators together.
 
 The one invariant every helper here keeps: when the consumer stops early (client gone, error,
 cancellation), every engine generator started for the request is closed, which aborts its
@@ -9,16 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from starlette.types import Receive
 
-from radixserve.engine.io import EngineOverloaded, GenerateOutput, GenerateReqInput
-from radixserve.sampling.params import SamplingParams
+from radixserve.engine.io import GenerateOutput, GenerateReqInput
+from radixserve.errors import ApiError, EngineOverloaded, bad_request
 from radixserve.server import protocol as P
-from radixserve.server.errors import ApiError, bad_request
 from radixserve.server.metrics import RequestMetrics
 from radixserve.server.protocol import SeqResult
 from radixserve.server.sse import wait_for_disconnect
@@ -99,38 +98,6 @@ async def encode_prompt(engine, text: str, param: str, add_special_tokens: bool 
         return await asyncio.get_running_loop().run_in_executor(_encode_pool(workers), work)
     except TooManyTokens as e:
         raise P.prompt_too_long(e.count, engine.context_len, param) from None
-
-
-def expand_requests(rid: str, prompt_ids: Sequence[List[int]], n: int,
-                    sampling: Sequence[SamplingParams], stream: bool,
-                    return_logprob: Sequence[bool], logprob_start_len: Sequence[int],
-                    top_logprobs_num: Sequence[int], return_text_in_logprobs: bool,
-                    rids: Optional[Sequence[str]] = None,
-                    cache_salts: Optional[Sequence[Optional[str]]] = None
-                    ) -> List[GenerateReqInput]:
-    """One GenerateReqInput per (prompt, sample): index p * n + j. With a single sequence the
-    rid is `rid` (or rids[0]); otherwise "<rid>-<index>" (or "<rids[p]>-<j>" when the client
-    named each prompt). A seed s gives sample j the seed s + j, so samples differ but each is
-    reproducible. Per-prompt settings are sequences with one entry per prompt (cache_salts
-    too: a prompt's sequences share its salt)."""
-    total = len(prompt_ids) * n
-    reqs = []
-    for p, ids in enumerate(prompt_ids):
-        for j in range(n):
-            index = p * n + j
-            sp = sampling[p]
-            sp = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
-            if rids is not None:
-                seq_rid = rids[p] if n == 1 else f"{rids[p]}-{j}"
-            else:
-                seq_rid = rid if total == 1 else f"{rid}-{index}"
-            reqs.append(GenerateReqInput(
-                rid=seq_rid, input_ids=list(ids), sampling_params=sp, stream=stream,
-                return_logprob=return_logprob[p], logprob_start_len=logprob_start_len[p],
-                top_logprobs_num=top_logprobs_num[p],
-                return_text_in_logprobs=return_text_in_logprobs,
-                cache_salt=cache_salts[p] if cache_salts is not None else None))
-    return reqs
 
 
 # the request fields a grammar of each kind can come from, in the order they are looked for

@@ -5,6 +5,7 @@ server builds (a lone surrogate or an integer beyond 64 bits falls back to the s
 library, which escapes the first and writes the second). `loads_request` parses a request body
 under the rules the door promises (see security.read_json_object): UTF-8, no NaN/Infinity, no
 lone UTF-16 surrogates anywhere (named by their field), nesting at most MAX_JSON_DEPTH.
+`error_response` renders a radixserve.errors.ApiError as the error body every route returns.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import math
 from typing import Any, List, Optional, Tuple
 
 from starlette.responses import JSONResponse as _StarletteJSONResponse
+
+from radixserve.errors import ApiError
 
 try:
     import orjson
@@ -59,6 +62,13 @@ class JSONResponse(_StarletteJSONResponse):
 
     def render(self, content: Any) -> bytes:
         return dumps(content)
+
+
+def error_response(err: ApiError, headers: Optional[dict] = None) -> JSONResponse:
+    """The OpenAI-style error body of err (radixserve.errors.ApiError) with its status and
+    headers (headers given here win)."""
+    merged = {**(err.headers or {}), **(headers or {})} or None
+    return JSONResponse(err.body(), status_code=err.status, headers=merged)
 
 
 class JSONInputError(ValueError):

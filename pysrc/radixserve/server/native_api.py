@@ -13,14 +13,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from radixserve.engine.io import GenerateReqInput
+from radixserve.engine.io import GenerateReqInput, expand_requests
+from radixserve.errors import ApiError, bad_request
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as P
-from radixserve.server.errors import ApiError, bad_request, error_response
-from radixserve.server.jsonio import JSONResponse
-from radixserve.server.generation import (ClientDisconnected, collect, encode_prompt,
-                                          expand_requests, check_grammars, merge_generations,
-                                          validate_all)
+from radixserve.server.generation import (ClientDisconnected, check_grammars, collect,
+                                          encode_prompt, merge_generations, validate_all)
+from radixserve.server.jsonio import JSONResponse, error_response
 from radixserve.server.metrics import MetricsRegistry, RequestMetrics, request_metrics
 from radixserve.server.security import read_json_object, redact_server_info
 from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
@@ -178,7 +177,7 @@ def chat_template_info(tokenizer) -> dict:
     """The chat template fields of /get_model_info: its name ("chatml", "llama-3-instruct",
     "custom" or None), its jinja source, the special tokens it sees, and whether the tokenizer
     adds BOS itself."""
-    from radixserve.lang.roles import template_name
+    from radixserve.tokenizer.roles import template_name
     source = tokenizer.chat_template_text
     special = {k: v for k, v in tokenizer.special_tokens.items() if isinstance(v, str)}
     return {"chat_template_name": template_name(source), "chat_template": source,

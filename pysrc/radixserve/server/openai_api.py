@@ -17,19 +17,18 @@ from typing import AsyncIterator, List, Optional, Sequence, Tuple
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.engine.io import GenerateReqInput
+from radixserve.engine.io import GenerateReqInput, expand_requests
+from radixserve.errors import ApiError, bad_request
+from radixserve.parsers import tool_calls as T
+from radixserve.parsers.reasoning import (ReasoningSplitter, reasoning_token_count,
+                                          split_reasoning, with_reasoning_grammar)
 from radixserve.server import protocol as P
-from radixserve.server.errors import ApiError, bad_request
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.generation import (ClientDisconnected, check_grammars, collect,
-                                          encode_prompt, expand_requests, merge_generations,
-                                          validate_all)
+                                          encode_prompt, merge_generations, validate_all)
 from radixserve.server.metrics import RequestMetrics, request_metrics
-from radixserve.server.reasoning import (ReasoningSplitter, reasoning_token_count,
-                                         split_reasoning, with_reasoning_grammar)
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
-from radixserve.server import tool_calls as T
 from radixserve.tokenizer.chat_template import MAX_RENDER_SECONDS, RenderLimits
 
 logger = logging.getLogger(__name__)
@@ -121,7 +120,7 @@ async def render_messages(engine, messages: List[dict], add_generation_prompt: b
 
 @dataclasses.dataclass
 class _Tools:
-    """A chat's tools as this request uses them (server/tool_calls.py)."""
+    """A chat's tools as this request uses them (parsers/tool_calls.py)."""
     functions: List[dict]          # [] when tool_choice is none or there are no tools
     fmt: T.ToolFormat              # the wire format (--tool-call-parser)
     messages: List[dict]           # what the template renders

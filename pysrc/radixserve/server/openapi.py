@@ -18,11 +18,11 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve import __version__
 from radixserve.server import responses_schemas as RS
 from radixserve.server import schemas as S
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.security import ADMIN_PATHS
+from radixserve.version import __version__
 
 REF = "#/components/schemas/{model}"
 JSON = "application/json"

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from radixserve.engine.io import GenerateOutput, LogprobEntry, apply_ids_delta
+from radixserve.errors import ApiError, bad_request
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import schemas as S
-from radixserve.server.errors import ApiError, bad_request
 
 Prompt = Union[str, List[int]]          # text, or token ids
 TokenText = Callable[[int], str]        # token id -> its text (for logprob entries without text)
@@ -114,7 +114,7 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     cache_salt: Optional[str] = None   # prefix sharing only with requests of the same salt
     template_kwargs: Dict[str, Any] = field(default_factory=dict)   # chat_template_kwargs
-    separate_reasoning: bool = True    # with --reasoning-parser (server/reasoning.py)
+    separate_reasoning: bool = True    # with --reasoning-parser (parsers/reasoning.py)
     stream_reasoning: bool = True
 
 

@@ -9,7 +9,7 @@ context length), constrained by `text.format` (json_object / json_schema become 
 json_schema grammar as chat's response_format: protocol.json_format_schema, compiled up front by
 generation.check_grammars). The answer is a Response object whose output is one assistant
 message with one output_text part, after a reasoning item (one reasoning_text part) when the
-server runs a --reasoning-parser and the output has a <think> block (server/reasoning.py;
+server runs a --reasoning-parser and the output has a <think> block (parsers/reasoning.py;
 text.format's grammar then constrains the answer after it); status "completed", or
 "incomplete" with incomplete_details.reason "max_output_tokens" when the output was cut by the
 token limit (or the context). usage: input_tokens (prompt), input_tokens_details.cached_tokens (prompt tokens
@@ -65,18 +65,18 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.engine.io import GenerateReqInput
+from radixserve.engine.io import GenerateReqInput, expand_requests
+from radixserve.errors import ApiError, bad_request
+from radixserve.parsers.reasoning import (ReasoningSplitter, reasoning_token_count,
+                                          with_reasoning_grammar)
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as P
 from radixserve.server import schemas as S
-from radixserve.server.errors import ApiError, bad_request
-from radixserve.server.generation import (ClientDisconnected, check_grammars, collect, expand_requests,
+from radixserve.server.generation import (ClientDisconnected, check_grammars, collect,
                                           merge_generations, validate_all)
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import RequestMetrics, request_metrics
 from radixserve.server.openai_api import _model_aliases, _raise_if_aborted, render_messages
-from radixserve.server.reasoning import (ReasoningSplitter, reasoning_token_count,
-                                         with_reasoning_grammar)
 from radixserve.server.responses_schemas import ResponseCreateRequest
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import EventStreamResponse, encode_event

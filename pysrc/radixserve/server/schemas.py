@@ -33,8 +33,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter,
 from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
+from radixserve.errors import ApiError
 from radixserve.sampling import params as _sp
-from radixserve.server.errors import ApiError
 
 INT32_MAX, INT64_MIN, INT64_MAX = _sp.INT32_MAX, _sp.INT64_MIN, _sp.INT64_MAX
 

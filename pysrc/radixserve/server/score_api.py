@@ -21,10 +21,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.engine.io import GenerateReqInput
+from radixserve.errors import bad_request
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import protocol as P
 from radixserve.server import schemas as S
-from radixserve.server.errors import bad_request
 from radixserve.server.generation import collect, encode_prompt, validate_all
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import request_metrics

@@ -71,8 +71,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixserve.server.errors import ApiError, bad_request, error_response
-from radixserve.server.jsonio import JSONInputError, loads_request
+from radixserve.errors import ApiError, bad_request
+from radixserve.server.jsonio import JSONInputError, error_response, loads_request
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A decode step gives each running request one slot, in one allocation and one indexed write of
 the host rows; the device writes its own copy of the rows and reads the input ids it sampled
-last step (model/runner.decode_prologue), so building a decode step never needs that step's
+last step (model/forward_batch.decode_prologue), so building a decode step never needs that step's
 predecessor to have reached the host. A request whose remaining tokens are all scheduled already
 (max_new_tokens covered by the step in flight) is left out.
 

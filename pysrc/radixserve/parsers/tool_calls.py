@@ -26,7 +26,7 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Optional, Tuple
 
-from radixserve.server.errors import bad_request
+from radixserve.errors import bad_request
 
 BEGIN, END = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128

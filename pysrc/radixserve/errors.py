@@ -1,13 +1,19 @@
-"""User-facing errors: ApiError carries an HTTP status, a message that says what to change, and
-the offending request field; `error_response` renders the OpenAI-style body every route returns:
+"""The errors a request can cause, for every layer: the ground floor of the import layers
+(tests/unit/test_import_layers.py), so the engine, the grammar backend, the parsers, the offline
+Engine, the frontend language and the server all raise and catch the same types.
+
+  RequestError      a request the engine refuses, naming the field to change (a ValueError;
+                    the server answers it with a 400)
+  EngineOverloaded  the waiting queue is full: refused before it started (a 503 + Retry-After)
+  ApiError          an error with its HTTP status, a message that says what to change, and the
+                    offending request field; `body()` is the OpenAI-style error body every route
+                    returns (server/jsonio.error_response renders it):
 
     {"error": {"message": ..., "type": ..., "param": <field or null>, "code": <status>}}
 """
 from __future__ import annotations
 
 from typing import Optional
-
-from radixserve.server.jsonio import JSONResponse
 
 _TYPES = {
     400: "invalid_request_error",
@@ -23,9 +29,26 @@ _TYPES = {
 }
 
 
+class RequestError(ValueError):
+    """A request the engine refuses, naming the field to change (param): a 400 upstream."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full: the request was refused before it started (a 503 with
+    Retry-After upstream); nothing changed in the engine."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class ApiError(Exception):
     """An error the client caused (4xx) or must be told about (5xx). Never crashes the loop:
-    the route wrapper in app.py turns it into `error_response(...)`."""
+    the route wrapper in server/app.py turns it into `error_response(...)`."""
 
     def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
                  type: Optional[str] = None, headers: Optional[dict] = None):
@@ -44,8 +67,3 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: Optional[str] = None) -> ApiError:
     return ApiError(message, 400, param)
-
-
-def error_response(err: ApiError, headers: Optional[dict] = None) -> JSONResponse:
-    merged = {**(err.headers or {}), **(headers or {})} or None
-    return JSONResponse(err.body(), status_code=err.status, headers=merged)

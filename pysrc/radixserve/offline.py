@@ -8,6 +8,11 @@
 The Engine owns a background thread running its own (uv)loop with an AsyncEngine in it, so the
 synchronous generate() works from plain code and async_generate() works from inside a caller's
 own running loop (the work is handed over to the engine's loop and awaited from the caller's).
+
+Layers (tests/unit/test_import_layers.py): the offline Engine sits above the engine and above
+the server, whose native path (server/native_api.py: prepare / run / chunks) native() shares;
+nothing below imports it. generate() expands prompts x n with engine/io.expand_requests, the
+function the HTTP routes use.
 """
 from __future__ import annotations
 
@@ -19,9 +24,9 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 
 from radixserve.config import ServerArgs
 from radixserve.engine.async_engine import AsyncEngine
-from radixserve.engine.io import GenerateReqInput, apply_ids_delta
+from radixserve.engine.io import GenerateReqInput, apply_ids_delta, expand_requests
+from radixserve.errors import ApiError
 from radixserve.sampling.params import SamplingParams
-from radixserve.server.errors import ApiError
 
 Prompt = Union[str, List[str], None]
 InputIds = Union[List[int], List[List[int]], None]
@@ -65,6 +70,8 @@ class Engine:
     # ------------------------------------------------------------------ generation
     def _requests(self, prompt: Prompt, sampling_params: Optional[Dict[str, Any]],
                   input_ids: InputIds):
+        """The validated sequences of a call (prompts x n, expanded as the HTTP routes expand
+        them) and whether its answer is one dict (a single prompt with n == 1) or a list."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
@@ -76,13 +83,11 @@ class Engine:
         else:
             single = len(input_ids) == 0 or isinstance(input_ids[0], int)
             ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
-        reqs = []
-        for ids in ids_list:
-            sp = SamplingParams.from_dict(sampling_params)
-            reqs.append(GenerateReqInput(rid=uuid.uuid4().hex, input_ids=ids, sampling_params=sp))
+        sp = SamplingParams.from_dict(sampling_params)
+        reqs = expand_requests(uuid.uuid4().hex, ids_list, sp.n, [sp] * len(ids_list))
         for r in reqs:
             self.async_engine.validate(r)
-        return reqs, single
+        return reqs, single and sp.n == 1
 
     async def _run_one(self, req: GenerateReqInput) -> Dict[str, Any]:
         text, ids, last = [], [], None
@@ -110,8 +115,10 @@ class Engine:
     def generate(self, prompt: Prompt = None, sampling_params: Optional[Dict[str, Any]] = None,
                  input_ids: InputIds = None):
         """One prompt (str / list[int]) -> a dict; a list of them -> a list of dicts, in order.
-        Each dict: {"text", "output_ids", "meta_info": {prompt_tokens, completion_tokens,
-        cached_tokens, finish_reason}}. Bad input raises ValueError."""
+        With n > 1 in sampling_params every prompt gives n samples, so the answer is a list
+        (prompt p's sample j at p * n + j; a seed s gives sample j the seed s + j), as /generate
+        answers. Each dict: {"text", "output_ids", "meta_info": {id, prompt_tokens,
+        completion_tokens, cached_tokens, finish_reason}}. Bad input raises ValueError."""
         reqs, single = self._requests(prompt, sampling_params, input_ids)
         results = self._submit(self._run_all(reqs)).result()
         return results[0] if single else results
@@ -128,7 +135,7 @@ class Engine:
     def native(self, path: str, body: Optional[Dict[str, Any]] = None) -> Any:
         """The answer the server's native route `path` gives `body` (None for a GET), without
         HTTP: /generate (not streamed), /get_model_info, /get_server_info, /flush_cache. A
-        request the server would refuse raises radixserve.server.errors.ApiError (its
+        request the server would refuse raises radixserve.errors.ApiError (its
         .status and .message are the HTTP error's)."""
         return self._submit(self._native(path, body)).result()
 
