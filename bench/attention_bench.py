@@ -7,7 +7,7 @@
           call after call) is reported too. Peer: torch "gather K/V by slot, then SDPA" on the
           same bytes, also under a graph.
   decode, batch 256: 1,152 tokens each (the offline run's decode phase), the tensor-core kernel
-          and the CUDA-core one (RADIXSERVE_DECODE_KERNEL=simt), slots in order and shuffled.
+          and the CUDA-core one (the op's kernel="simt"), slots in order and shuffled.
   decode, batch 1: 32 calls (a Llama-3.1-8B step's layers) at 1,024 tokens, each layer its own
           K/V, in one CUDA graph: microseconds per step.
   extend: one request of 4096 tokens (and 1k, 2k, 8k; and 1k new after a 3k cached prefix), 32
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pysrc"))
 
-from radixserve import ops  # noqa: E402
+from radixserve import knobs, ops  # noqa: E402
 from radixserve.ops._ext import kernels_available  # noqa: E402
 
 
@@ -132,7 +132,7 @@ def bench_decode_large_batch(results: dict, copy_bw: float, batch: int = 256,
                              kv_len: int = 1152) -> None:
     """The offline run's decode attention: batch 256 x 1,152 tokens (its decode phase's mean
     length), Llama-3.1-8B heads, the tensor-core kernel beside the CUDA-core one
-    (RADIXSERVE_DECODE_KERNEL=simt), each under a CUDA graph, over slots in order and shuffled."""
+    (kernel="simt"), each under a CUDA graph, over slots in order and shuffled."""
     hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
     nnz = batch * kv_len
     k_cache = torch.randn(nnz + 1, hkv, d, device="cuda", dtype=dtype)
@@ -143,21 +143,14 @@ def bench_decode_large_batch(results: dict, copy_bw: float, batch: int = 256,
               "_shuffled": (torch.randperm(nnz, device="cuda") + 1).to(torch.int32)}
     nbytes = 2 * nnz * hkv * d * 2 + 2 * q.numel() * 2
     scale = 1.0 / math.sqrt(d)
-    prior = os.environ.pop("RADIXSERVE_DECODE_KERNEL", None)
-    try:
-        for kernel in ("tc", "simt"):
-            if kernel == "simt":
-                os.environ["RADIXSERVE_DECODE_KERNEL"] = "simt"
-            for suffix, idx in orders.items():
-                ms = _graph_time_ms(lambda: ops.paged_decode_attention(
-                    q, k_cache, v_cache, kv_indptr, idx, scale), calls=10)
-                key = f"decode_attention_bs{batch}_{kernel}{suffix}"
-                results[key + "_us"] = ms * 1e3
-                results[key + "_bw_fraction"] = nbytes / (ms * 1e-3) / copy_bw
-    finally:
-        os.environ.pop("RADIXSERVE_DECODE_KERNEL", None)
-        if prior is not None:
-            os.environ["RADIXSERVE_DECODE_KERNEL"] = prior
+    for kernel in ("tc", "simt"):
+        choice = "simt" if kernel == "simt" else "auto"     # the op's kernel argument
+        for suffix, idx in orders.items():
+            ms = _graph_time_ms(lambda: ops.paged_decode_attention(
+                q, k_cache, v_cache, kv_indptr, idx, scale, kernel=choice), calls=10)
+            key = f"decode_attention_bs{batch}_{kernel}{suffix}"
+            results[key + "_us"] = ms * 1e3
+            results[key + "_bw_fraction"] = nbytes / (ms * 1e-3) / copy_bw
     results[f"decode_attention_bs{batch}_tc_over_simt_speedup"] = (
         results[f"decode_attention_bs{batch}_simt_us"] / results[f"decode_attention_bs{batch}_tc_us"])
     del k_cache, v_cache
@@ -221,17 +214,14 @@ def bench_extend(results: dict) -> None:
         ours = _ours_extend(seq, 0, heads, d, dtype)
         tag = "extend_attention" if seq == 4096 else f"extend_attention_{seq}"
         if seq == 4096:
-            results["extend_attention_kernel"] = torch.ops.radixserve.extend_attention_kernel(ours.q)
+            results["extend_attention_kernel"] = ops.extend_attention_kernel(ours.q)
         ms = _time_ms(ours)
         results[f"{tag}_us"] = ms * 1e3
         results[f"{tag}_tflops"] = flops / (ms * 1e-3) / 1e12
         if seq == 4096:
             # the portable mma.sync kernel (what an sm_80 build runs), same inputs
-            os.environ["RADIXSERVE_EXTEND_KERNEL"] = "mma"
-            try:
+            with knobs.override("RADIXSERVE_EXTEND_KERNEL", "mma"):
                 results["extend_attention_mma_sm80_tflops"] = flops / (_time_ms(ours) * 1e-3) / 1e12
-            finally:
-                del os.environ["RADIXSERVE_EXTEND_KERNEL"]
         qs = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
         ks = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
         vs = torch.randn(1, heads, seq, d, device="cuda", dtype=dtype)
@@ -282,36 +272,27 @@ def bench_decode_fp8(results: dict, copy_bw: float, kv_name: str, batch: int = 2
               "_shuffled": (torch.randperm(nnz, device="cuda") + 1).to(torch.int32)}
     tag = f"decode_attention_{kv_name}_bs{batch}_{kv_len // 1024}k"
     base = f"decode_attention_bf16_bs{batch}_{kv_len // 1024}k"
-    prior = os.environ.pop("RADIXSERVE_DECODE_KERNEL", None)
-    try:
-        for name, pages, elem in ((tag, kv_dtype, 1), (base, dtype, 2)):
-            if pages == dtype:
-                k_cache = torch.randn(nnz + 1, hkv, d, device="cuda", dtype=dtype)
-                v_cache = torch.randn(nnz + 1, hkv, d, device="cuda", dtype=dtype)
-                ks = vs = 1.0
-            else:
-                k_cache = _fp8_pages(nnz + 1, hkv, d, kv_dtype, 0.5)
-                v_cache = _fp8_pages(nnz + 1, hkv, d, kv_dtype, 0.25)
-                ks, vs = 0.5, 0.25
-            nbytes = 2 * nnz * hkv * d * elem + 2 * q.numel() * 2     # K + V + q + out
-            results[name + "_bytes"] = nbytes
-            for kernel in ("tc", "simt"):
-                if kernel == "simt":
-                    os.environ["RADIXSERVE_DECODE_KERNEL"] = "simt"
-                else:
-                    os.environ.pop("RADIXSERVE_DECODE_KERNEL", None)
-                for suffix, idx in orders.items():
-                    ms = _graph_time_ms(lambda: ops.paged_decode_attention(
-                        q, k_cache, v_cache, kv_indptr, idx, scale, ks, vs), calls=10)
-                    key = f"{name}_{kernel}{suffix}"
-                    results[key + "_us"] = ms * 1e3
-                    results[key + "_bw_fraction"] = nbytes / (ms * 1e-3) / copy_bw
-            del k_cache, v_cache
-            torch.cuda.empty_cache()
-    finally:
-        os.environ.pop("RADIXSERVE_DECODE_KERNEL", None)
-        if prior is not None:
-            os.environ["RADIXSERVE_DECODE_KERNEL"] = prior
+    for name, pages, elem in ((tag, kv_dtype, 1), (base, dtype, 2)):
+        if pages == dtype:
+            k_cache = torch.randn(nnz + 1, hkv, d, device="cuda", dtype=dtype)
+            v_cache = torch.randn(nnz + 1, hkv, d, device="cuda", dtype=dtype)
+            ks = vs = 1.0
+        else:
+            k_cache = _fp8_pages(nnz + 1, hkv, d, kv_dtype, 0.5)
+            v_cache = _fp8_pages(nnz + 1, hkv, d, kv_dtype, 0.25)
+            ks, vs = 0.5, 0.25
+        nbytes = 2 * nnz * hkv * d * elem + 2 * q.numel() * 2     # K + V + q + out
+        results[name + "_bytes"] = nbytes
+        for kernel in ("tc", "simt"):
+            choice = "simt" if kernel == "simt" else "auto"     # the op's kernel argument
+            for suffix, idx in orders.items():
+                ms = _graph_time_ms(lambda: ops.paged_decode_attention(
+                    q, k_cache, v_cache, kv_indptr, idx, scale, ks, vs, kernel=choice), calls=10)
+                key = f"{name}_{kernel}{suffix}"
+                results[key + "_us"] = ms * 1e3
+                results[key + "_bw_fraction"] = nbytes / (ms * 1e-3) / copy_bw
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
     # the acceptance figure: the tensor-core kernel over FP8 pages, in-order slots
     results[f"{tag}_bw_fraction"] = results[f"{tag}_tc_bw_fraction"]
     results[f"{tag}_speedup_over_bf16"] = results[f"{base}_tc_us"] / results[f"{tag}_tc_us"]
@@ -353,11 +334,8 @@ def bench_extend_fp8(results: dict, kv_name: str, seq: int = 4096) -> None:
     results[f"extend_attention_{kv_name}_{seq // 1024}k_us"] = ms * 1e3
     results[f"extend_attention_{kv_name}_{seq // 1024}k_tflops"] = flops / (ms * 1e-3) / 1e12
     ours = _ours_extend(seq, 0, heads, d, torch.bfloat16)
-    os.environ["RADIXSERVE_EXTEND_KERNEL"] = "mma"
-    try:
+    with knobs.override("RADIXSERVE_EXTEND_KERNEL", "mma"):
         ms = _time_ms(ours)
-    finally:
-        del os.environ["RADIXSERVE_EXTEND_KERNEL"]
     results[f"extend_attention_bf16_mma_sm80_{seq // 1024}k_tflops"] = flops / (ms * 1e-3) / 1e12
 
 

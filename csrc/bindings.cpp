@@ -10,12 +10,14 @@ TORCH_LIBRARY(radixserve, m) {
         "float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("build_kv_indices(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
         "Tensor(a!) kv_indptr, Tensor(b!) kv_indices) -> ()");
+  // kernel / no_split_tokens: the seam's knobs (pysrc/radixserve/knobs.py), passed per call
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, "
-        "Tensor kv_indices, float sm_scale, float k_scale=1.0, float v_scale=1.0) -> Tensor");
+        "Tensor kv_indices, float sm_scale, float k_scale=1.0, float v_scale=1.0, "
+        "str kernel=\"auto\", int? no_split_tokens=None) -> Tensor");
   m.def("paged_extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor qo_indptr, "
         "Tensor kv_indptr, Tensor kv_indices, float sm_scale, float k_scale=1.0, "
-        "float v_scale=1.0) -> Tensor");
-  m.def("extend_attention_kernel(Tensor q) -> str");
+        "float v_scale=1.0, str kernel=\"auto\") -> Tensor");
+  m.def("extend_attention_kernel(Tensor q, str kernel=\"auto\") -> str");
   m.def("bitmask_sample(Tensor logits, Tensor? bitmask, Tensor temperature, Tensor top_k, "
         "Tensor top_p, Tensor min_p, Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor logits) -> Tensor");

@@ -5,8 +5,9 @@
 // contracts in pysrc/radixserve/ops/__init__.py.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
+#include <limits>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -141,14 +142,16 @@ int* left_zero_counters(const at::Tensor& q, CounterPool pool, int64_t needed, c
   return buf.data_ptr<int32_t>();
 }
 
-// attn::kDecodeNoSplitTokens, unless RADIXSERVE_DECODE_NO_SPLIT_TOKENS=N says otherwise (0: split
-// at any length, the earlier plan; for A/B runs). Read once per process.
-int decode_no_split_tokens() {
-  static const int tokens = [] {
-    const char* env = std::getenv("RADIXSERVE_DECODE_NO_SPLIT_TOKENS");
-    return env != nullptr ? std::atoi(env) : attn::kDecodeNoSplitTokens;
-  }();
-  return tokens;
+// The kernels read no environment variable: the choices below are the ops' arguments, which
+// the op seam (pysrc/radixserve/ops/__init__.py) takes from pysrc/radixserve/knobs.py (the
+// RADIXSERVE_* variables and the hidden --debug-* flags of `serve`) on every call.
+
+// no_split_tokens: requests of at most this many KV tokens are not split (0 or less: split at
+// any length, the earlier plan; for A/B runs); none: attn::kDecodeNoSplitTokens.
+int decode_no_split_tokens(std::optional<int64_t> no_split_tokens) {
+  if (!no_split_tokens.has_value()) return attn::kDecodeNoSplitTokens;
+  return (int)std::clamp<int64_t>(*no_split_tokens, std::numeric_limits<int>::min(),
+                                  std::numeric_limits<int>::max());
 }
 
 int* decode_split_counters(const at::Tensor& q, int64_t needed) {
@@ -157,20 +160,25 @@ int* decode_split_counters(const at::Tensor& q, int64_t needed) {
                             "q-head subgroups)");
 }
 
-// The wgmma extend kernel where attention_launch.cuh says it can run, unless
-// RADIXSERVE_EXTEND_KERNEL=mma forces the mma.sync kernel (for comparisons and tests).
-template <typename T, int D>
-bool use_wgmma_kernel() {
-  const char* forced = std::getenv("RADIXSERVE_EXTEND_KERNEL");
-  if (forced != nullptr && std::string(forced) == "mma") return false;
-  return attn::extend_wgmma_available<T, D>();
+// kernel "auto": the wgmma extend kernel where attention_launch.cuh says it can run; "mma" forces
+// the mma.sync kernel (for comparisons and tests).
+bool extend_forces_mma(c10::string_view kernel) {
+  TORCH_CHECK(kernel == "auto" || kernel == "mma", "extend attention: kernel must be auto or mma, "
+              "got '", std::string(kernel), "'");
+  return kernel == "mma";
 }
 
-// Decode's tensor-core kernel where attention_launch.cuh says it serves, unless
-// RADIXSERVE_DECODE_KERNEL=simt forces the CUDA-core kernel (for comparisons and tests).
-bool decode_tensor_cores_allowed() {
-  const char* forced = std::getenv("RADIXSERVE_DECODE_KERNEL");
-  return forced == nullptr || std::string(forced) != "simt";
+template <typename T, int D>
+bool use_wgmma_kernel(bool force_mma) {
+  return !force_mma && attn::extend_wgmma_available<T, D>();
+}
+
+// kernel "auto": decode's tensor-core kernel where attention_launch.cuh says it serves; "simt"
+// forces the CUDA-core kernel (for comparisons and tests).
+bool decode_tensor_cores_allowed(c10::string_view kernel) {
+  TORCH_CHECK(kernel == "auto" || kernel == "simt", "paged_decode_attention: kernel must be auto "
+              "or simt, got '", std::string(kernel), "'");
+  return kernel == "auto";
 }
 
 }  // namespace
@@ -178,10 +186,12 @@ bool decode_tensor_cores_allowed() {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& kv_indptr,
                                   const at::Tensor& kv_indices, double sm_scale, double k_scale,
-                                  double v_scale) {
+                                  double v_scale, c10::string_view kernel,
+                                  std::optional<int64_t> no_split_tokens) {
   check_cache(q, k_cache, v_cache);
   check_index(kv_indptr, q, "kv_indptr");
   check_index(kv_indices, q, "kv_indices");
+  const bool tensor_cores = decode_tensor_cores_allowed(kernel);
   const int64_t batch = q.size(0);
   TORCH_CHECK(kv_indptr.numel() == batch + 1, "kv_indptr must have batch + 1 = ", num(batch + 1),
               " entries, got ", num(kv_indptr.numel()));
@@ -200,7 +210,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int num_sub = (group + gmax - 1) / gmax;
 
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int no_split = decode_no_split_tokens();
+  const int no_split = decode_no_split_tokens(no_split_tokens);
   const int num_splits =
       attn::decode_num_splits(batch, hkv, num_sub, kv_indices.numel(), sms, no_split);
 
@@ -238,7 +248,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                         [&](auto tag, auto dim, auto kv) {
     const cudaError_t err =
         attn::launch_paged_decode<decltype(tag), decltype(dim)::value, decltype(kv)>(
-            p, (int)batch, stream, decode_tensor_cores_allowed());
+            p, (int)batch, stream, tensor_cores);
     C10_CUDA_CHECK(err);
   });
   return out;
@@ -247,8 +257,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& qo_indptr,
                                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                                  double sm_scale, double k_scale, double v_scale) {
+                                  double sm_scale, double k_scale, double v_scale,
+                                  c10::string_view kernel) {
   check_cache(q, k_cache, v_cache);
+  const bool force_mma = extend_forces_mma(kernel);
   check_index(qo_indptr, q, "qo_indptr");
   check_index(kv_indptr, q, "kv_indptr");
   check_index(kv_indices, q, "kv_indices");
@@ -292,7 +304,7 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
     using KV = decltype(kv);
     constexpr int D = decltype(dim)::value;
     // an FP8 pool runs the mma.sync kernel (the wgmma kernel's tiles are 16-bit, by TMA)
-    const bool wgmma = !fp8::is_fp8<KV>() && use_wgmma_kernel<T, D>();
+    const bool wgmma = !fp8::is_fp8<KV>() && use_wgmma_kernel<T, D>(force_mma);
     if (wgmma)
       p.work_counters = left_zero_counters(q, kExtendItems, 2,
                                            "paged_extend_attention: the work-item counters");
@@ -302,7 +314,8 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-std::string extend_attention_kernel(const at::Tensor& q) {
+std::string extend_attention_kernel(const at::Tensor& q, c10::string_view kernel) {
+  const bool force_mma = extend_forces_mma(kernel);
   TORCH_CHECK(q.is_cuda() && q.dim() == 3, "q must be a 3-D CUDA tensor");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "q must be bfloat16 or float16");
@@ -310,7 +323,7 @@ std::string extend_attention_kernel(const at::Tensor& q) {
   const c10::cuda::CUDAGuard guard(q.device());
   bool wgmma = false;
   dispatch_dtype_dim(q.scalar_type(), q.size(2), [&](auto tag, auto dim) {
-    wgmma = use_wgmma_kernel<decltype(tag), decltype(dim)::value>();
+    wgmma = use_wgmma_kernel<decltype(tag), decltype(dim)::value>(force_mma);
   });
   return wgmma ? "wgmma_sm90" : "mma_sm80";
 }

@@ -37,7 +37,7 @@ class Parser(argparse.ArgumentParser):
             if isinstance(action, argparse._SubParsersAction):
                 for sub in action.choices.values():
                     names += sub.flag_names() if isinstance(sub, Parser) else []
-            elif action.help is not argparse.SUPPRESS:
+            elif action.help is not argparse.SUPPRESS and not getattr(action, "hidden", False):
                 names += action.option_strings
         return names
 

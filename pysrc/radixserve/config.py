@@ -2,8 +2,13 @@
 and SGLang aliases in its metadata), REFUSED_SGLANG_FLAGS (SGLang flags refused by name), and
 ModelConfig (from config.json).
 
-Configuration flows from ServerArgs; nothing reads flags or environment variables elsewhere
-(except RADIXSERVE_DISABLE_KERNELS in ops/_ext.py, a debugging switch).
+Configuration flows from ServerArgs; nothing else reads flags. The environment variables
+radixserve reads are one table, knobs.KNOBS (knobs.py, printed by `radixserve env`), and only
+knobs.value() reads them: the API keys' defaults (RADIXSERVE_API_KEY, RADIXSERVE_ADMIN_API_KEY),
+the cache directory, RADIXSERVE_DISABLE_KERNELS (the debugging switch), and the A/B switches of
+the kernels, the CUDA graphs and the GC. Each A/B switch also has a hidden flag here (--debug-*,
+group "debug": parsed, but not in --help; `radixserve env` lists them), whose value, when given,
+beats the environment's (ServerArgs.knob_overrides(), applied by ModelRunner at start).
 """
 from __future__ import annotations
 
@@ -17,13 +22,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from radixserve import knobs
+
 
 # SGLang flags radixserve does not support yet, each refused by name with its reason (exit 2):
 # `radixserve serve --quantization fp8` stops with "--quantization is an SGLang flag radixserve
 # does not support yet: ...", never starts with the flag silently ignored. The SGLang flags we do
 # implement are ServerArgs fields under SGLang's names (plus the `aliases` of their metadata).
-_ONE_DEVICE = "one server runs on one device (tensor, pipeline, expert and data parallelism are " \
-              "not implemented)"
+_ONE_DEVICE = "one server runs on one device, or with --tp-size N on N CPU ranks (pipeline, " \
+              "expert and data parallelism are not implemented)"
 _ONE_HOST = "one server is one process on one machine"
 _LORA = "LoRA adapters are not supported"
 _SPECULATIVE = "speculative decoding is not implemented"
@@ -52,7 +59,7 @@ REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     # quantization and data type
     "--quantization-param-path": "FP8 scales come from the checkpoint (quantization_config) or "
                                  "are computed at load (--quantization fp8)",
-    # parallelism and distribution (--tp-size 1 and --dp-size 1 are accepted)
+    # parallelism and distribution (--tp-size N and --dp-size 1 are accepted)
     "--pp-size": _ONE_DEVICE,
     "--pipeline-parallel-size": _ONE_DEVICE,
     "--ep-size": _ONE_DEVICE,
@@ -160,10 +167,20 @@ class RefusedFlag(argparse.Action):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each flag's choices ({a,b}) and default: `(default: X)` unless the help
-    already says what the default is; on/off flags show `(default: off)`."""
+    already says what the default is; on/off flags show `(default: off)`. Hidden flags (an
+    action with hidden = True: the --debug-* A/B switches) are left out of the usage and the
+    flag list; a section of hidden flags only is left out whole."""
 
     def __init__(self, prog: str):
         super().__init__(prog, max_help_position=36)
+
+    def add_usage(self, usage, actions, groups, prefix=None):
+        super().add_usage(usage, [a for a in actions if not getattr(a, "hidden", False)],
+                          groups, prefix)
+
+    def add_argument(self, action: argparse.Action) -> None:
+        if not getattr(action, "hidden", False):
+            super().add_argument(action)
 
     def _split_lines(self, text: str, width: int) -> List[str]:
         # flag names are never broken at their hyphens
@@ -204,6 +221,26 @@ def _flag(default: Any, help: str, *, choices: Optional[Sequence[Any]] = None,
     return field(default=default, metadata={"help": help, "choices": choices,
                                             "aliases": tuple(aliases), "metavar": metavar,
                                             "type": type, "group": group, "repeat": repeat})
+
+
+def _debug_flag(knob_name: str, group: Optional[str] = None) -> Any:
+    """A hidden ServerArgs field (not in --help) overriding the environment variable knob_name
+    of knobs.KNOBS: it takes what the variable takes (knobs.Knob.parse); None (not given) leaves
+    the knob to the environment, then its default."""
+    knob = knobs.KNOBS[knob_name]
+    assert knob.flag is not None
+
+    def parse(raw: str) -> Any:
+        try:
+            return knob.parse(raw)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{raw!r}: it {e}") from None
+
+    metavar = "{" + knob.values.replace("|", ",") + "}" if "|" in knob.values else knob.values
+    return field(default=None, metadata={
+        "help": f"{knob.help}; default: ${knob.name}, else {knob.default_text()}",
+        "choices": None, "aliases": (), "metavar": metavar, "type": parse, "group": group,
+        "repeat": False, "hidden": True, "knob": knob_name})
 
 
 def _lower(value: str) -> str:
@@ -321,7 +358,8 @@ class ServerArgs:
     page_size: int = _flag(1, "tokens per KV-cache page (the prefix cache matches whole pages)",
                            metavar="TOKENS")
     # parallelism
-    tp_size: int = _flag(1, "tensor-parallel size (GPUs per model); only 1 is supported yet",
+    tp_size: int = _flag(1, "tensor-parallel size (ranks per model, in this one process); above "
+                         "1 only on the CPU yet (a thread per rank), CUDA is not implemented",
                          aliases=("--tensor-parallel-size",), metavar="N", group="parallelism")
     dp_size: int = _flag(1, "data-parallel size (model replicas); only 1 is supported yet",
                          aliases=("--data-parallel-size",), metavar="N")
@@ -418,6 +456,13 @@ class ServerArgs:
         metavar="PREFIX")
     log_requests: bool = _flag(
         False, "one INFO line per finished request: rid, token counts, timings, finish reason")
+    # debug: the A/B switches of knobs.KNOBS as hidden flags (not in --help; `radixserve env`
+    # lists them); each, when given, beats its environment variable (knob_overrides)
+    debug_decode_kernel: Optional[str] = _debug_flag("RADIXSERVE_DECODE_KERNEL", group="debug")
+    debug_extend_kernel: Optional[str] = _debug_flag("RADIXSERVE_EXTEND_KERNEL")
+    debug_decode_no_split_tokens: Optional[int] = _debug_flag("RADIXSERVE_DECODE_NO_SPLIT_TOKENS")
+    debug_graph_context_classes: Optional[bool] = _debug_flag("RADIXSERVE_GRAPH_CONTEXT_CLASSES")
+    debug_gc_gen0: Optional[int] = _debug_flag("RADIXSERVE_GC_GEN0")
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -441,8 +486,8 @@ class ServerArgs:
         the flag, the environment's RADIXSERVE_API_KEY, an empty one counting as unset), then
         those of --api-key-file (api_key_file_entries)."""
         given = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
-        if not given and os.environ.get("RADIXSERVE_API_KEY"):
-            given = [os.environ["RADIXSERVE_API_KEY"]]
+        if not given and knobs.value("RADIXSERVE_API_KEY"):
+            given = [knobs.value("RADIXSERVE_API_KEY")]
         return [(k, None) for k in given] + self.api_key_file_entries()
 
     def api_key_file_entries(self) -> List[Tuple[str, Optional[str]]]:
@@ -471,7 +516,24 @@ class ServerArgs:
         """--admin-api-key, else the environment's RADIXSERVE_ADMIN_API_KEY (empty: unset)."""
         if self.admin_api_key is not None:
             return self.admin_api_key
-        return os.environ.get("RADIXSERVE_ADMIN_API_KEY") or None
+        return knobs.value("RADIXSERVE_ADMIN_API_KEY") or None
+
+    def knob_overrides(self) -> Dict[str, Any]:
+        """{knob name: value} of the hidden --debug-* flags given (knobs.set_flags takes it;
+        ModelRunner applies it at start). Raises ValueError naming the flag for a value its knob
+        does not take (a flag parsed from the command line was checked already; this catches
+        Engine(debug_decode_kernel=...) and the like)."""
+        out: Dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            name = f.metadata.get("knob")
+            v = getattr(self, f.name)
+            if name is None or v is None:
+                continue
+            try:
+                out[name] = knobs.KNOBS[name].coerce(v)
+            except ValueError as e:
+                raise ValueError(f"--{f.name.replace('_', '-')} {v!r}: it {e}") from None
+        return out
 
     def resolved_chunked_prefill_size(self) -> Optional[int]:
         if self.chunked_prefill_size is None:
@@ -517,9 +579,12 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
-        if self.tp_size != 1:
-            raise ValueError(f"--tp-size {self.tp_size}: only 1 is supported yet "
-                             f"(tensor parallelism is not implemented)")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, not {self.tp_size}")
+        if self.tp_size > 1 and self.resolved_device() != "cpu":
+            raise ValueError(f"--tp-size {self.tp_size}: tensor parallelism runs on the CPU only "
+                             f"yet (--device cpu); on CUDA it needs issue 37's GPU part (NCCL "
+                             f"communicators in-process, per-GPU CUDA graphs), not implemented")
         if self.dp_size != 1:
             raise ValueError(f"--dp-size {self.dp_size}: only 1 is supported yet "
                              f"(data parallelism is not implemented)")
@@ -558,6 +623,7 @@ class ServerArgs:
         if self.resolved_admin_api_key() in {k for k, _ in self.resolved_api_keys()}:
             raise ValueError("--admin-api-key must differ from every client key (--api-key, "
                              "--api-key-file)")
+        self.knob_overrides()
         if self.tokenizer_worker_num < 1:
             raise ValueError("--tokenizer-worker-num must be >= 1")
         if self.max_request_bytes < 1024:
@@ -589,6 +655,7 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 group.add_argument(*flags, action="store_true", **kw)
                 continue
+            hidden = meta.get("hidden", False)
             if meta.get("repeat"):
                 kw["action"] = "append"
             kw["type"] = meta.get("type") or {
@@ -598,7 +665,8 @@ class ServerArgs:
                 kw["choices"] = meta["choices"]
             elif meta.get("metavar"):
                 kw["metavar"] = meta["metavar"]
-            group.add_argument(*flags, **kw)
+            action = group.add_argument(*flags, **kw)
+            action.hidden = hidden        # HelpFormatter leaves it out of --help
         for flag, reason in REFUSED_SGLANG_FLAGS.items():
             parser.add_argument(flag, action=RefusedFlag, reason=reason)
 

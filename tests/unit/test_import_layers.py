@@ -62,9 +62,12 @@ LAYERS: Sequence[Tuple[str, Sequence[str], str]] = (
      "SamplingParams, SamplingInputs, the sampler and penalties; FP8 linear layers (quant/) "
      "used by the model"),
     ("ground", ("radixserve.ops", "radixserve._C", "radixserve.cache", "radixserve.tokenizer",
-                "radixserve.config", "radixserve.errors", "radixserve.version"),
+                "radixserve.config", "radixserve.errors", "radixserve.version",
+                "radixserve.parallel", "radixserve.knobs"),
      "the op seam and the compiled extension, KV pool and radix tree, tokenizer, chat "
-     "templates and role formats, ServerArgs, the shared error types, the version"),
+     "templates and role formats, ServerArgs, the shared error types, the version, the "
+     "tensor-parallel rank group and its collectives (parallel/), the table of environment "
+     "variables (knobs.py)"),
 )
 
 EXTENSION_MODULES = {"radixserve._C"}   # compiled: no source to read, imports nothing of ours

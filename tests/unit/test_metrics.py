@@ -50,7 +50,7 @@ class CountingEngine:
     async def shutdown(self):
         pass
 
-    def validate(self, req):
+    def validate(self, req, prompt_checked=False):
         if len(req.input_ids) >= self.context_len:
             raise ValueError("prompt too long")
 
@@ -72,7 +72,7 @@ class CountingEngine:
                 "evictable_tokens": 32, "gen_throughput": 123.5, "gpu_busy_fraction": 0.5,
                 "note": "not a number"}
 
-    async def generate(self, req):
+    async def generate(self, req, validated=False):
         c = self.counters
         key = tuple(req.input_ids)
         cached = len(key) - 1 if key in self.seen_prompts else 0

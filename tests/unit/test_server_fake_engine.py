@@ -76,7 +76,7 @@ class FakeEngine:
     async def shutdown(self):
         self.started = False
 
-    def validate(self, req):
+    def validate(self, req, prompt_checked=False):
         if len(req.input_ids) >= self.context_len:
             raise ValueError("prompt too long")
 
@@ -95,8 +95,9 @@ class FakeEngine:
     def is_healthy(self):
         return True
 
-    async def generate(self, req):
-        self.validate(req)
+    async def generate(self, req, validated=False):
+        if not validated:           # as AsyncEngine.generate: the routes validated it already
+            self.validate(req)
         self.seen.append(req)
         self.running.add(req.rid)
         sp = req.sampling_params

@@ -20,6 +20,7 @@ GQA layout), which is what serving speed depends on. Building takes a few second
 The -fp8 presets (llama-3.1-8b-fp8, qwen3-8b-fp8, llama-3.1-70b-fp8) add the quantization_config
 of the model's FP8_DYNAMIC release to its config.json: with `--load-format dummy` the linear
 layers are random FP8 weights with per-channel scales (model/loader.py), the rest bf16.
+llama-3.1-70b and qwen3-32b are the bf16 models for tensor-parallel runs (--tp-size N).
 """
 from __future__ import annotations
 
@@ -226,6 +227,23 @@ PRESETS["llama-3.1-70b-fp8"] = dataclasses.replace(
                  "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
                  "num_key_value_heads": 8}),
     num_params=70_553_706_496)
+
+# Tensor-parallel runs (issue 37, --tp-size N): bf16 models too large for one GPU, as published.
+# Llama-3.1-70B-Instruct: the 8B's family (tokenizer, chat format, rope), 80 layers of 8192
+# (64 query heads, 8 KV heads: up to TP=8 without replicating KV heads).
+PRESETS["llama-3.1-70b"] = dataclasses.replace(
+    PRESETS["llama-3.1-8b"], hf_name="meta-llama/Llama-3.1-70B-Instruct",
+    config={**PRESETS["llama-3.1-8b"].config, "hidden_size": 8192, "intermediate_size": 28672,
+            "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8},
+    num_params=70_553_706_496)
+# Qwen3-32B: Qwen3-8B's family (tokenizer, ChatML, sampling defaults), 64 layers of 5120 with
+# 64 query heads of 128 (8192 wide) and 8 KV heads, untied LM head
+PRESETS["qwen3-32b"] = dataclasses.replace(
+    PRESETS["qwen3-8b"], hf_name="Qwen/Qwen3-32B",
+    config={**PRESETS["qwen3-8b"].config, "hidden_size": 5120, "intermediate_size": 25600,
+            "num_hidden_layers": 64, "max_window_layers": 64, "num_attention_heads": 64,
+            "num_key_value_heads": 8},
+    num_params=32_762_123_264)
 
 
 def ordinary_vocab_end(preset: Preset) -> int:

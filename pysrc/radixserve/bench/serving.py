@@ -283,6 +283,11 @@ COMPARE_SETS: Dict[str, List[Tuple[str, List[str]]]] = {
     "schedule": [("alternate", []),
                  ("mixed-chunk", ["--enable-mixed-chunk"]),
                  ("prefill-first", ["--step-order", "prefill-first"])],
+    # issue 35: FP8 weights quantized at load (W8A8 prefill/large batches, FP8-weight skinny
+    # GEMMs at small ones), then with the FP8 KV cache too, against bf16
+    "fp8": [("bf16", []),
+            ("fp8", ["--quantization", "fp8"]),
+            ("fp8-kv", ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"])],
 }
 # ... and the ratios reported: (name, this configuration, its peer)
 COMPARE_PAIRS: Dict[str, List[Tuple[str, str, str]]] = {
@@ -291,6 +296,7 @@ COMPARE_PAIRS: Dict[str, List[Tuple[str, str, str]]] = {
     "overlap": [("overlap_over_no_overlap", "overlap", "no-overlap")],
     "schedule": [("mixed_chunk_over_alternate", "mixed-chunk", "alternate"),
                  ("prefill_first_over_alternate", "prefill-first", "alternate")],
+    "fp8": [("fp8_over_bf16", "fp8", "bf16"), ("fp8_kv_over_bf16", "fp8-kv", "bf16")],
 }
 # kept for callers of the old module-level name
 COMPARE_CONFIGS = COMPARE_SETS["radix"]

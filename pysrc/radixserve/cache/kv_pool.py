@@ -8,22 +8,21 @@ The pages are in the model's dtype, or FP8 (--kv-cache-dtype fp8_e4m3 / fp8_e5m2
 element, so the same memory holds twice the tokens of a bf16 pool); the layers' FP8 scales live
 with the model (LlamaAttention.k_scale / v_scale), which passes them to the store and attention
 ops. The prefix cache indexes slots whatever their dtype.
+Tensor parallelism (--tp-size N): ShardedKVPool, the same slots and allocator over per-rank
+buffers that each hold the rank's KV heads of every token.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 
-class KVPool:
+class KVBuffers:
     """Per-layer K and V buffers, each [num_slots + 1, num_kv_heads, head_dim] (slot 0 = padding),
-    of dtype (the model's, or torch.float8_e4m3fn / float8_e5m2 for an FP8 cache).
-
-    Contract: alloc(n) returns n distinct free slots (int64 tensor on the CPU) or None when fewer
-    than n are free, and changes nothing in that case; free(slots) returns slots to the free list.
-    Freeing a slot that is already free is a bug and raises in debug mode (check_integrity).
-    """
+    of dtype (the model's, or torch.float8_e4m3fn / float8_e5m2 for an FP8 cache), on device:
+    what the model reads and writes (fb.kv_pool.k_buffers / v_buffers). A KVPool is one with its
+    slot allocator; a tensor-parallel rank's shard (ShardedKVPool.shards) is one alone."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device):
@@ -39,8 +38,6 @@ class KVPool:
                                               for _ in range(num_layers)]
         self.v_buffers: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device)
                                               for _ in range(num_layers)]
-        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)   # [num_free] on the CPU
-        self._num_free = num_slots
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -55,6 +52,22 @@ class KVPool:
     def size_bytes(self) -> int:
         return self.num_slots * self.bytes_per_token(self.num_layers, self.num_kv_heads,
                                                      self.head_dim, self.dtype)
+
+
+class KVPool(KVBuffers):
+    """KVBuffers (per-layer K and V, each [num_slots + 1, num_kv_heads, head_dim], slot 0 =
+    padding) and the allocator of their slots.
+
+    Contract: alloc(n) returns n distinct free slots (int64 tensor on the CPU) or None when fewer
+    than n are free, and changes nothing in that case; free(slots) returns slots to the free list.
+    Freeing a slot that is already free is a bug and raises in debug mode (check_integrity).
+    """
+
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device):
+        super().__init__(num_slots, num_layers, num_kv_heads, head_dim, dtype, device)
+        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)   # [num_free] on the CPU
+        self._num_free = num_slots
 
     def available_size(self) -> int:
         return self._num_free
@@ -143,3 +156,33 @@ class ReqToTokenPool:
     def reset(self) -> None:
         self._free_rows = list(range(self.size))
         self._pending = []
+
+
+class ShardedKVPool(KVPool):
+    """The KV pool of tensor parallelism (model/tensor_parallel.py): sharded by KV heads, each
+    rank's shard (shards[r], a KVBuffers on that rank's device) holding its heads of every
+    token, [num_slots + 1, local_kv_heads, head_dim] per layer. The slots, their one allocator
+    (this object's alloc / free, the scheduler's) and hence the radix tree stay global and
+    single: slot s is token s on every rank. k_buffers / v_buffers are rank 0's, and
+    num_kv_heads is a rank's (local) count; size_bytes counts every shard."""
+
+    def __init__(self, num_slots: int, num_layers: int, local_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, devices: Sequence[str | torch.device]):
+        if not devices:
+            raise ValueError("a sharded KV pool needs at least one rank")
+        self.shards: List[KVBuffers] = [
+            KVBuffers(num_slots, num_layers, local_kv_heads, head_dim, dtype, d) for d in devices]
+        first = self.shards[0]
+        self.num_slots, self.num_layers = num_slots, num_layers
+        self.num_kv_heads, self.head_dim = local_kv_heads, head_dim
+        self.dtype, self.device = dtype, first.device
+        self.k_buffers, self.v_buffers = first.k_buffers, first.v_buffers
+        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)   # [num_free] on the CPU
+        self._num_free = num_slots
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(shard.size_bytes for shard in self.shards)
+
+    def shard(self, rank: int) -> KVBuffers:
+        return self.shards[rank]

@@ -24,8 +24,10 @@ import os
 import threading
 from typing import Any, AsyncIterator, Callable, Dict, Optional
 
+from radixserve import knobs
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.constrained import GrammarBackend
+from radixserve.engine import validation
 from radixserve.engine.io import GenerateOutput, GenerateReqInput
 from radixserve.engine.req import Req
 from radixserve.engine.scheduler import Scheduler
@@ -58,8 +60,9 @@ def merge_outputs(a: GenerateOutput, b: GenerateOutput) -> GenerateOutput:
 # at 700 the collector still runs thousands of times a run, each tenth of those also collects
 # the middle generation, and full collections follow whenever the survivors grew by a quarter:
 # each stalls the loop while the device runs out of queued work.
-# RADIXSERVE_GC_GEN0 overrides it (700: CPython's behaviour, for A/B runs).
-GC_GEN0_THRESHOLD = 50_000
+# The knob RADIXSERVE_GC_GEN0 (knobs.py; serve's hidden --debug-gc-gen0) overrides it (700:
+# CPython's behaviour, for A/B runs).
+GC_GEN0_THRESHOLD = knobs.KNOBS["RADIXSERVE_GC_GEN0"].default     # 50,000
 
 
 def freeze_startup_objects() -> tuple:
@@ -77,7 +80,7 @@ def freeze_startup_objects() -> tuple:
     gc.collect()
     gc.freeze()
     before = gc.get_threshold()
-    gen0 = int(os.environ.get("RADIXSERVE_GC_GEN0", GC_GEN0_THRESHOLD))
+    gen0 = knobs.value("RADIXSERVE_GC_GEN0")
     gc.set_threshold(max(gen0, 1), *before[1:])
     return before
 
@@ -249,32 +252,21 @@ class AsyncEngine:
             raise
 
     # ------------------------------------------------------------------ requests
-    def validate(self, req: GenerateReqInput) -> None:
-        """Raise ValueError with an actionable message for a request the engine cannot run."""
+    def validate(self, req: GenerateReqInput, prompt_checked: bool = False) -> None:
+        """Raise ValueError (a RequestError naming the field) with an actionable message for a
+        request the engine cannot run. Its SamplingParams are verified unless they were already
+        (SamplingParams.verified); its prompt is checked (engine/validation.check_prompt: the
+        id scan, the context-length rule) unless `prompt_checked`: the caller checked this
+        req's input_ids and max_new_tokens with check_prompt already (the server's routes
+        do, in the client's words)."""
+        sp = req.sampling_params
+        if not sp.verified:
+            sp.verify()
         ids = req.input_ids
         n = len(ids)
-        if n == 0:
-            raise ValueError("the prompt is empty; send at least one token")
         vocab = self.model_config.vocab_size
-        bad = None
-        # the common case in C-level passes (a 1k-token prompt here: 0.10 ms against the Python
-        # loop's 0.16 ms, paid by every prompt before the first step); only a prompt that fails
-        # them is walked for its first bad id
-        if not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
-            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                        or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad!r} is out of range: ids must be integers in "
-                             f"[0, {vocab})")
-        if n >= self.context_len:
-            raise ValueError(f"prompt has {n} tokens; the context length is {self.context_len}: "
-                             f"shorten the prompt")
-        sp = req.sampling_params
-        sp.verify()
-        if sp.max_new_tokens is not None and n + sp.max_new_tokens > self.context_len:
-            raise ValueError(f"prompt has {n} tokens and max_new_tokens is {sp.max_new_tokens}; "
-                             f"together they exceed the context length {self.context_len}: lower "
-                             f"max_new_tokens to at most {self.context_len - n}")
+        if not prompt_checked:
+            validation.check_prompt(ids, vocab, self.context_len, sp.max_new_tokens)
         pool = self.runner.max_total_tokens
         if n >= pool:
             raise ValueError(f"prompt has {n} tokens; the KV pool holds {pool}: shorten the prompt "
@@ -316,7 +308,8 @@ class AsyncEngine:
         tokens. Raises ValueError before yielding anything for a bad request. Closing the
         iterator early (client gone, task cancelled) aborts the request. validated: the
         caller ran validate(req) on this req and has not changed it since (Engine does, to
-        refuse a bad batch before any of it runs), so it is not walked twice."""
+        refuse a bad batch before any of it runs; the server's routes do, through
+        validate_all), so it is not walked twice."""
         if not validated:
             self.validate(req)
         if self._task is None:
@@ -384,7 +377,7 @@ class AsyncEngine:
         mc = self.model_config
         args = dataclasses.asdict(self.server_args)
         sglang = {**args, "max_total_num_tokens": self.runner.max_total_tokens,
-                  "max_req_input_len": self.context_len - 1, "version": __version__,
+                  "max_req_input_len": validation.max_prompt_tokens(self.context_len), "version": __version__,
                   "internal_states": [{"last_gen_throughput": self.scheduler.gen_throughput}]}
         return {
             **sglang,

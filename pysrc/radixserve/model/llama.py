@@ -10,14 +10,18 @@ Contract of a model built here (see LlamaForCausalLM):
     It writes the new tokens' K/V into fb.kv_pool at fb.out_cache_loc (every layer) and
     mutates nothing else.
   * compute_logits(hidden [n, hidden_size]) -> [n, vocab_size] float32 (LM head, tied to the
-    embedding when the config says so).
+    embedding when the config says so); None on tensor-parallel ranks other than 0.
   * load_weights(named tensors in HF naming) fills the parameters; q/k/v and gate/up are fused
-    here (qkv_proj, gate_up_proj) and loaded by slicing.
+    here (qkv_proj, gate_up_proj) and loaded by slicing (a tensor-parallel shard copies only its
+    rank's slice). weight_loader() is the same, fed one tensor at a time (several shards from
+    one read of each tensor: model/loader.load_model_shards).
 
 Tensor parallelism: the layers take (tp_rank, tp_size) and hold only their rank's slice (heads
 for attention, intermediate columns for the MLP, vocabulary rows for embedding and LM head);
 row-parallel outputs and the vocab-parallel embedding are summed across ranks, LM-head shards
-are gathered. With tp_size 1 (the only size ServerArgs accepts today) no collective runs.
+are gathered on rank 0. The collectives are parallel/group.py's, run by the rank threads of
+model/tensor_parallel.TensorParallelModel (N shards in one process); with tp_size 1 no
+collective runs.
 
 Mistral (and Phi-3): HF applies a sliding-window mask when config.sliding_window is set; we
 attend to the whole context, which is identical for every sequence no longer than the window
@@ -43,6 +47,7 @@ from radixserve.config import ModelConfig
 from radixserve.model.cpu_attention import CpuDecodeAttention
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model.rope import build_cos_sin_cache
+from radixserve.parallel import group as tp_group
 from radixserve.quant.fp8 import (FP8_DTYPE, Fp8Activation, Fp8Scheme, QuantConfig,
                                   checkpoint_quant_config, init_fp8_params, load_fp8_tensor)
 
@@ -53,20 +58,19 @@ logger = logging.getLogger(__name__)
 
 
 def tp_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Sum x over the tensor-parallel group (in place); identity for tp_size 1."""
+    """Sum x over the tensor-parallel group; identity for tp_size 1. The sum may be a new tensor
+    (parallel/group.py never writes x in place): use the return value."""
     if tp_size == 1:
         return x
-    torch.distributed.all_reduce(x)
-    return x
+    return tp_group.all_reduce(x, tp_size)
 
 
-def tp_all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Concatenate every rank's x along the last dimension; identity for tp_size 1."""
+def tp_gather_last_dim(x: torch.Tensor, tp_size: int) -> Optional[torch.Tensor]:
+    """Every rank's x concatenated along the last dimension on rank 0 (the sampler's), None on
+    the other ranks; x itself for tp_size 1."""
     if tp_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(tp_size)]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    return tp_group.gather_last_dim(x, tp_size, dst=0)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -385,8 +389,9 @@ def _linear_in_row_slices(hidden: torch.Tensor, weight: torch.Tensor, rows: int)
     return out
 
 
-def lm_head_logits(head: VocabParallelEmbedding, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [n, hidden] -> logits [n, vocab] float32 from a (possibly tied) vocab-parallel head."""
+def lm_head_logits(head: VocabParallelEmbedding, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    """hidden [n, hidden] -> logits [n, vocab] float32 from a (possibly tied) vocab-parallel head;
+    with tp_size > 1 the shards are gathered on rank 0 and the other ranks get None."""
     if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and _mm_fp32_out_ok():
         # fp32 output straight from the GEMM's fp32 accumulators: rounding logits to bf16
         # (a step of 0.125 at |logit| >= 16) would flip near-tied greedy choices
@@ -395,7 +400,9 @@ def lm_head_logits(head: VocabParallelEmbedding, hidden: torch.Tensor) -> torch.
         local = _linear_in_row_slices(hidden, head.weight, CPU_LM_HEAD_ROWS)
     else:
         local = F.linear(hidden, head.weight)                      # [n, rows_per_rank]
-    full = tp_all_gather_last_dim(local, head.tp_size)             # [n, rows_per_rank * tp]
+    full = tp_gather_last_dim(local, head.tp_size)                 # [n, rows_per_rank * tp]
+    if full is None:                                               # a rank other than 0
+        return None
     return full[:, :head.num_embeddings].float()
 
 
@@ -691,8 +698,9 @@ class LlamaForCausalLM(nn.Module):
         with torch.inference_mode():
             return self.model(fb)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """hidden [n, hidden_size] -> logits [n, vocab_size] float32 (None on a tensor-parallel
+        rank other than 0, which only sends its LM-head shard to rank 0)."""
         with torch.inference_mode():
             return lm_head_logits(self.lm_head, hidden)
 
@@ -707,58 +715,14 @@ class LlamaForCausalLM(nn.Module):
         (k_scale, v_scale) go to a parameter of that name if the model has one, else into
         checkpoint_kv_scales.
         """
-        params: Dict[str, nn.Parameter] = dict(self.named_parameters())
-        loaded: Set[Tuple[str, int]] = set()
-        pending: Dict[str, Dict[str, Any]] = {}   # HF module -> FP8 weight, weight_scale, dtype
+        loader = self.weight_loader()
         for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            name = _KV_OUTPUT_SCALE_NAME.sub(r".\1_scale", name)   # older: k_proj.output_scale
-            if name.endswith((".k_scale", ".v_scale")):
-                kv_name = _KV_SCALE_NAME.sub(r".\1", name)
-                if kv_name in params:
-                    params[kv_name].data.copy_(tensor.reshape(params[kv_name].shape))
-                    loaded.add((kv_name, 0))
-                else:
-                    self.checkpoint_kv_scales[kv_name] = float(tensor.float().reshape(-1)[0])
-                continue
-            target, shard_id = name, 0
-            for fused, hf_name, sid in _STACKED_PARAMS:
-                if f".{hf_name}." in name:
-                    target, shard_id = name.replace(f".{hf_name}.", f".{fused}."), sid
-                    break
-            hf_module, leaf = name.rsplit(".", 1)
-            if leaf in ("weight_scale", "input_scale") and target not in params:
-                if leaf == "weight_scale":      # of an FP8 weight kept in the model dtype
-                    pending.setdefault(hf_module, {})["weight_scale"] = tensor
-                continue
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
-                                 f"{type(self).__name__}")
-            if tensor.dtype == FP8_DTYPE and params[target].dtype != FP8_DTYPE:
-                pending.setdefault(hf_module, {}).update(weight=tensor, dtype=params[target].dtype)
-                continue
-            module_name, param_name = target.rsplit(".", 1)
-            module = self.get_submodule(module_name)
-            if target == name and isinstance(module, ColumnParallelLinear) and \
-                    module.is_fused(param_name, tensor):
-                module.load_fused(param_name, tensor)
-                loaded.update((target, sid) for sid in range(len(module.shards)))
-                continue
-            module.load_weight(param_name, tensor, shard_id)
-            loaded.add((target, shard_id))
-        for hf_module, parts in pending.items():
-            if "weight" not in parts:
-                continue                        # a scale beside a weight stored unquantized
-            if "weight_scale" not in parts:
-                raise ValueError(f"checkpoint tensor {hf_module}.weight is FP8 but the "
-                                 f"checkpoint has no {hf_module}.weight_scale")
-            scale = parts["weight_scale"].float().reshape(-1)
-            dequantized = parts["weight"].float() * (scale if scale.numel() == 1 else scale[:, None])
-            loaded |= self.load_weights([(hf_module + ".weight", dequantized.to(parts["dtype"]))])
-        return loaded
+            loader.feed(name, tensor)
+        return loader.finish()
+
+    def weight_loader(self) -> "WeightLoader":
+        """load_weights one tensor at a time: feed(name, tensor) each, then finish()."""
+        return WeightLoader(self)
 
     def expected_weights(self) -> Set[Tuple[str, int]]:
         """Every (parameter name, shard id) a complete checkpoint fills."""
@@ -771,6 +735,74 @@ class LlamaForCausalLM(nn.Module):
             shards = len(module.shards) if isinstance(module, ColumnParallelLinear) else 1
             expected.update((name, sid) for sid in range(shards))
         return expected
+
+
+class WeightLoader:
+    """LlamaForCausalLM.load_weights, fed one checkpoint tensor at a time (feed), so several
+    tensor-parallel shards can load from one read of each tensor (model/loader.py); finish()
+    loads what waited for a later tensor (an FP8 weight of a layer kept in the model dtype and
+    its weight_scale) and returns the (parameter name, shard id) pairs filled."""
+
+    def __init__(self, model: "LlamaForCausalLM"):
+        self.model = model
+        self.params: Dict[str, nn.Parameter] = dict(model.named_parameters())
+        self.loaded: Set[Tuple[str, int]] = set()
+        self.pending: Dict[str, Dict[str, Any]] = {}   # HF module -> FP8 weight, weight_scale, dtype
+
+    def feed(self, name: str, tensor: torch.Tensor) -> None:
+        model, params, loaded, pending = self.model, self.params, self.loaded, self.pending
+        if name.endswith(_IGNORED_SUFFIXES):
+            return
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            return
+        name = _KV_OUTPUT_SCALE_NAME.sub(r".\1_scale", name)   # older: k_proj.output_scale
+        if name.endswith((".k_scale", ".v_scale")):
+            kv_name = _KV_SCALE_NAME.sub(r".\1", name)
+            if kv_name in params:
+                params[kv_name].data.copy_(tensor.reshape(params[kv_name].shape))
+                loaded.add((kv_name, 0))
+            else:
+                model.checkpoint_kv_scales[kv_name] = float(tensor.float().reshape(-1)[0])
+            return
+        target, shard_id = name, 0
+        for fused, hf_name, sid in _STACKED_PARAMS:
+            if f".{hf_name}." in name:
+                target, shard_id = name.replace(f".{hf_name}.", f".{fused}."), sid
+                break
+        hf_module, leaf = name.rsplit(".", 1)
+        if leaf in ("weight_scale", "input_scale") and target not in params:
+            if leaf == "weight_scale":      # of an FP8 weight kept in the model dtype
+                pending.setdefault(hf_module, {})["weight_scale"] = tensor
+            return
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                             f"{type(model).__name__}")
+        if tensor.dtype == FP8_DTYPE and params[target].dtype != FP8_DTYPE:
+            pending.setdefault(hf_module, {}).update(weight=tensor, dtype=params[target].dtype)
+            return
+        module_name, param_name = target.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        if target == name and isinstance(module, ColumnParallelLinear) and \
+                module.is_fused(param_name, tensor):
+            module.load_fused(param_name, tensor)
+            loaded.update((target, sid) for sid in range(len(module.shards)))
+            return
+        module.load_weight(param_name, tensor, shard_id)
+        loaded.add((target, shard_id))
+
+    def finish(self) -> Set[Tuple[str, int]]:
+        for hf_module, parts in self.pending.items():
+            if "weight" not in parts:
+                continue                        # a scale beside a weight stored unquantized
+            if "weight_scale" not in parts:
+                raise ValueError(f"checkpoint tensor {hf_module}.weight is FP8 but the "
+                                 f"checkpoint has no {hf_module}.weight_scale")
+            scale = parts["weight_scale"].float().reshape(-1)
+            dequantized = parts["weight"].float() * (scale if scale.numel() == 1 else scale[:, None])
+            self.loaded |= self.model.load_weights([(hf_module + ".weight",
+                                                     dequantized.to(parts["dtype"]))])
+        self.pending = {}
+        return self.loaded
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -11,7 +11,7 @@ import glob
 import json
 import logging
 import os
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -105,28 +105,53 @@ def load_model(model_path: str, model_config: ModelConfig, load_format: str,
     unknown format, architecture or quantization method, missing or unexpected tensors, or
     tensors of the wrong shape or dtype.
     """
+    return load_model_shards(model_path, model_config, load_format, dtype, [device],
+                             quantization)[0]
+
+
+def load_model_shards(model_path: str, model_config: ModelConfig, load_format: str,
+                      dtype: torch.dtype, devices: Sequence[Union[str, torch.device]],
+                      quantization: Optional[str] = None) -> List[nn.Module]:
+    """load_model for tensor parallelism: one shard per device, shard r built with (tp_rank r,
+    tp_size len(devices)) on devices[r], so it allocates only its slices (heads, MLP columns,
+    vocabulary rows; norms and the row-parallel biases whole). Safetensors: each tensor is read
+    from the files once and every shard copies only its slice of it onto its device. Dummy
+    weights: each shard draws its own from the same seed, so the parameters every rank holds
+    whole (norms, biases after an all-reduce) are equal on every rank. One device: load_model."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r} is not supported; use one of "
                          f"{', '.join(LOAD_FORMATS)}")
     model_cls = get_model_class(model_config.architecture)
     quant_config = resolve_quant_config(model_config.hf_config, quantization, model_path)
-    with torch.device(device):
-        # parameters allocated on device
-        model = model_cls(model_config, params_dtype=dtype, quant_config=quant_config)
-    model.quant_config = quant_config
+    tp_size = len(devices)
+    shards = []
+    for rank, device in enumerate(devices):
+        with torch.device(device):
+            # parameters allocated on device
+            shard = model_cls(model_config, params_dtype=dtype, tp_rank=rank, tp_size=tp_size,
+                              quant_config=quant_config)
+        shard.quant_config = quant_config
+        shards.append(shard)
     quant = "" if quant_config is None else f", quantization {quant_config.describe()}"
+    where = str(devices[0]) if tp_size == 1 else \
+        f"{', '.join(str(d) for d in devices)} as {tp_size} tensor-parallel shards"
     if load_format == "dummy":
-        _init_dummy(model)
-        logger.info("built %s with dummy weights on %s (%s%s)", model_config.architecture, device,
+        for shard in shards:
+            _init_dummy(shard)
+        logger.info("built %s with dummy weights on %s (%s%s)", model_config.architecture, where,
                     dtype, quant)
     else:
         files = safetensors_files(model_path)
-        loaded = model.load_weights(_iterate_safetensors(files))
-        missing = model.expected_weights() - loaded
-        if missing:
-            names = sorted(f"{n}[{s}]" if s else n for n, s in missing)
-            raise ValueError(f"checkpoint in {model_path!r} lacks {len(names)} tensors, e.g. "
-                             f"{names[:5]}")
+        loaders = [shard.weight_loader() for shard in shards]
+        for name, tensor in _iterate_safetensors(files):
+            for loader in loaders:
+                loader.feed(name, tensor)
+        for shard, loader in zip(shards, loaders):
+            missing = shard.expected_weights() - loader.finish()
+            if missing:
+                names = sorted(f"{n}[{s}]" if s else n for n, s in missing)
+                raise ValueError(f"checkpoint in {model_path!r} lacks {len(names)} tensors, e.g. "
+                                 f"{names[:5]}")
         logger.info("loaded %s from %d file(s) on %s (%s%s)", model_config.architecture,
-                    len(files), device, dtype, quant)
-    return model.eval()
+                    len(files), where, dtype, quant)
+    return [shard.eval() for shard in shards]

@@ -15,6 +15,12 @@ stream, or on the CPU the one thread that runs steps):
 launch(step) enqueues a whole step (inputs up, forward, sampling, ids into next_ids, results
 down into pinned memory behind an event) and returns a PendingStep at once on CUDA; wait() is
 the one blocking point. On the CPU, launch computes the step and wait() returns its values.
+
+Tensor parallelism (--tp-size N > 1; on the CPU only so far): self.model is a
+model/tensor_parallel.TensorParallelModel, N shards whose forwards run at once on N rank
+threads, and self.kv_pool its ShardedKVPool (one slot allocator, each rank's KV heads in its
+own buffers). Everything above stays single, on rank 0's device: the step inputs, the tables,
+the sampler, which gets the LM-head shards gathered on rank 0.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from typing import List, Optional
 
 import torch
 
-from radixserve import ops
+from radixserve import knobs, ops
 from radixserve.cache.kv_pool import KVPool
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode, decode_prologue
@@ -108,6 +114,10 @@ class ModelRunner:
 
         self.server_args = server_args
         self.model_config = model_config
+        # the hidden --debug-* flags beat their environment variables (knobs.py) from here on:
+        # the kernels' choices reach the ops through knobs.value(), the graphs' classes below,
+        # the GC threshold when the engine starts. A runner without them clears earlier ones.
+        knobs.set_flags(server_args.knob_overrides())
         self.device = torch.device(server_args.resolved_device())
         self.dtype = server_args.resolved_dtype()
         self.kv_dtype = server_args.resolved_kv_cache_dtype()   # the model's, or FP8
@@ -118,15 +128,27 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         # one line: whether radixserve._C's kernels run here, and if not why (WARNING on a GPU)
         self.kernel_status = log_kernel_status(self.device, logger)
-        if model is None:
+        # tensor parallelism (--tp-size N > 1): a TensorParallelModel of N shards, run as one
+        # model (model/tensor_parallel.py); the rest of the runner is tp_size 1's
+        self.tp_size = server_args.tp_size
+        if model is None and self.tp_size > 1:
+            from radixserve.model.tensor_parallel import load_tp_model
+
+            model = load_tp_model(model_path, model_config, server_args.load_format, self.dtype,
+                                  self.device, self.tp_size, server_args.quantization)
+        elif model is None:
             model = load_model(model_path, model_config, server_args.load_format, self.dtype,
                                self.device, server_args.quantization)
+        if getattr(model, "tp_size", 1) != self.tp_size:
+            raise ValueError(f"--tp-size {self.tp_size}, but the model given is split "
+                             f"{getattr(model, 'tp_size', 1)} ways")
         self.model = model
         self.model.eval()
         if self.kv_dtype != self.dtype:
             from radixserve.model.llama import set_kv_cache_scales
 
-            scaled = set_kv_cache_scales(self.model)
+            for shard in getattr(self.model, "shards", None) or [self.model]:
+                scaled = set_kv_cache_scales(shard)
             logger.info("KV cache in %s: k/v scales from the checkpoint for %d of %d layers "
                         "(1.0 elsewhere)", server_args.kv_cache_dtype, scaled,
                         model_config.num_hidden_layers)
@@ -141,9 +163,12 @@ class ModelRunner:
         self.max_running_requests = (server_args.max_running_requests
                                      or DEFAULT_MAX_RUNNING_REQUESTS.get(self.device.type, 64))
         self.max_total_tokens = self._kv_pool_tokens()
-        self.kv_pool = KVPool(self.max_total_tokens, model_config.num_hidden_layers,
-                              model_config.num_key_value_heads, model_config.head_dim,
-                              self.kv_dtype, self.device)
+        if self.tp_size > 1:    # one slot allocator, each rank's KV heads in its own shard
+            self.kv_pool = self.model.make_kv_pool(self.max_total_tokens, self.kv_dtype)
+        else:
+            self.kv_pool = KVPool(self.max_total_tokens, model_config.num_hidden_layers,
+                                  model_config.num_key_value_heads, model_config.head_dim,
+                                  self.kv_dtype, self.device)
         self.num_rows = self.max_running_requests
         self.padding_row = self.num_rows
         dev = self.device
@@ -157,8 +182,10 @@ class ModelRunner:
         if dev.type == "cuda":
             self.compute_stream = torch.cuda.Stream(device=dev)
             self.copy_stream = torch.cuda.Stream(device=dev)
-        logger.info("KV pool: %d tokens, %.1f MB, %s", self.max_total_tokens,
-                    self.kv_pool.size_bytes / (1 << 20), str(self.kv_dtype).replace("torch.", ""))
+        logger.info("KV pool: %d tokens, %.1f MB, %s%s", self.max_total_tokens,
+                    self.kv_pool.size_bytes / (1 << 20), str(self.kv_dtype).replace("torch.", ""),
+                    "" if self.tp_size == 1 else f", sharded by KV heads over {self.tp_size} "
+                    f"ranks ({self.kv_pool.num_kv_heads} a rank)")
         self.graph_runner = None
         if self._cuda_graph_usable():
             from radixserve.model.cuda_graph_runner import CudaGraphRunner
@@ -175,7 +202,7 @@ class ModelRunner:
         """Decode runs as CUDA graphs where every op on its path is a graph-safe kernel."""
         from radixserve.ops._ext import kernels_available
 
-        if self.server_args.disable_cuda_graph or self.device.type != "cuda":
+        if self.server_args.disable_cuda_graph or self.device.type != "cuda" or self.tp_size > 1:
             return False
         if self.dtype not in (torch.bfloat16, torch.float16) or not kernels_available():
             logger.info("CUDA graphs off: they need radixserve._C and bf16/fp16 (dtype %s)",
@@ -189,7 +216,9 @@ class ModelRunner:
             if sa.max_total_tokens < 2:
                 raise ValueError("--max-total-tokens must be at least 2")
             return sa.max_total_tokens
-        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads,
+        kv_heads = mc.num_key_value_heads if self.tp_size == 1 else \
+            self.model.kv_heads_per_token(one_memory=self.device.type == "cpu")
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads,
                                            mc.head_dim, self.kv_dtype)   # 1 byte a value: FP8
         if self.device.type == "cuda":
             fraction = sa.mem_fraction_static or GPU_MEM_FRACTION

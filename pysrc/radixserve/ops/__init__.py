@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from radixserve import knobs
 from radixserve.ops import reference as ref
 from radixserve.ops._ext import kernels_available
 from radixserve.ops.reference import KV_FP8_DTYPES, is_fp8  # noqa: F401  (re-exported)
@@ -101,7 +102,7 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                            sm_scale: float, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           v_scale: float = 1.0, kernel: Optional[str] = None) -> torch.Tensor:
     """One query token per request over its paged KV (page size 1).
 
     q:        [batch, num_q_heads, head_dim]; num_q_heads % num_kv_heads == 0 (GQA)
@@ -114,13 +115,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     fill the GPU without splitting requests, with 4 to 8 q heads per kv head (per subgroup) and
     head_dim a multiple of 64, run on tensor cores (P rounded to q's dtype before P V, as flash
     attention does; with an FP8 cache the tensor-core products run in fp16, K/V converted from
-    FP8 exactly, q rounded to fp16, P rounded to fp16); the rest, or everything under
-    RADIXSERVE_DECODE_KERNEL=simt, on the CUDA-core kernel.
+    FP8 exactly, q rounded to fp16, P rounded to fp16); the rest, or everything with kernel
+    "simt", on the CUDA-core kernel.
+    kernel:   "auto" or "simt"; None: the knob RADIXSERVE_DECODE_KERNEL (knobs.py: the
+              --debug-decode-kernel flag, else the environment, else auto), read per call and
+              passed to the op with RADIXSERVE_DECODE_NO_SPLIT_TOKENS (requests this short are
+              never split; None: the kernel's 256). A CUDA graph replays what it captured.
     """
     if _use_attention_kernel(q):
-        return torch.ops.radixserve.paged_decode_attention(_kernel_q(q), k_cache, v_cache,
-                                                           kv_indptr, kv_indices, sm_scale,
-                                                           k_scale, v_scale)
+        return torch.ops.radixserve.paged_decode_attention(
+            _kernel_q(q), k_cache, v_cache, kv_indptr, kv_indices, sm_scale, k_scale, v_scale,
+            kernel or knobs.value("RADIXSERVE_DECODE_KERNEL"),
+            knobs.value("RADIXSERVE_DECODE_NO_SPLIT_TOKENS"))
     return ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale,
                                       k_scale, v_scale)
 
@@ -128,7 +134,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                            kv_indices: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           v_scale: float = 1.0, kernel: Optional[str] = None) -> torch.Tensor:
     """New query tokens over [cached prefix + themselves], causal among the new tokens.
 
     q:         [num_q_tokens, num_q_heads, head_dim], requests concatenated
@@ -141,13 +147,23 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     The kernel takes bf16/fp16; float32 runs the torch reference on any device. With an FP8
     cache the mma.sync kernel runs (also on sm_90a: the wgmma kernel reads 16-bit tiles only),
     its products in fp16 (K/V converted from FP8 exactly, Q and P rounded to fp16).
+    kernel:    "auto" (wgmma on sm_90a where the build has it, else mma.sync) or "mma" (mma.sync
+               always); None: the knob RADIXSERVE_EXTEND_KERNEL (knobs.py), read per call.
     """
     if _use_attention_kernel(q):
-        return torch.ops.radixserve.paged_extend_attention(_kernel_q(q), k_cache, v_cache,
-                                                           qo_indptr, kv_indptr, kv_indices,
-                                                           sm_scale, k_scale, v_scale)
+        return torch.ops.radixserve.paged_extend_attention(
+            _kernel_q(q), k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale, k_scale,
+            v_scale, kernel or knobs.value("RADIXSERVE_EXTEND_KERNEL"))
     return ref.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
                                       sm_scale, k_scale, v_scale)
+
+
+def extend_attention_kernel(q: torch.Tensor, kernel: Optional[str] = None) -> str:
+    """Which kernel paged_extend_attention runs for q (a bf16/fp16 CUDA tensor, head_dim 64 or
+    128) over a 16-bit pool: "wgmma_sm90" or "mma_sm80"; kernel as for paged_extend_attention.
+    Needs radixserve._C."""
+    return torch.ops.radixserve.extend_attention_kernel(
+        q, kernel or knobs.value("RADIXSERVE_EXTEND_KERNEL"))
 
 
 def bitmask_sample(logits: torch.Tensor, bitmask: Optional[torch.Tensor],

@@ -25,11 +25,12 @@ import functools
 import importlib
 import importlib.util
 import logging
-import os
 import re
 from typing import List, Optional, Tuple, Union
 
 import torch
+
+from radixserve import knobs
 
 FALLBACK = "the torch reference ops (radixserve.ops.reference)"
 EXTENSION = "radixserve._C"
@@ -217,7 +218,7 @@ def probe(device: Union[None, str, torch.device] = None) -> KernelStatus:
     def status(in_use: bool, kind: str, reason: str, **kw) -> KernelStatus:
         return KernelStatus(in_use=in_use, kind=kind, reason=reason, **{**base, **kw})
 
-    if os.environ.get("RADIXSERVE_DISABLE_KERNELS", "0") == "1":
+    if knobs.value("RADIXSERVE_DISABLE_KERNELS"):
         return status(False, "disabled", "disabled by RADIXSERVE_DISABLE_KERNELS=1")
     if torch.version.cuda is None:
         if dev.type != "cuda":

@@ -188,17 +188,15 @@ def reasoning_grammar(parser: str, kind: str, spec: str) -> Optional[str]:
 
 def with_reasoning_grammar(parser: str, sampling: "SamplingParams") -> Optional["SamplingParams"]:
     """sampling (SamplingParams) with its grammar wrapped by reasoning_grammar (as a structural
-    tag), sampling itself when it has no grammar, or None when its grammar cannot be wrapped."""
-    import dataclasses
-
+    tag), sampling itself when it has no grammar, or None when its grammar cannot be wrapped.
+    A verified sampling gives a verified one (SamplingParams.with_grammar)."""
     key = sampling.grammar_key
     if key is None:
         return sampling
     wrapped = reasoning_grammar(parser, *key)
     if wrapped is None:
         return None
-    return dataclasses.replace(sampling, json_schema=None, regex=None, ebnf=None,
-                               structural_tag=wrapped)
+    return sampling.with_grammar("structural_tag", wrapped)
 
 
 def reasoning_token_count(output_ids, reasoning: Optional[str], tokenizer) -> int:

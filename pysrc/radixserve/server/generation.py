@@ -2,6 +2,12 @@
 which the offline Engine shares): validate them all before anything starts, and drive their
 engine generators together.
 
+Each sequence is validated once: the route checks its prompt (protocol.check_prompt_ids) and
+builds its SamplingParams verified (protocol.sampling_params_from_dict); validate_all has the
+engine validate the rest of each sequence (prompt_checked=True: the prompt is not walked again;
+verified SamplingParams are not verified again); merge_generations then starts them with
+validated=True, so the engine does not validate them a second time.
+
 The one invariant every helper here keeps: when the consumer stops early (client gone, error,
 cancellation), every engine generator started for the request is closed, which aborts its
 sequence in the engine and frees its KV slots.
@@ -16,6 +22,7 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 from starlette.types import Receive
 
 from radixserve.engine.io import GenerateOutput, GenerateReqInput
+from radixserve.engine.validation import max_prompt_tokens
 from radixserve.errors import ApiError, EngineOverloaded, bad_request
 from radixserve.server import protocol as P
 from radixserve.server.metrics import RequestMetrics
@@ -46,7 +53,7 @@ def max_prompt_chars(tokenizer, context_len: int) -> Optional[int]:
     per_token = tokenizer.max_chars_per_token
     if not per_token:
         return None
-    return (context_len - 1) * per_token
+    return max_prompt_tokens(context_len) * per_token
 
 
 def check_prompt_chars(engine, text: str, param: str) -> None:
@@ -88,7 +95,7 @@ async def encode_prompt(engine, text: str, param: str, add_special_tokens: bool 
     limit = None
     if must_fit:
         check_prompt_chars(engine, text, param)
-        limit = engine.context_len - 1
+        limit = max_prompt_tokens(engine.context_len)
     work = functools.partial(tok.encode, text, add_special_tokens=add_special_tokens,
                              max_tokens=limit)
     try:
@@ -127,14 +134,16 @@ async def check_grammars(engine, reqs: Sequence[GenerateReqInput], body: Optiona
             raise bad_request(str(e), param=prefix + (fields[0] if fields else kind)) from None
 
 
-def validate_all(engine, reqs: Sequence[GenerateReqInput]) -> None:
-    """engine.validate on every sequence (its ValueError becomes a 400); a 400 when there are
-    more sequences than the waiting queue ever holds (--max-queued-requests: a retry could
-    never succeed); then room in the engine's waiting queue for all of them now (else a 503
-    with Retry-After; nothing started)."""
+def validate_all(engine, reqs: Sequence[GenerateReqInput], prompt_checked: bool = True) -> None:
+    """engine.validate on every sequence, once (its ValueError becomes a 400 naming the error's
+    param); prompt_checked: the route checked every prompt with protocol.check_prompt_ids, so
+    the engine does not walk it again. Then a 400 when there are more sequences than the
+    waiting queue ever holds (--max-queued-requests: a retry could never succeed); then room in
+    the engine's waiting queue for all of them now (else a 503 with Retry-After; nothing
+    started). The sequences then run with merge_generations / collect (validated=True)."""
     for req in reqs:
         try:
-            engine.validate(req)
+            engine.validate(req, prompt_checked=prompt_checked)
         except ValueError as e:
             raise bad_request(str(e), param=getattr(e, "param", None)) from None
     most = engine.server_args.max_queued_requests
@@ -151,16 +160,18 @@ def validate_all(engine, reqs: Sequence[GenerateReqInput]) -> None:
 
 
 async def merge_generations(engine, reqs: Sequence[GenerateReqInput],
-                            metrics: Optional[RequestMetrics] = None
+                            metrics: Optional[RequestMetrics] = None, validated: bool = True
                             ) -> AsyncIterator[Tuple[int, GenerateOutput]]:
     """Yield (index into reqs, output) from all sequences, in the order the engine produces
-    them. A ValueError from the engine (a request it refuses) is raised as a 400 ApiError; any
-    other engine exception propagates. However this generator ends, it closes every engine
-    generator it opened (aborting the unfinished ones). With `metrics` (the app's
-    RequestMetrics), every output is observed as it arrives (TTFT, inter-token latency, ...)."""
+    them. validated: reqs passed validate_all (the engine does not validate them again); with
+    False the engine validates each as it starts it. A ValueError from the engine (a request it
+    refuses) is raised as a 400 ApiError; any other engine exception propagates. However this
+    generator ends, it closes every engine generator it opened (aborting the unfinished ones).
+    With `metrics` (the app's RequestMetrics), every output is observed as it arrives (TTFT,
+    inter-token latency, ...)."""
     trackers = metrics.track(reqs) if metrics is not None else None
     if len(reqs) == 1:
-        agen = engine.generate(reqs[0])
+        agen = engine.generate(reqs[0], validated=validated)
         try:
             async for out in agen:
                 if trackers is not None:
@@ -177,7 +188,7 @@ async def merge_generations(engine, reqs: Sequence[GenerateReqInput],
     queue: asyncio.Queue = asyncio.Queue()
 
     async def drive(i: int, req: GenerateReqInput) -> None:
-        agen = engine.generate(req)
+        agen = engine.generate(req, validated=validated)
         try:
             async for out in agen:
                 if trackers is not None:
@@ -217,13 +228,13 @@ class ClientDisconnected(Exception):
 
 async def collect(engine, reqs: Sequence[GenerateReqInput], results: Sequence[SeqResult],
                   receive: Optional[Receive] = None,
-                  metrics: Optional[RequestMetrics] = None) -> None:
+                  metrics: Optional[RequestMetrics] = None, validated: bool = True) -> None:
     """Run every sequence to its end, feeding results[i] with sequence i's outputs. With
     `receive` (the request's ASGI receive, body already read), a client disconnect cancels the
-    run (aborting the sequences) and raises ClientDisconnected. `metrics`: as in
+    run (aborting the sequences) and raises ClientDisconnected. `metrics`, `validated`: as in
     merge_generations."""
     async def run() -> None:
-        async for i, out in merge_generations(engine, reqs, metrics):
+        async for i, out in merge_generations(engine, reqs, metrics, validated):
             results[i].feed(out)
 
     if receive is None:

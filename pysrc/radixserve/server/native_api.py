@@ -56,8 +56,6 @@ async def prepare_generate(engine, body: dict) -> NativeJob:
     n = req.sampling[0].n
     if any(sp.n != n for sp in req.sampling):
         raise bad_request("every prompt of a batch must use the same n", param="sampling_params")
-    if n > P.MAX_N:
-        raise bad_request(f"n must be at most {P.MAX_N}, got {n}", param="n")
     rid = uuid.uuid4().hex
     reqs = expand_requests(rid, prompt_ids, n, req.sampling, req.stream, req.return_logprob,
                            req.logprob_start_len, req.top_logprobs_num,
@@ -142,7 +140,9 @@ async def health_generate(request: Request, engine) -> Response:
                            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
     results = [P.SeqResult(0, req.input_ids)]
     try:
-        await asyncio.wait_for(collect(engine, [req], results), HEALTH_GENERATE_TIMEOUT_S)
+        # not through validate_all (no queue-capacity refusal): the engine validates it
+        await asyncio.wait_for(collect(engine, [req], results, validated=False),
+                               HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:
         return error_response(ApiError("the engine did not generate a token within "
                                        f"{HEALTH_GENERATE_TIMEOUT_S:.0f} s", 503))

@@ -141,7 +141,7 @@ def _chat_tools(engine, body: dict, req: P.ChatRequest) -> _Tools:
             raise bad_request("tools (with tool_choice other than none) cannot be combined with "
                               "response_format or another grammar; drop one of them",
                               param="tool_choice")
-        req.sampling = dataclasses.replace(req.sampling, structural_tag=grammar)
+        req.sampling = req.sampling.with_grammar("structural_tag", grammar)
     used = functions if choice != "none" else []
     knows = engine.tokenizer.template_handles_tools
     return _Tools(used, fmt, T.messages_for_template(req.messages, used, knows, fmt),

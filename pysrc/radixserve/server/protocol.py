@@ -1,12 +1,16 @@
 """Request parsing and validation, and response builders, for the OpenAI and native routes.
 
 Parsing never touches the engine: it validates a decoded JSON body against its pydantic model
-(server/schemas.py: types, bounds, caps), applies the rules that span several fields (below),
-and returns a typed request whose SamplingParams passed SamplingParams.verify, the last check;
-any problem is an ApiError naming the field to change (param: its dotted location).
-Tokenization and context-length checks need the tokenizer and the context length and live in
-`check_prompt_ids`, called by the routes. The builders turn the engine's GenerateOutputs
-(accumulated in a SeqResult) into OpenAI / native response bodies.
+(server/schemas.py: types, caps, and the sampling numbers' bounds from sampling/params.BOUNDS),
+applies the rules that span several fields (below), and returns a typed request whose
+SamplingParams passed SamplingParams.verify(bounds_checked=True) (its rules beyond the numbers'
+ranges, which the schema checked), so the engine does not verify them again; any problem is an
+ApiError naming the field to change (param: its dotted location, from the error's param, never
+from its message). Tokenization and context-length checks need the tokenizer and the context
+length: `check_prompt_ids` (engine/validation.check_prompt in the client's words), called by the
+routes once per prompt; they then tell the engine (generation.validate_all). The builders
+turn the engine's GenerateOutputs (accumulated in a SeqResult) into OpenAI / native response
+bodies.
 """
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from radixserve.engine import validation
 from radixserve.engine.io import GenerateOutput, LogprobEntry, apply_ids_delta
-from radixserve.errors import ApiError, bad_request
+from radixserve.errors import ApiError, RequestError, bad_request
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import schemas as S
 
@@ -57,28 +62,29 @@ def check_model(body: dict, served_model_name: str, aliases: Sequence[str] = ())
 
 
 def sampling_params_from_dict(d: dict, openai_names: bool = False,
-                              where: Optional[str] = None) -> SamplingParams:
-    """SamplingParams.from_dict with its ValueError turned into a 400 naming the field: under
-    the OpenAI name the client used with `openai_names` (max_tokens for max_new_tokens...), or
-    inside `where` (sampling_params[1].seed). Also a 400 for min_new_tokens above
-    max_new_tokens (no sequence could satisfy both), naming min_new_tokens."""
+                              where: Optional[str] = None,
+                              names: Optional[Dict[str, str]] = None) -> SamplingParams:
+    """SamplingParams.from_dict(d, bounds_checked=True) for `d` built from a request the schema
+    validated (so its numbers were checked against BOUNDS already), its RequestError turned
+    into a 400 naming the field (the error's param) as the client sent it: under the OpenAI
+    name with `openai_names` (max_tokens for max_new_tokens...), or as `names` maps it
+    (max_output_tokens), inside `where` (sampling_params[1].seed); an error of no one field
+    names `where`. Also a 400 for min_new_tokens above max_new_tokens (no sequence could
+    satisfy both), naming min_new_tokens."""
+    names = {**(_OPENAI_NAMES if openai_names else {}), **(names or {})}
+
+    def shown(field: str) -> str:
+        name = names.get(field, field)
+        return f"{where}.{name}" if where else name
+
     try:
-        sp = SamplingParams.from_dict(d)
-    except (ValueError, TypeError) as e:
-        msg = str(e)
-        m = re.match(r"[a-z_]+", msg)
-        name = m.group(0) if m else None
-        known = set(SamplingParams.__dataclass_fields__) | set(_OPENAI_NAMES.values())
-        if name not in known:
-            raise bad_request(msg, param=where) from None
-        shown = _OPENAI_NAMES.get(name, name) if openai_names else name
-        if where:
-            shown = f"{where}.{shown}"
-        raise bad_request(shown + msg[len(name):], param=shown) from None
+        sp = SamplingParams.from_dict(d, bounds_checked=True)
+    except RequestError as e:
+        if e.param is None:
+            raise bad_request(str(e), param=where) from None
+        raise bad_request(e.named(shown(e.param)), param=shown(e.param)) from None
     if sp.max_new_tokens is not None and sp.min_new_tokens > sp.max_new_tokens:
-        low, high = (_OPENAI_NAMES[n] if openai_names else n for n in ("min_new_tokens", "max_new_tokens"))
-        if where:
-            low, high = f"{where}.{low}", f"{where}.{high}"
+        low, high = shown("min_new_tokens"), shown("max_new_tokens")
         raise bad_request(f"{low}={sp.min_new_tokens} is more than {high}={sp.max_new_tokens}: a "
                           f"sequence ends at {high} tokens; lower {low} or raise {high}", param=low)
     return sp
@@ -434,30 +440,23 @@ def parse_abort_request(body: dict) -> Optional[str]:
 # --------------------------------------------------------------------------- shared checks
 
 def prompt_too_long(num_tokens: int, context_len: int, prompt_param: str) -> ApiError:
-    """The 400 for a prompt of num_tokens >= context_len tokens."""
-    return bad_request(f"the prompt is {num_tokens} tokens long but the context length is "
-                       f"{context_len}; shorten {prompt_param} to fewer than {context_len} tokens",
-                       param=prompt_param)
+    """The 400 for a prompt of num_tokens >= context_len tokens (engine/validation's words)."""
+    e = validation.prompt_too_long(num_tokens, context_len, prompt_param)
+    return bad_request(str(e), param=e.param)
 
 
 def check_prompt_ids(ids: List[int], vocab_size: int, context_len: int,
                      max_new_tokens: Optional[int], prompt_param: str, max_param: str) -> None:
-    """The checks that need the tokenized prompt: non-empty, within the context length, ids in
-    the vocabulary (walked only once the length is known to fit), and prompt plus output
-    within the context length. Each failure is a 400 naming the field to change."""
-    if not ids:
-        raise bad_request(f"{prompt_param} is empty after tokenization; send at least one token",
-                          param=prompt_param)
-    if len(ids) >= context_len:
-        raise prompt_too_long(len(ids), context_len, prompt_param)
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise bad_request(f"{prompt_param} contains token id {bad[0]} outside the vocabulary "
-                          f"[0, {vocab_size})", param=prompt_param)
-    if max_new_tokens is not None and len(ids) + max_new_tokens > context_len:
-        raise bad_request(f"{max_param}={max_new_tokens} plus the {len(ids)}-token prompt exceeds "
-                          f"the context length {context_len}; lower {max_param} to at most "
-                          f"{context_len - len(ids)}", param=max_param)
+    """engine/validation.check_prompt in the client's words, once per prompt: non-empty,
+    within the context length, ids in the vocabulary (walked only once the length is known to
+    fit), and prompt plus output within the context length. Each failure is a 400 naming the
+    field to change (prompt_param, max_param). The routes then validate the prompt's sequences
+    with prompt_checked=True (generation.validate_all), so the engine does not check again."""
+    try:
+        validation.check_prompt(ids, vocab_size, context_len, max_new_tokens,
+                                prompt_param=prompt_param, max_param=max_param)
+    except RequestError as e:
+        raise bad_request(str(e), param=e.param) from None
 
 
 # --------------------------------------------------------------------------- results

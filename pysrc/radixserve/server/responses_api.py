@@ -217,13 +217,7 @@ def _sampling(req: ResponseCreateRequest) -> SamplingParams:
             raise bad_request("text.format.schema is required when text.format.type is json_schema",
                               param="text.format.schema")
         d["json_schema"] = P.json_format_schema(fmt.type, fmt.schema_)
-    try:
-        return P.sampling_params_from_dict(d)
-    except ApiError as e:
-        if e.param == "max_new_tokens":
-            raise bad_request(e.message.replace("max_new_tokens", "max_output_tokens", 1),
-                              param="max_output_tokens") from None
-        raise
+    return P.sampling_params_from_dict(d, names={"max_new_tokens": "max_output_tokens"})
 
 
 def _reasoning_sampling(engine, sampling: SamplingParams) -> tuple:

@@ -20,7 +20,7 @@ from pydantic import Field
 from typing_extensions import Annotated
 
 from radixserve.server.schemas import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, FormatType, JsonObject,
-                                       N, Name, Temperature, Text, TokenCount, TopLogprobs, TopP,
+                                       MaxTokens, N, Name, Temperature, Text, TokenCount, TopLogprobs, TopP,
                                        _Body, _Closed, _ignored, _literal, _only, _refused,
                                        described, either)
 
@@ -130,7 +130,7 @@ class ResponseCreateRequest(_Closed):
     input: Input
     instructions: Optional[Text] = None
     previous_response_id: Optional[Annotated[Name, Field(min_length=1)]] = None
-    max_output_tokens: Optional[TokenCount] = None
+    max_output_tokens: Optional[MaxTokens] = None
     temperature: Optional[Temperature] = None
     top_p: Optional[TopP] = None
     stream: Optional[bool] = None

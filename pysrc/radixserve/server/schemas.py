@@ -4,8 +4,10 @@ field, and the source of the OpenAPI document (server/openapi.py).
 Contract:
   * Types are strict: "5" is not 5, true is not 1, 5.0 is not an integer (an integer is a
     number, though). Every number is finite and bounded in the type the engine holds it in:
-    int64 seeds, int32 counts and top_k, float32 temperatures and penalties (the bounds of
-    SamplingParams.verify, which stays the last check). Every list and string is capped by a
+    int64 seeds, int32 counts and top_k, float32 temperatures and penalties. The sampling
+    numbers' types are built from sampling/params.BOUNDS, the one table of their ranges, and
+    checked with its number_problem (so SamplingParams.verify, which the routes then run with
+    bounds_checked=True, does not check them again). Every list and string is capped by a
     MAX_* constant below.
   * A value given "once or one per prompt" (stop, rid, return_logprob, ...) is told apart by its
     JSON shape (an array or not), so an error inside an array names its index.
@@ -25,7 +27,6 @@ types from these models.
 from __future__ import annotations
 
 import difflib
-import math
 from typing import Any, Callable, Dict, List, Literal, Optional, Type, TypeVar, Union, get_args
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
@@ -33,7 +34,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter,
 from pydantic_core import PydanticCustomError
 from typing_extensions import Annotated
 
-from radixserve.errors import ApiError
+from radixserve.errors import ApiError, describe, is_number as _is_number, short as _short
+from radixserve.errors import fmt_number as _fmt
 from radixserve.sampling import params as _sp
 
 INT32_MAX, INT64_MIN, INT64_MAX = _sp.INT32_MAX, _sp.INT64_MIN, _sp.INT64_MAX
@@ -49,7 +51,7 @@ MAX_PROMPT_TOKENS = 1 << 20              # one token-id prompt
 MAX_TOOLS = 256                          # tools offered in one chat request
 MAX_TOOL_CALLS = 256                     # tool calls in one assistant message
 MAX_NAME_CHARS = 4096                    # model names, rids, message names, tool-call ids
-MAX_STOP = 16                            # stop strings; stop_regex patterns (as SamplingParams.verify)
+MAX_STOP = _sp.MAX_STOPS                 # stop strings; stop_regex patterns
 MAX_STOP_LEN = _sp.MAX_STOP_LEN          # characters of one stop string / stop_regex
 MAX_STOP_TOKEN_IDS = _sp.MAX_STOP_TOKEN_IDS
 MAX_LOGIT_BIAS = _sp.MAX_LOGIT_BIAS      # entries in logit_bias
@@ -59,9 +61,6 @@ MAX_CACHE_SALT_CHARS = 256               # cache_salt on the OpenAI routes
 MAX_METADATA = 16                        # metadata pairs (OpenAI's limits)
 MAX_TEMPLATE_KWARGS = 32                 # chat_template_kwargs entries
 MAX_METADATA_KEY = 64
-# The sampler divides positive logits by repetition_penalty and all by the temperature (at least
-# MIN_TEMPERATURE): from 1e-20 up, a logit of 1e13 stays finite in float32 (the same bound as
-# SamplingParams.verify's).
 MIN_REPETITION_PENALTY = _sp.MIN_REPETITION_PENALTY
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -74,36 +73,6 @@ M = TypeVar("M", bound=BaseModel)
 def _error(text: str) -> PydanticCustomError:
     """A validation error whose message is `text` (a phrase: "must be ..."); braces are safe."""
     return PydanticCustomError("radixserve", "{text}", {"text": text})
-
-
-def _short(v: Any, limit: int = 40) -> str:
-    r = repr(v)
-    return r if len(r) <= limit else r[:limit] + "..."
-
-
-def _kind(v: Any) -> str:
-    if v is None:
-        return "null"
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-            dict: "object"}.get(type(v), type(v).__name__)
-
-
-def describe(v: Any) -> str:
-    """What a client sent, for "..., got <this>"."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return f"the number {_short(v)}"
-    if isinstance(v, str):
-        return "an empty string" if not v else f"the string {_short(v)}"
-    if isinstance(v, list):
-        if not v:
-            return "an empty array"
-        kinds = sorted({_kind(x) for x in v[:100]})
-        return f"an array of {len(v)} item{'s' * (len(v) != 1)} ({', '.join(kinds)})"
-    return "an object" if isinstance(v, dict) else _kind(v)
 
 
 def location(loc: tuple) -> str:
@@ -226,71 +195,57 @@ def parse_value(adapter: TypeAdapter, value: Any, where: str) -> Any:
 
 # --------------------------------------------------------------------------- bounded numbers
 
-def _fmt(x: Union[int, float]) -> str:
-    """A bound or a value as the client would write it (long integers cut short)."""
-    if isinstance(x, int):
-        text = str(x)
-        return text if len(text) <= 40 else text[:40] + "..."
-    return f"{x:g}" if float(f"{x:g}") == x else repr(x)
+def _json_schema(bound: _sp.Bound) -> dict:
+    """A Bound as JSON schema keywords (the OpenAPI document)."""
+    if bound.least is not None:
+        return {"anyOf": [{"const": 0}, {"minimum": bound.least, "maximum": bound.hi}]}
+    if bound.lo_open:
+        return {"exclusiveMinimum": bound.lo, "maximum": bound.hi}
+    return {"minimum": bound.lo, "maximum": bound.hi}
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _bounded(kind: type, lo, hi, lo_open: bool = False, noun: Optional[str] = None,
-             extra_check: Optional[Callable[[Any], Optional[str]]] = None, schema: Optional[dict] = None):
-    """An int (kind=int) or float in [lo, hi] ((lo, hi] with lo_open), finite, strict. The
-    message names the range; `noun` ("a token id") says what the number is;
-    `extra_check(v)` returns a phrase for values the range alone lets through."""
-    if lo_open:
-        span = f"in ({_fmt(lo)}, {_fmt(hi)}]"
-    else:
-        span = f"between {_fmt(lo)} and {_fmt(hi)}"
-    what = noun or ("an integer" if kind is int else "a number")
-
+def _check_with(problem: Callable[[Any], Optional[str]], kind: type, json_extra: dict):
+    """`kind`, refused with the phrase problem(v) returns (None: allowed)."""
     def validate(v: Any, handler):
-        ok_type = (isinstance(v, int) and not isinstance(v, bool)) if kind is int else _is_number(v)
-        if not ok_type:
-            raise _error(f"must be {what} {span}, got {describe(v)}")
-        if isinstance(v, float) and not math.isfinite(v):
-            raise _error(f"must be a finite number {span}, got {v}")
-        if (v <= lo if lo_open else v < lo) or v > hi:
-            raise _error(f"must be {noun + ' ' if noun else ''}{span}, got {_fmt(v)}")
-        if extra_check is not None:
-            problem = extra_check(v)
-            if problem:
-                raise _error(problem)
+        text = problem(v)
+        if text is not None:
+            raise _error(text)
         return handler(v)
-
-    json_extra = schema or ({"exclusiveMinimum": lo, "maximum": hi} if lo_open
-                            else {"minimum": lo, "maximum": hi})
     return Annotated[kind, WrapValidator(validate), Field(json_schema_extra=json_extra)]
 
 
-def _temperature_check(v) -> Optional[str]:
-    if 0 < v < _sp.MIN_TEMPERATURE:
-        return (f"must be 0 (greedy) or between {_fmt(_sp.MIN_TEMPERATURE)} and "
-                f"{_fmt(_sp.MAX_TEMPERATURE)}, got {_fmt(v)}")
-    return None
+def _bounded(kind: type, lo, hi, lo_open: bool = False, noun: Optional[str] = None):
+    """An int (kind=int) or float in [lo, hi] ((lo, hi] with lo_open), finite, strict: a
+    request field that is no sampling number (those are `sampling_number`s). The message names
+    the range; `noun` ("a token id") says what the number is."""
+    bound = _sp.Bound(kind, lo, hi, lo_open=lo_open, noun=noun)
+    return _check_with(bound.problem, kind, _json_schema(bound))
 
 
-Temperature = _bounded(float, 0.0, _sp.MAX_TEMPERATURE, extra_check=_temperature_check,
-                       schema={"anyOf": [{"const": 0}, {"minimum": _sp.MIN_TEMPERATURE,
-                                                        "maximum": _sp.MAX_TEMPERATURE}]})
-TopP = _bounded(float, 0.0, 1.0, lo_open=True)
-MinP = _bounded(float, 0.0, 1.0)
-Penalty = _bounded(float, -2.0, 2.0)                       # presence / frequency
-RepetitionPenalty = _bounded(float, MIN_REPETITION_PENALTY, 2.0)
-TopK = _bounded(int, -1, INT32_MAX, noun="an integer (-1 or 0: off)")
-Seed = _bounded(int, INT64_MIN, INT64_MAX, noun="a 64-bit integer")
-TokenCount = _bounded(int, 0, INT32_MAX)                   # max_tokens, min_tokens, ...
+def sampling_number(name: str):
+    """The field type of the sampling number `name`: its range is BOUNDS[name] (also its JSON
+    schema), checked by sampling/params.number_problem, the check SamplingParams.verify runs
+    for a SamplingParams no schema checked."""
+    bound = _sp.BOUNDS[name]
+    return _check_with(lambda v: _sp.number_problem(name, v), bound.kind, _json_schema(bound))
+
+
+Temperature = sampling_number("temperature")
+TopP = sampling_number("top_p")
+MinP = sampling_number("min_p")
+Penalty = sampling_number("presence_penalty")              # presence / frequency: one range
+RepetitionPenalty = sampling_number("repetition_penalty")
+TopK = sampling_number("top_k")
+Seed = sampling_number("seed")
+MaxTokens = sampling_number("max_new_tokens")              # max_tokens, max_completion_tokens, ...
+MinTokens = sampling_number("min_new_tokens")              # min_tokens, min_new_tokens
+N = sampling_number("n")
+TokenCount = _bounded(int, 0, INT32_MAX)                   # a count that is no sampling number
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]      # in pydantic-core: prompts are long
-N = _bounded(int, 1, MAX_N)
 TopLogprobs = _bounded(int, 0, MAX_TOP_LOGPROBS)
 LogprobStart = _bounded(int, -1, INT32_MAX, noun="an integer (-1: no prompt logprobs)")
 PromptTokens = _bounded(int, 1, INT32_MAX)                 # truncate_prompt_tokens: keep the last k
-Bias = _bounded(float, -100.0, 100.0)
+Bias = _check_with(_sp.LOGIT_BIAS.problem, float, _json_schema(_sp.LOGIT_BIAS))
 
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
@@ -639,8 +594,8 @@ class _OpenAIRequest(_Closed):
     frequency_penalty: Optional[Penalty] = None
     repetition_penalty: Optional[RepetitionPenalty] = None
     seed: Optional[Seed] = None
-    max_tokens: Optional[TokenCount] = None
-    min_tokens: Optional[TokenCount] = None
+    max_tokens: Optional[MaxTokens] = None
+    min_tokens: Optional[MinTokens] = None
     stop: Optional[Stop] = None
     stop_token_ids: Optional[StopTokenIds] = None
     ignore_eos: Optional[bool] = None
@@ -693,7 +648,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: Optional[bool] = None
-    max_completion_tokens: Optional[TokenCount] = None
+    max_completion_tokens: Optional[MaxTokens] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[TopLogprobs] = None
     prediction: Optional[_ignored(JsonObject, "prediction")] = None
@@ -731,8 +686,8 @@ class SamplingParamsBody(BaseModel):
     """/generate's sampling_params, SGLang's names; defaults are SamplingParams'. json_schema and
     structural_tag may be objects (sent on as JSON text); an unknown key is a 400."""
     model_config = ConfigDict(strict=True, extra="forbid")
-    max_new_tokens: Optional[TokenCount] = 128          # null: up to the context length
-    min_new_tokens: TokenCount = 0
+    max_new_tokens: Optional[MaxTokens] = 128            # null: up to the context length
+    min_new_tokens: MinTokens = 0
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = -1

@@ -455,18 +455,20 @@ class ClientView:
     def identity(self) -> str:
         return self._identity
 
-    def validate(self, req) -> None:
+    def validate(self, req, prompt_checked: bool = False) -> None:
         if self._owners.engine_rid(self._identity, req.rid) is not None:
             raise ValueError(_rid_in_use(req.rid))
-        self._engine.validate(req)
+        self._engine.validate(req, prompt_checked=prompt_checked)
 
-    async def generate(self, req) -> AsyncIterator[Any]:
+    async def generate(self, req, validated: bool = False) -> AsyncIterator[Any]:
+        """The engine's generate under this client's engine rid; validated: as the engine's
+        (the routes validated req through validate, so the engine does not again)."""
         rid = req.rid
         engine_rid = self._owners.reserve(rid, self._identity)
         req.client_id = self._identity        # the scheduler's fairness key
         run = req if engine_rid == rid else dataclasses.replace(req, rid=engine_rid)
         try:
-            agen = self._engine.generate(run)
+            agen = self._engine.generate(run, validated=validated)
             try:
                 async for out in agen:
                     yield out
