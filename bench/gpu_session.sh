@@ -184,6 +184,35 @@ for stage in "$@"; do
       python3 bench/gemm_decode.py --preset llama-3.1-8b --fp8 --no-triton \
         --batch-sizes 1,2,4,8,16,32,64,128 --iters 40 --out "$OUT/gemm-decode-fp8.json" 2>&1 \
         | tee "$OUT/gemmfp8.txt" | tail -60 ;;
+    fp8speed)
+      # issue 35's decode and prefill points: bf16, FP8 weights, FP8 weights + FP8 KV, one
+      # process, the Llama-3.1-8B shape; ~3 min
+      python3 bench/fp8_speed.py --preset llama-3.1-8b --out "$OUT/fp8-speed.json" 2>&1 \
+        | tee "$OUT/fp8speed.txt" | tail -45 ;;
+    fp8kvattn)
+      # issue 35's FP8 KV point: decode attention at batch 256 x 1k over FP8 pages against copy
+      # bandwidth in FP8 bytes (and the bf16 pool beside it)
+      timeout 200 python3 bench/attention_bench.py --kv-cache-dtype fp8_e4m3 \
+        --json "$OUT/attention-fp8kv.json" 2>&1 | tee "$OUT/fp8kvattn.txt" | tail -25 ;;
+    servfp8)
+      # issue 35's serving point: bf16 / FP8 / FP8 + FP8 KV servers, random 1k/1k at 16 req/s,
+      # SGLang's default lengths (range ratio 0) then fixed 1024/1024 (range ratio 1)
+      for r in ${SERVFP8_RATIOS:-0 1}; do
+        python3 bench/serving.py --preset llama-3.1-8b --compare fp8 --dataset random \
+          --random-input-len 1024 --random-output-len 1024 --random-range-ratio $r \
+          --num-prompts 200 --request-rate 16 --no-plots --disable-tqdm \
+          --server-log-dir "$OUT/servfp8-logs-$r" --output-file "$OUT/serving-fp8-r$r.json" 2>&1 \
+          | tee "$OUT/servfp8-r$r.txt" | grep -E "^---|Output token|Succ|Failed|ratio|_over_"
+      done ;;
+    serve70b)
+      # issue 35's scale point: the Llama-3.1-70B shape, FP8 weights and FP8 KV, on this one GPU;
+      # the serving run at SGLang's published config must finish without a failed request
+      python3 bench/serving.py --preset llama-3.1-70b-fp8 --launch \
+        --server-args "--kv-cache-dtype fp8_e4m3" --dataset random --random-input-len 1024 \
+        --random-output-len 1024 --num-prompts ${N70B:-200} --request-rate 16 --no-plots \
+        --disable-tqdm --server-log-dir "$OUT/serve70b-logs" \
+        --output-file "$OUT/serving-70b-fp8.json" 2>&1 | tee "$OUT/serve70b.txt" | tail -30
+      grep -h "KV pool" "$OUT"/serve70b-logs/* | head -3 ;;
     accept33)
       # issue 33's acceptance runs: per server config of $ACCEPT_CONFIGS (name:flags; default
       # overlap on and off), our client at SGLang's published config (200 prompts at 16 req/s,
