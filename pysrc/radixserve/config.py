@@ -29,7 +29,7 @@ from radixserve import knobs
 # `radixserve serve --quantization fp8` stops with "--quantization is an SGLang flag radixserve
 # does not support yet: ...", never starts with the flag silently ignored. The SGLang flags we do
 # implement are ServerArgs fields under SGLang's names (plus the `aliases` of their metadata).
-_ONE_DEVICE = "one server runs on one device, or with --tp-size N on N CPU ranks (pipeline, " \
+_ONE_DEVICE = "one server runs on one device, or with --tp-size N on N ranks (pipeline, " \
               "expert and data parallelism are not implemented)"
 _ONE_HOST = "one server is one process on one machine"
 _LORA = "LoRA adapters are not supported"
@@ -358,8 +358,8 @@ class ServerArgs:
     page_size: int = _flag(1, "tokens per KV-cache page (the prefix cache matches whole pages)",
                            metavar="TOKENS")
     # parallelism
-    tp_size: int = _flag(1, "tensor-parallel size (ranks per model, in this one process); above "
-                         "1 only on the CPU yet (a thread per rank), CUDA is not implemented",
+    tp_size: int = _flag(1, "tensor-parallel size: ranks per model, all in this one process (a "
+                         "thread per rank; on CUDA one GPU per rank, NCCL made in-process)",
                          aliases=("--tensor-parallel-size",), metavar="N", group="parallelism")
     dp_size: int = _flag(1, "data-parallel size (model replicas); only 1 is supported yet",
                          aliases=("--data-parallel-size",), metavar="N")
@@ -581,10 +581,11 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, not {self.tp_size}")
-        if self.tp_size > 1 and self.resolved_device() != "cpu":
-            raise ValueError(f"--tp-size {self.tp_size}: tensor parallelism runs on the CPU only "
-                             f"yet (--device cpu); on CUDA it needs issue 37's GPU part (NCCL "
-                             f"communicators in-process, per-GPU CUDA graphs), not implemented")
+        if self.tp_size > 1 and self.resolved_device().startswith("cuda"):
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if self.tp_size > have:
+                raise ValueError(f"--tp-size {self.tp_size} needs {self.tp_size} GPUs (one per "
+                                 f"rank); this host has {have}")
         if self.dp_size != 1:
             raise ValueError(f"--dp-size {self.dp_size}: only 1 is supported yet "
                              f"(data parallelism is not implemented)")

@@ -137,10 +137,10 @@ def test_each_alias_sets_the_same_field():
 
 
 def test_only_one_device_and_xgrammar(capsys):
-    for argv, message in ((["--tp-size", "2", "--device", "cuda"],
-                           "--tp-size 2: tensor parallelism runs on the CPU only yet"),
-                          (["--tensor-parallel-size", "4", "--device", "cuda"],
-                           "issue 37's GPU part"),
+    for argv, message in ((["--tp-size", "64", "--device", "cuda"],
+                           "--tp-size 64 needs 64 GPUs (one per rank); this host has"),
+                          (["--tensor-parallel-size", "64", "--device", "cuda"],
+                           "needs 64 GPUs"),
                           (["--tp-size", "0"], "--tp-size must be >= 1"),
                           (["--dp-size", "2"], "--dp-size 2: only 1 is supported yet"),
                           (["--stream-interval", "0"], "--stream-interval must be >= 1"),

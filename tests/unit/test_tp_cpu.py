@@ -11,7 +11,8 @@ rank threads of this one process (parallel/group.py, model/tensor_parallel.py).
     chunks) and the offline Engine (overlap pipeline, a regex-constrained request): greedy
     outputs under TP=2 / TP=4 equal TP=1's.
 (c) The group: rank-order fp32 sums, a failing rank neither hangs the others nor breaks the
-    next step, CUDA refused naming issue 37's GPU part; --tp-size checks; dummy weights shard;
+    next step; CUDA ranks need distinct GPUs, as many as --tp-size; --tp-size checks; NCCL's
+    library loads here (the same version torch reports); dummy weights shard;
     the TP presets' shapes.
 """
 from typing import List, Sequence
@@ -328,17 +329,34 @@ def test_thread_group_sums_in_rank_order_and_survives_a_failing_rank():
 
 
 def test_cuda_and_bad_sizes_are_refused(tiny_paths):
-    with pytest.raises(NotImplementedError, match="issue 37's GPU part"):
-        tp_group.make_group([torch.device("cuda", 0), torch.device("cuda", 1)])
+    with pytest.raises(ValueError, match="one GPU per rank, distinct"):
+        tp_group.make_group([torch.device("cuda", 0), torch.device("cuda", 0)])
+    with pytest.raises(ValueError, match="must all be CPU or all CUDA"):
+        tp_group.make_group([torch.device("cpu"), torch.device("cuda", 0)])
     ServerArgs(tp_size=4, device="cpu").check()
-    with pytest.raises(ValueError, match="CPU only yet"):
-        ServerArgs(tp_size=2, device="cuda").check()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = gpus + 2                                    # more GPUs than this host has, and > 1
+    with pytest.raises(ValueError, match=f"--tp-size {n} needs {n} GPUs \\(one per "
+                                         f"rank\\); this host has {gpus}"):
+        ServerArgs(tp_size=n, device="cuda").check()
     config = ModelConfig.from_path(tiny_paths["llama"])
     with pytest.raises(ValueError, match="--tp-size 3 does not fit LlamaForCausalLM: its 4 "
                                          "attention heads are not divisible by 3"):
         check_tp_size(config, 3)
-    with pytest.raises(NotImplementedError, match="issue 37"):
-        load_tp_model(tiny_paths["llama"], config, "dummy", torch.float32, torch.device("cuda"), 2)
+    with pytest.raises(ValueError, match=f"--tp-size {n} needs GPUs 0..{n - 1}, but this "
+                                         f"host has {gpus}"):
+        load_tp_model(tiny_paths["llama"], config, "dummy", torch.float32, torch.device("cuda"), n)
+
+
+def test_nccl_library_loads_and_checks_its_arguments():
+    from radixserve.parallel.nccl import Nccl, NcclError
+
+    nccl = Nccl.get()
+    assert nccl.version() == ".".join(map(str, torch.cuda.nccl.version()))
+    with pytest.raises(NcclError, match="distinct GPUs"):
+        nccl.init_all([0, 0])
+    with pytest.raises(NcclError, match="no type for torch.complex64"):
+        nccl.all_reduce(torch.zeros(2, dtype=torch.complex64), torch.zeros(2), 0, 0)
 
 
 def test_dummy_weights_shard(tiny_paths):

@@ -16,7 +16,7 @@ launch(step) enqueues a whole step (inputs up, forward, sampling, ids into next_
 down into pinned memory behind an event) and returns a PendingStep at once on CUDA; wait() is
 the one blocking point. On the CPU, launch computes the step and wait() returns its values.
 
-Tensor parallelism (--tp-size N > 1; on the CPU only so far): self.model is a
+Tensor parallelism (--tp-size N > 1; N CPU rank threads, or N GPUs with NCCL): self.model is a
 model/tensor_parallel.TensorParallelModel, N shards whose forwards run at once on N rank
 threads, and self.kv_pool its ShardedKVPool (one slot allocator, each rank's KV heads in its
 own buffers). Everything above stays single, on rank 0's device: the step inputs, the tables,
@@ -222,7 +222,9 @@ class ModelRunner:
                                            mc.head_dim, self.kv_dtype)   # 1 byte a value: FP8
         if self.device.type == "cuda":
             fraction = sa.mem_fraction_static or GPU_MEM_FRACTION
-            free, _ = torch.cuda.mem_get_info(self.device)
+            # with TP every rank holds its KV heads of every token: the tightest GPU decides
+            devices = getattr(self.model, "devices", None) or [self.device]
+            free = min(torch.cuda.mem_get_info(d)[0] for d in devices)
             budget = int(free * fraction)
         else:
             fraction = sa.mem_fraction_static or CPU_MEM_FRACTION

@@ -18,9 +18,14 @@ grammars and jump-forward are those of tp_size 1:
 KV heads: split across ranks when there are at least N of them (N must divide them), else each
 is replicated on N / num_kv_heads ranks (N must be a multiple of them), as SGLang does.
 
-Devices: every rank on the CPU (the collectives are threads: parallel/group.ThreadGroup).
-CUDA ranks are issue 37's GPU part (NCCL communicators in-process, per-GPU decode CUDA graphs
-with the all-reduces captured inside) and raise NotImplementedError naming it.
+Devices: every rank on the CPU (the collectives are threads: parallel/group.ThreadGroup), or
+rank r on GPU base + r (parallel/group.NcclGroup: NCCL communicators made in this process by
+ncclCommInitAll). On CUDA the step's inputs and the hidden states for the LM head are copied
+from rank 0's stream to each rank's stream on the calling thread (torch orders a cross-device
+copy after the source stream's work and the destination stream after the copy), then every
+rank launches its forward on its own thread and stream; rank 0's output stays on the caller's
+stream. Decode runs eager under TP on CUDA (the per-GPU CUDA graphs with the all-reduces
+captured inside are not written yet).
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from torch import nn
 from radixserve.cache.kv_pool import ShardedKVPool
 from radixserve.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch
-from radixserve.parallel.group import GPU_PART, RankWorkers, make_group
+from radixserve.parallel.group import RankWorkers, make_group
 
 logger = logging.getLogger(__name__)
 
@@ -122,40 +127,62 @@ class TensorParallelModel(nn.Module):
             raise ValueError("a tensor-parallel forward needs the ShardedKVPool of its ranks "
                              "(TensorParallelModel.make_kv_pool)")
         device = self.devices[rank]
+        # device tensors move to the rank's device; host-side tensors (CPU metadata of a CUDA
+        # batch) stay where they are
         moved = {f.name: getattr(fb, f.name).to(device, non_blocking=True)
                  for f in dataclasses.fields(fb)
                  if isinstance(getattr(fb, f.name), torch.Tensor)
-                 and getattr(fb, f.name).device != device}
+                 and getattr(fb, f.name).device != device
+                 and (device.type == "cpu" or getattr(fb, f.name).device.type == "cuda")}
         return dataclasses.replace(fb, kv_pool=pool.shard(rank), **moved)
+
+    def _per_rank(self, make):
+        """[make(r) for each rank], built on the calling thread: on CUDA under rank r's stream
+        (NcclGroup.rank_context), so copies from rank 0's stream land in order on rank r's."""
+        out = []
+        for r in range(self.tp_size):
+            with self.group.rank_context(r):
+                out.append(make(r))
+        return out
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """fb -> rank 0's hidden [num_tokens, hidden_size] (every rank's are the same); every
         rank writes its KV heads of the new tokens into its shard."""
-        return self.workers.run(lambda r: self.shards[r](self._rank_batch(fb, r)))[0]
+        batches = self._per_rank(lambda r: self._rank_batch(fb, r))
+        return self.workers.run(lambda r: self.shards[r](batches[r]))[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] (rank 0's) -> logits [n, vocab_size] float32 on rank 0."""
-        def rank_logits(r: int) -> Optional[torch.Tensor]:
-            return self.shards[r].compute_logits(hidden.to(self.devices[r], non_blocking=True))
-        return self.workers.run(rank_logits)[0]
+        inputs = self._per_rank(lambda r: hidden.to(self.devices[r], non_blocking=True))
+        return self.workers.run(lambda r: self.shards[r].compute_logits(inputs[r]))[0]
 
     def close(self) -> None:
         """Stop the rank worker threads."""
         self.workers.close()
 
 
+def rank_devices(device: torch.device, tp_size: int) -> List[torch.device]:
+    """Where each rank runs: every rank on the CPU, or GPUs device.index .. + tp_size - 1
+    (ValueError naming --tp-size when this host has fewer)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return [device] * tp_size
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    base = device.index if device.index is not None else (torch.cuda.current_device() if have else 0)
+    if base + tp_size > have:
+        raise ValueError(f"--tp-size {tp_size} needs GPUs {base}..{base + tp_size - 1}, but "
+                         f"this host has {have}")
+    return [torch.device("cuda", base + r) for r in range(tp_size)]
+
+
 def load_tp_model(model_path: str, model_config: ModelConfig, load_format: str,
                   dtype: torch.dtype, device: torch.device, tp_size: int,
                   quantization: Optional[str] = None) -> TensorParallelModel:
     """The model of model_path as tp_size shards (model/loader.load_model_shards: each rank
-    holds and copies only its slices) on device: the CPU (every rank a thread of this process).
-    CUDA raises NotImplementedError (issue 37's GPU part)."""
+    holds and copies only its slices) on rank_devices(device, tp_size)."""
     from radixserve.model.loader import load_model_shards
 
     check_tp_size(model_config, tp_size)
-    device = torch.device(device)
-    if device.type != "cpu":
-        raise NotImplementedError(GPU_PART)
     shards = load_model_shards(model_path, model_config, load_format, dtype,
-                               [device] * tp_size, quantization)
+                               rank_devices(device, tp_size), quantization)
     return TensorParallelModel(shards)

@@ -16,8 +16,9 @@ Backends:
     one barrier per collective is enough (a rank cannot reach collective k + 2, which reuses
     collective k's slots, before every rank has arrived at collective k + 1, i.e. finished
     reading k's). Tensors are never written in place: a collective returns a new tensor.
-  * CUDA: NCCL communicators for the N local GPUs, created in-process, are issue 37's GPU part
-    and are not implemented; make_group refuses CUDA devices with NotImplementedError.
+  * "nccl" (NcclGroup): rank r on local GPU r, NCCL communicators for the N GPUs made in this
+    process by ncclCommInitAll (parallel/nccl.py, ctypes on the libnccl torch ships); each
+    rank's collectives enqueue on its own stream.
 
 A rank that raises aborts the group's barrier, so the others stop waiting (BrokenBarrierError)
 instead of hanging; RankWorkers.run then resets the group and re-raises the first real error.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import threading
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
@@ -36,11 +38,6 @@ import torch
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 300.0
-
-GPU_PART = ("tensor parallelism on CUDA needs issue 37's GPU part (in-process NCCL "
-            "communicators for the local GPUs, the per-GPU decode CUDA graphs with the "
-            "all-reduces inside), which is not implemented yet; --tp-size N > 1 runs on the "
-            "CPU only (--device cpu)")
 
 
 class ThreadGroup:
@@ -57,6 +54,10 @@ class ThreadGroup:
         self._barrier = threading.Barrier(size, timeout=timeout_s)
         self._slots: Tuple[List[Optional[torch.Tensor]], ...] = ([None] * size, [None] * size)
         self._generation = [0] * size          # collectives each rank has entered
+
+    def rank_context(self, rank: int):
+        """Nothing to set for a CPU rank."""
+        return contextlib.nullcontext()
 
     def describe(self) -> str:
         return (f"in-process threads ({self.size} ranks; all-reduce: fp32 sum in rank order "
@@ -102,13 +103,93 @@ class ThreadGroup:
         self._generation = [0] * self.size
 
 
-def make_group(devices: Sequence[torch.device], timeout_s: float = DEFAULT_TIMEOUT_S) -> ThreadGroup:
-    """The group for ranks on devices (one per rank): threads for CPU ranks. CUDA raises
-    NotImplementedError (GPU_PART)."""
-    kinds = {torch.device(d).type for d in devices}
-    if kinds != {"cpu"}:
-        raise NotImplementedError(GPU_PART)
-    return ThreadGroup(len(devices), timeout_s)
+class NcclGroup:
+    """N ranks of one process on N distinct local GPUs: NCCL communicators made in-process
+    (parallel/nccl.py: ncclCommInitAll), one per GPU; each rank's collectives enqueue on the
+    calling thread's current stream of its GPU (captured when that stream is capturing a CUDA
+    graph). Rank r >= 1 runs on its own stream (streams[r], made here); rank 0 on the caller's.
+    Collectives return new tensors (never write x)."""
+
+    backend = "nccl"
+
+    def __init__(self, devices: Sequence[torch.device]):
+        from radixserve.parallel.nccl import Nccl
+
+        self.devices = [torch.device(d) for d in devices]
+        self.size = len(self.devices)
+        self.nccl = Nccl.get()
+        self._indices = [d.index if d.index is not None else 0 for d in self.devices]
+        self.comms = self.nccl.init_all(self._indices)
+        self.streams: List[Optional[torch.cuda.Stream]] = [None] + [
+            torch.cuda.Stream(device=d) for d in self.devices[1:]]
+        self.broken = False
+
+    def describe(self) -> str:
+        return (f"NCCL {self.nccl.version()} in-process ({self.size} GPUs "
+                f"{self._indices}, ncclCommInitAll; NVLS {'off' if os.environ.get('NCCL_NVLS_ENABLE') == '0' else 'on'})")
+
+    @contextlib.contextmanager
+    def rank_context(self, rank: int) -> Iterator[None]:
+        """The calling thread runs rank's work: its GPU current, its stream (rank 0: the
+        caller's own) current."""
+        with torch.cuda.device(self.devices[rank]):
+            if rank == 0:
+                yield
+            else:
+                with torch.cuda.stream(self.streams[rank]):
+                    yield
+
+    def _stream(self, x: torch.Tensor) -> int:
+        return torch.cuda.current_stream(x.device).cuda_stream
+
+    def all_reduce(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """The sum of every rank's x (same shape and dtype): a new tensor on x's GPU."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.nccl.all_reduce(x, out, self.comms[rank], self._stream(x))
+        return out
+
+    def gather_last_dim(self, x: torch.Tensor, rank: int, dst: int = 0) -> Optional[torch.Tensor]:
+        """Every rank's x concatenated along the last dimension on rank dst (an all-gather:
+        NCCL has no gather), None on the other ranks."""
+        x = x.contiguous()
+        buf = torch.empty((self.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        self.nccl.all_gather(x, buf, self.comms[rank], self._stream(x))
+        if rank != dst:
+            return None
+        return torch.cat(list(buf.unbind(0)), dim=-1)
+
+    def abort(self) -> None:
+        """A rank failed: its peers may wait on the GPU for a collective it never enqueued.
+        reset() must rebuild the communicators before the next step."""
+        self.broken = True
+
+    def reset(self) -> None:
+        """Fresh communicators (the old ones aborted: a half-run collective cannot complete)."""
+        for comm in self.comms:
+            try:
+                self.nccl.abort(comm)
+            except Exception:                    # noqa: BLE001 - rebuilding anyway
+                pass
+        self.comms = self.nccl.init_all(self._indices)
+        self.broken = False
+
+
+def make_group(devices: Sequence[torch.device], timeout_s: float = DEFAULT_TIMEOUT_S):
+    """The group for ranks on devices (one per rank): threads for CPU ranks (ThreadGroup), NCCL
+    for distinct local GPUs (NcclGroup). Mixed kinds, or a GPU named twice, raise ValueError."""
+    devices = [torch.device(d) for d in devices]
+    kinds = {d.type for d in devices}
+    if kinds == {"cpu"}:
+        return ThreadGroup(len(devices), timeout_s)
+    if kinds == {"cuda"}:
+        indices = [d.index if d.index is not None else 0 for d in devices]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"tensor parallelism on CUDA needs one GPU per rank, distinct: "
+                             f"{[str(d) for d in devices]}")
+        return NcclGroup(devices)
+    raise ValueError(f"tensor-parallel ranks must all be CPU or all CUDA: "
+                     f"{[str(d) for d in devices]}")
 
 
 # ----------------------------------------------------------------------------- the binding
@@ -168,7 +249,7 @@ class RankWorkers:
                        for r in range(1, group.size)]
 
     def _call(self, fn: Callable[[int], T], rank: int) -> T:
-        with bind(self.group, rank), torch.inference_mode():
+        with bind(self.group, rank), self.group.rank_context(rank), torch.inference_mode():
             try:
                 return fn(rank)
             except BaseException:
@@ -203,8 +284,17 @@ class RankWorkers:
 
 
 def backends_summary(num_gpus: int) -> str:
-    """One line for `radixserve env`: which --tp-size N > 1 runs here and its all-reduce path."""
-    gpus = (f"{num_gpus} local GPU(s) seen, but CUDA tensor parallelism is not implemented "
-            f"(issue 37's GPU part: in-process NCCL)") if num_gpus else "no GPU"
-    return (f"--tp-size N > 1 on the CPU: N rank threads of this process, all-reduce in-process "
-            f"(fp32 sum in rank order over shared buffers); {gpus}")
+    """One line for `radixserve env`: how --tp-size N > 1 runs here and its all-reduce path."""
+    cpu = ("on the CPU: N rank threads of this process, all-reduce in-process (fp32 sum in rank "
+           "order over shared buffers)")
+    if not num_gpus:
+        return f"--tp-size N > 1 {cpu}; no GPU"
+    try:
+        from radixserve.parallel.nccl import Nccl
+
+        nccl = f"NCCL {Nccl.get().version()} ({Nccl.get().path})"
+    except Exception as e:                      # noqa: BLE001 - a report line, not a failure
+        nccl = f"NCCL unavailable: {e}"
+    return (f"--tp-size N > 1 {cpu}; on CUDA: N of the {num_gpus} local GPU(s), one rank thread "
+            f"each, communicators made in-process by ncclCommInitAll, {nccl}; decode eager "
+            f"(no CUDA graphs under TP yet)")
