@@ -562,8 +562,11 @@ FP8_MIN_AMAX = 1e-12      # floor of a row's (or tensor's) amax: an all-zero row
 
 def fp8_scale_of(amax: torch.Tensor) -> torch.Tensor:
     """The e4m3 scale of values whose largest magnitude is amax: max(amax, FP8_MIN_AMAX) / 448
-    (fp32), so that value / scale spans [-448, 448]."""
-    return amax.float().clamp(min=FP8_MIN_AMAX) / FP8_MAX
+    (fp32), so that value / scale spans [-448, 448]. An IEEE division by a tensor of 448s:
+    torch divides a CUDA tensor by a Python scalar as a multiplication by its reciprocal, which
+    is not the correctly rounded quotient the kernels (and the CPU) compute."""
+    amax = amax.float().clamp(min=FP8_MIN_AMAX)
+    return amax / torch.full_like(amax, FP8_MAX)
 
 
 def fp8_cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
