@@ -395,14 +395,15 @@ def test_a_grammar_dead_end_fails_its_request_as_a_400_not_a_503():
     (SGLang's key), which the OpenAI routes answer as a 400; other aborts stay 503s."""
     from types import SimpleNamespace
 
-    from radixserve.engine.scheduler.grammar import GrammarMixin
-    from radixserve.server import protocol as P
+    from radixserve.engine.scheduler.grammar import GrammarSlot
+    from radixserve.server import render as O
 
     reasons = []
-    sched = SimpleNamespace(tokenizer=None, _finish=lambda req, reason: reasons.append(reason))
+    slot = GrammarSlot(vocab_size=32, tokenizer=None, context_len=64, pin=False)
     req = SimpleNamespace(rid="r1", grammar=SimpleNamespace(accept=lambda tok: False),
                           abort_message=None)
-    assert GrammarMixin._grammar_accepts(sched, req, 7) is False
-    err = P.abort_error(reasons[0])
+    reasons.append(slot.refusal(req, 7))
+    assert reasons[0] is not None
+    err = O.abort_error(reasons[0].to_dict())
     assert err.status == 400 and "no valid continuation" in err.message
-    assert P.abort_error({"type": "abort", "message": "the pool is full"}).status == 503
+    assert O.abort_error({"type": "abort", "message": "the pool is full"}).status == 503

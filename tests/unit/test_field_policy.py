@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from radixserve.engine.io import GenerateOutput
 from radixserve.errors import ApiError
 from radixserve.parsers import tool_calls as T
-from radixserve.server import protocol as P
+from radixserve.server import render as O, requests as R
 from radixserve.server import schemas as S
 from radixserve.server.app import create_app
 from radixserve.server.openapi import openapi_document
@@ -24,7 +24,7 @@ from test_server_fake_engine import LOCAL, FakeEngine, err_of, sse_events
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"prompt": "hi"}
-PARSERS = [(P.parse_chat_request, CHAT), (P.parse_completion_request, COMPLETION)]
+PARSERS = [(R.parse_chat_request, CHAT), (R.parse_completion_request, COMPLETION)]
 DOC = openapi_document(api_key=False)
 
 
@@ -60,14 +60,14 @@ def test_unknown_fields_are_400s_naming_them(extra, param, hint):
         assert e.param == param_ and e.message.startswith(f"unknown field {param_!r}")
         if hint or param == "temperature":
             assert f"did you mean {(hint or 'temperature')!r}?" in e.message
-        assert not _valid_in_document("ChatCompletionRequest" if parse is P.parse_chat_request
+        assert not _valid_in_document("ChatCompletionRequest" if parse is R.parse_chat_request
                                       else "CompletionRequest", {**body, **extra})
 
 
 def test_unknown_field_hint_on_the_route_specific_names():
-    e = _err(P.parse_completion_request, {**COMPLETION, "max_completion_tokens": 3})
+    e = _err(R.parse_completion_request, {**COMPLETION, "max_completion_tokens": 3})
     assert e.param == "max_completion_tokens"          # chat's name: not a completions field
-    e = _err(P.parse_chat_request, {**CHAT, "top_logprob": 3})
+    e = _err(R.parse_chat_request, {**CHAT, "top_logprob": 3})
     assert "did you mean 'top_logprobs'?" in e.message
 
 
@@ -91,13 +91,13 @@ def test_ignored_fields_are_accepted_and_change_nothing(name):
 
 
 def test_chat_only_ignored_fields_and_stream_options_extras():
-    r = P.parse_chat_request({**CHAT, "prediction": {"type": "content", "content": "x"},
+    r = R.parse_chat_request({**CHAT, "prediction": {"type": "content", "content": "x"},
                               "stream": True, "stream_options": {"include_usage": True,
                                                                  "include_obfuscation": True}})
     assert r.include_usage and not r.extras.continuous_usage
-    e = _err(P.parse_chat_request, {**CHAT, "metadata": {"k" * 65: "v"}})
+    e = _err(R.parse_chat_request, {**CHAT, "metadata": {"k" * 65: "v"}})
     assert e.param.startswith("metadata")                    # ignored, but still bounded
-    e = _err(P.parse_chat_request, {**CHAT, "user": 5})
+    e = _err(R.parse_chat_request, {**CHAT, "user": 5})
     assert e.param == "user"
 
 
@@ -138,9 +138,9 @@ def test_refused_fields_are_400s_naming_them_and_neutral_values_pass(name, bad, 
 def test_structured_outputs_switches():
     so = {"json": {"type": "object"}, "disable_any_whitespace": True,
           "disable_additional_properties": False, "disable_fallback": True}
-    assert P.parse_chat_request({**CHAT, "structured_outputs": so}).sampling.grammar_key == \
+    assert R.parse_chat_request({**CHAT, "structured_outputs": so}).sampling.grammar_key == \
         ("json_schema", '{"type": "object"}')
-    e = _err(P.parse_chat_request, {**CHAT, "structured_outputs": {"whitespace_pattern": " "}})
+    e = _err(R.parse_chat_request, {**CHAT, "structured_outputs": {"whitespace_pattern": " "}})
     assert e.param == "structured_outputs.whitespace_pattern" and "not supported" in e.message
 
 
@@ -159,22 +159,22 @@ def test_structured_outputs_switches():
 def test_structured_outputs_reach_the_grammar(so, kind, spec):
     for parse, body in PARSERS:
         assert parse({**body, "structured_outputs": so}).sampling.grammar_key == (kind, spec)
-    assert P.parse_chat_request({**CHAT, "structured_outputs": {"json_object": False}}
+    assert R.parse_chat_request({**CHAT, "structured_outputs": {"json_object": False}}
                                 ).sampling.grammar_key is None
 
 
 def test_structured_outputs_conflicts_name_the_fields():
-    e = _err(P.parse_chat_request, {**CHAT, "structured_outputs": {"regex": "a", "choice": ["b"]}})
+    e = _err(R.parse_chat_request, {**CHAT, "structured_outputs": {"regex": "a", "choice": ["b"]}})
     assert e.param == "structured_outputs.choice"
-    e = _err(P.parse_chat_request, {**CHAT, "guided_regex": "a", "structured_outputs": {"regex": "b"}})
+    e = _err(R.parse_chat_request, {**CHAT, "guided_regex": "a", "structured_outputs": {"regex": "b"}})
     assert e.param == "structured_outputs.regex" and "guided_regex" in e.message
 
 
 def test_stop_regex_include_stop_str_and_cache_salt():
-    sp = P.parse_completion_request({**COMPLETION, "stop_regex": ["a+b"],
+    sp = R.parse_completion_request({**COMPLETION, "stop_regex": ["a+b"],
                                      "include_stop_str_in_output": True}).sampling
     assert sp.stop_regexes == ["a+b"] and sp.no_stop_trim
-    assert not P.parse_completion_request(COMPLETION).sampling.no_stop_trim
+    assert not R.parse_completion_request(COMPLETION).sampling.no_stop_trim
     for model, body in ((S.ChatCompletionRequest, CHAT), (S.CompletionRequest, COMPLETION)):
         assert S.parse(model, {**body, "cache_salt": "s" * 256}).cache_salt == "s" * 256
         with pytest.raises(ApiError) as info:
@@ -183,14 +183,14 @@ def test_stop_regex_include_stop_str_and_cache_salt():
 
 
 def test_vllm_output_extras_parse_and_bounds():
-    r = P.parse_completion_request({**COMPLETION, "prompt_logprobs": 3, "truncate_prompt_tokens": 7,
+    r = R.parse_completion_request({**COMPLETION, "prompt_logprobs": 3, "truncate_prompt_tokens": 7,
                                     "return_token_ids": True})
     assert (r.extras.prompt_logprobs, r.extras.truncate_prompt_tokens, r.extras.return_token_ids) == \
         (3, 7, True)
-    r = P.parse_chat_request({**CHAT, "stream": True, "stream_options": {
+    r = R.parse_chat_request({**CHAT, "stream": True, "stream_options": {
         "include_usage": True, "continuous_usage_stats": True}})
     assert r.extras.continuous_usage
-    r = P.parse_chat_request({**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    r = R.parse_chat_request({**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}})
     assert not r.extras.continuous_usage                  # as vLLM: only with include_usage
     for body, param in (({"prompt_logprobs": 21}, "prompt_logprobs"),
                         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
@@ -199,8 +199,8 @@ def test_vllm_output_extras_parse_and_bounds():
                         ({"return_token_ids": 1}, "return_token_ids")):
         for parse, base in PARSERS:
             assert _err(parse, {**base, **body}).param == param
-    assert P.truncate_prompt([1, 2, 3, 4], 2) == [3, 4]
-    assert P.truncate_prompt([1, 2], 5) == [1, 2] and P.truncate_prompt([1, 2], None) == [1, 2]
+    assert R.truncate_prompt([1, 2, 3, 4], 2) == [3, 4]
+    assert R.truncate_prompt([1, 2], 5) == [1, 2] and R.truncate_prompt([1, 2], None) == [1, 2]
 
 
 def test_parallel_tool_calls_false_stops_after_the_first_call():
@@ -208,7 +208,7 @@ def test_parallel_tool_calls_false_stops_after_the_first_call():
     assert json.loads(T.tool_grammar(functions, choice))["format"]["stop_after_first"] is False
     tag = json.loads(T.tool_grammar(functions, choice, parallel=False))
     assert tag["format"]["stop_after_first"] is True
-    assert P.parse_chat_request({**CHAT, "parallel_tool_calls": False}).parallel_tool_calls is False
+    assert R.parse_chat_request({**CHAT, "parallel_tool_calls": False}).parallel_tool_calls is False
 
 
 # --------------------------------------------------------------------------- builders
@@ -216,26 +216,26 @@ def test_parallel_tool_calls_false_stops_after_the_first_call():
 def test_completion_logprobs_always_hold_the_token_itself():
     entries = [(-0.5, 1, "a"), (-2.0, 2, "b")]
     tops = [[(-0.5, 1, "a"), (-1.0, 3, "c")], [(-0.1, 4, "d"), (-1.0, 5, "e")]]
-    lp = P.completion_logprobs(entries, tops, 0, token_text=str)
+    lp = O.completion_logprobs(entries, tops, 0, token_text=str)
     assert lp["top_logprobs"] == [{"a": -0.5}, {"b": -2.0}]          # logprobs 0: the token only
-    lp = P.completion_logprobs(entries, tops, 1, token_text=str)
+    lp = O.completion_logprobs(entries, tops, 1, token_text=str)
     assert lp["top_logprobs"] == [{"a": -0.5}, {"d": -0.1, "b": -2.0}]   # up to k + 1, best first
-    lp = P.completion_logprobs(entries, [], 0, token_text=str)         # no alternatives computed
+    lp = O.completion_logprobs(entries, [], 0, token_text=str)         # no alternatives computed
     assert lp["top_logprobs"] == [{"a": -0.5}, {"b": -2.0}]
 
 
 def test_vllm_prompt_logprobs_shape():
-    r = P.SeqResult(0, [7, 8, 9])
+    r = O.SeqResult(0, [7, 8, 9])
     r.feed(GenerateOutput(rid="r", text_delta="x", output_ids_delta=[5], finished=True,
                           input_token_logprobs=[(None, 7, "a"), (-1.5, 8, "b"), (float("-inf"), 9, "c")],
                           input_top_logprobs=[[], [(-0.2, 3, "t"), (-1.5, 8, "b")], [(-0.1, 3, "t")]]))
-    out = P.vllm_prompt_logprobs(r, 2, token_text=str)
+    out = O.vllm_prompt_logprobs(r, 2, token_text=str)
     assert out == [None,
                    {"8": {"logprob": -1.5, "rank": 2, "decoded_token": "b"},
                     "3": {"logprob": -0.2, "rank": 1, "decoded_token": "t"}},
                    {"9": {"logprob": -9999.0, "rank": None, "decoded_token": "c"},
                     "3": {"logprob": -0.1, "rank": 1, "decoded_token": "t"}}]
-    assert [list(x) if x else x for x in P.vllm_prompt_logprobs(r, 0, token_text=str)] == \
+    assert [list(x) if x else x for x in O.vllm_prompt_logprobs(r, 0, token_text=str)] == \
         [None, ["8"], ["9"]]
 
 

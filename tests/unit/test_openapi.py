@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from radixserve.config import ServerArgs
 from radixserve.engine.io import GenerateOutput
 from radixserve.errors import ApiError
-from radixserve.server import protocol as P
+from radixserve.server import render as O, requests as R
 from radixserve.server.app import create_app
 from radixserve.server.openapi import openapi_document
 
@@ -98,8 +98,8 @@ def test_served_document_matches_and_schemas_are_valid_json_schema():
 def test_request_schemas_agree_with_the_parsers(model, body, valid):
     """A body the document calls valid passes the model; one it calls invalid is a 400."""
     assert _validator(model).is_valid(body) is valid
-    parse = {"ChatCompletionRequest": P.parse_chat_request, "CompletionRequest": P.parse_completion_request,
-             "GenerateRequest": P.parse_generate_request, "AbortRequest": P.parse_abort_request}[model]
+    parse = {"ChatCompletionRequest": R.parse_chat_request, "CompletionRequest": R.parse_completion_request,
+             "GenerateRequest": R.parse_generate_request, "AbortRequest": R.parse_abort_request}[model]
     if valid:
         parse(body)
     else:
@@ -109,7 +109,7 @@ def test_request_schemas_agree_with_the_parsers(model, body, valid):
 
 
 def _result():
-    r = P.SeqResult(0, [1, 2])
+    r = O.SeqResult(0, [1, 2])
     r.feed(GenerateOutput(rid="r", text_delta="hi", output_ids_delta=[4, 5], finished=True,
                           finish_reason={"type": "stop", "matched": "!"}, prompt_tokens=2,
                           completion_tokens=2, output_token_logprobs_delta=[(-1.0, 4, "h"), (-2.0, 5, "i")],
@@ -120,13 +120,13 @@ def _result():
 def test_response_builders_match_the_documented_schemas():
     r, text = _result(), lambda i: "t"
     cases = [
-        ("ChatCompletion", P.chat_response("id", 1, "m", [r], 1, True, 1, text)),
-        ("ChatCompletionChunk", P.chat_chunk("id", 1, "m", 0, {"content": "x"}, "stop", usage_null=True)),
-        ("ChatCompletionChunk", P.usage_chunk("id", "chat.completion.chunk", 1, "m", P.usage_dict([r], 1))),
-        ("TextCompletion", P.completion_response("id", 1, "m", [P.completion_choice(r, "", 1, text)], [r], 1)),
-        ("TextCompletionChunk", P.completion_chunk("id", 1, "m", 0, "t", None)),
-        ("GenerateResult", P.native_result(r, "rid", True)),
-        ("GenerateResult", {**P.native_result(P.SeqResult(0, [1]), "rid", False), "index": 3}),
+        ("ChatCompletion", O.chat_response("id", 1, "m", [r], 1, True, 1, text)),
+        ("ChatCompletionChunk", O.chat_chunk("id", 1, "m", 0, {"content": "x"}, "stop", usage_null=True)),
+        ("ChatCompletionChunk", O.usage_chunk("id", "chat.completion.chunk", 1, "m", O.usage_dict([r], 1))),
+        ("TextCompletion", O.completion_response("id", 1, "m", [O.completion_choice(r, "", 1, text)], [r], 1)),
+        ("TextCompletionChunk", O.completion_chunk("id", 1, "m", 0, "t", None)),
+        ("GenerateResult", O.native_result(r, "rid", True)),
+        ("GenerateResult", {**O.native_result(O.SeqResult(0, [1]), "rid", False), "index": 3}),
         ("ErrorResponse", ApiError("bad", 400, "n").body()),
         ("ErrorResponse", ApiError("gone", 503).body()),
     ]

@@ -124,11 +124,11 @@ def test_a_grammar_constrains_the_answer_after_the_reasoning(extra):
     that leaves a <think> block free and constrains what follows (compiled with xgrammar)."""
     import xgrammar as xgr
 
-    from radixserve.server import openai_api, protocol as P
+    from radixserve.server import openai_api, requests as R
 
     engine, _ = _client("qwen3")
     body = {**CHAT, **extra}
-    req = P.parse_chat_request(body)
+    req = R.parse_chat_request(body)
     openai_api._chat_tools(engine, body, req)
     before = req.sampling.grammar_key
     assert openai_api._apply_reasoning_parser(engine, req) == "qwen3"
@@ -141,18 +141,18 @@ def test_a_grammar_constrains_the_answer_after_the_reasoning(extra):
                      ("<think>no answer</think>\n\nplain words", False), ("plain words", False)):
         assert xgr.testing._is_grammar_accept_string(grammar, text) is ok, text
     # separate_reasoning false: no split, the grammar as it was
-    req = P.parse_chat_request({**body, "separate_reasoning": False})
+    req = R.parse_chat_request({**body, "separate_reasoning": False})
     openai_api._chat_tools(engine, body, req)
     key = req.sampling.grammar_key
     assert openai_api._apply_reasoning_parser(engine, req) is None and req.sampling.grammar_key == key
 
 
 def test_a_structural_tag_of_the_older_form_is_left_unsplit():
-    from radixserve.server import openai_api, protocol as P
+    from radixserve.server import openai_api, requests as R
 
     engine, _ = _client("qwen3")
     old = {"type": "structural_tag", "structures": [], "triggers": []}
-    req = P.parse_chat_request({**CHAT, "structural_tag": old})
+    req = R.parse_chat_request({**CHAT, "structural_tag": old})
     key = req.sampling.grammar_key
     assert openai_api._apply_reasoning_parser(engine, req) is None and req.sampling.grammar_key == key
 

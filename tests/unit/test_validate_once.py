@@ -13,7 +13,7 @@ from radixserve.engine import validation
 from radixserve.errors import ApiError, RequestError
 from radixserve.sampling import params as sp_module
 from radixserve.sampling.params import BOUNDS, SamplingParams
-from radixserve.server import protocol as P
+from radixserve.server import requests as R
 from radixserve.server import schemas as S
 from radixserve.server.app import create_app
 
@@ -142,7 +142,7 @@ def test_the_schema_checks_with_the_one_check(monkeypatch):
     monkeypatch.setattr(sp_module, "number_problem",
                         lambda name, v: "is refused by the table" if name == "temperature" else None)
     with pytest.raises(ApiError) as info:
-        P.parse_chat_request({**CHAT, "temperature": 0.5})
+        R.parse_chat_request({**CHAT, "temperature": 0.5})
     assert info.value.param == "temperature"
     assert info.value.message == "temperature is refused by the table"
 
@@ -176,9 +176,9 @@ def test_the_field_is_taken_from_the_error_never_its_message(monkeypatch):
         raise RequestError("the seed leaves no room for n samples", param="seed")
 
     monkeypatch.setattr(SamplingParams, "verify", refuse)
-    e = pytest.raises(ApiError, P.sampling_params_from_dict, {"seed": 1}).value
+    e = pytest.raises(ApiError, R.sampling_params_from_dict, {"seed": 1}).value
     assert (e.param, e.message) == ("seed", "the seed leaves no room for n samples")
-    e = pytest.raises(ApiError, P.sampling_params_from_dict, {"seed": 1},
+    e = pytest.raises(ApiError, R.sampling_params_from_dict, {"seed": 1},
                       where="sampling_params[1]").value
     assert e.param == "sampling_params[1].seed"
 
@@ -186,9 +186,9 @@ def test_the_field_is_taken_from_the_error_never_its_message(monkeypatch):
         raise RequestError("max_new_tokens is too many", param="max_new_tokens")
 
     monkeypatch.setattr(SamplingParams, "verify", too_many)
-    e = pytest.raises(ApiError, P.sampling_params_from_dict, {}, openai_names=True).value
+    e = pytest.raises(ApiError, R.sampling_params_from_dict, {}, openai_names=True).value
     assert (e.param, e.message) == ("max_tokens", "max_tokens is too many")
-    e = pytest.raises(ApiError, P.sampling_params_from_dict, {},
+    e = pytest.raises(ApiError, R.sampling_params_from_dict, {},
                       names={"max_new_tokens": "max_output_tokens"}).value
     assert (e.param, e.message) == ("max_output_tokens", "max_output_tokens is too many")
 

@@ -2,8 +2,8 @@
 which the offline Engine shares): validate them all before anything starts, and drive their
 engine generators together.
 
-Each sequence is validated once: the route checks its prompt (protocol.check_prompt_ids) and
-builds its SamplingParams verified (protocol.sampling_params_from_dict); validate_all has the
+Each sequence is validated once: the route checks its prompt (requests.check_prompt_ids) and
+builds its SamplingParams verified (requests.sampling_params_from_dict); validate_all has the
 engine validate the rest of each sequence (prompt_checked=True: the prompt is not walked again;
 verified SamplingParams are not verified again); merge_generations then starts them with
 validated=True, so the engine does not validate them a second time.
@@ -24,9 +24,9 @@ from starlette.types import Receive
 from radixserve.engine.io import GenerateOutput, GenerateReqInput
 from radixserve.engine.validation import max_prompt_tokens
 from radixserve.errors import ApiError, EngineOverloaded, bad_request
-from radixserve.server import protocol as P
+from radixserve.server import requests as R
 from radixserve.server.metrics import RequestMetrics
-from radixserve.server.protocol import SeqResult
+from radixserve.server.render import SeqResult
 from radixserve.server.sse import wait_for_disconnect
 from radixserve.tokenizer.tokenizer import TooManyTokens
 
@@ -86,7 +86,7 @@ async def encode_prompt(engine, text: str, param: str, add_special_tokens: bool 
 
     With `must_fit` (the prompt is used whole: no truncate_prompt_tokens), a text too long to
     fit the context in any tokenization is a 400 before it is encoded (check_prompt_chars), and
-    one with context_len tokens or more a 400 before its ids are listed (protocol.
+    one with context_len tokens or more a 400 before its ids are listed (requests.
     prompt_too_long). A text shorter than OFF_LOOP_CHARS is encoded inline (a thread hop costs
     more); a longer one on the encode pool, --tokenizer-worker-num threads, so at most that
     many long encodes run at once and the others wait their turn; the tokenizer releases the
@@ -104,7 +104,7 @@ async def encode_prompt(engine, text: str, param: str, add_special_tokens: bool 
         workers = engine.server_args.tokenizer_worker_num
         return await asyncio.get_running_loop().run_in_executor(_encode_pool(workers), work)
     except TooManyTokens as e:
-        raise P.prompt_too_long(e.count, engine.context_len, param) from None
+        raise R.prompt_too_long(e.count, engine.context_len, param) from None
 
 
 # the request fields a grammar of each kind can come from, in the order they are looked for
@@ -136,7 +136,7 @@ async def check_grammars(engine, reqs: Sequence[GenerateReqInput], body: Optiona
 
 def validate_all(engine, reqs: Sequence[GenerateReqInput], prompt_checked: bool = True) -> None:
     """engine.validate on every sequence, once (its ValueError becomes a 400 naming the error's
-    param); prompt_checked: the route checked every prompt with protocol.check_prompt_ids, so
+    param); prompt_checked: the route checked every prompt with requests.check_prompt_ids, so
     the engine does not walk it again. Then a 400 when there are more sequences than the
     waiting queue ever holds (--max-queued-requests: a retry could never succeed); then room in
     the engine's waiting queue for all of them now (else a 503 with Retry-After; nothing

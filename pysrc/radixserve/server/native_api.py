@@ -16,7 +16,8 @@ from starlette.responses import PlainTextResponse, Response
 from radixserve.engine.io import GenerateReqInput, expand_requests
 from radixserve.errors import ApiError, bad_request
 from radixserve.sampling.params import SamplingParams
-from radixserve.server import protocol as P
+from radixserve.server import render as O
+from radixserve.server import requests as R
 from radixserve.server.generation import (ClientDisconnected, check_grammars, collect,
                                           encode_prompt, merge_generations, validate_all)
 from radixserve.server.jsonio import JSONResponse, error_response
@@ -45,12 +46,12 @@ class NativeJob:
 async def prepare_generate(engine, body: dict) -> NativeJob:
     """Parse, tokenize and validate a /generate body and compile its grammars; nothing runs
     yet. Bad input raises ApiError (a 4xx naming the field)."""
-    req = P.parse_generate_request(body)
+    req = R.parse_generate_request(body)
     prompt_param = "text" if body.get("text") is not None else "input_ids"
     prompt_ids = [await encode_prompt(engine, p, prompt_param) if isinstance(p, str)
                   else p for p in req.prompts]
     for ids, sp in zip(prompt_ids, req.sampling):
-        P.check_prompt_ids(ids, engine.model_config.vocab_size, engine.context_len,
+        R.check_prompt_ids(ids, engine.model_config.vocab_size, engine.context_len,
                            sp.max_new_tokens, prompt_param, "max_new_tokens")
     # every prompt of a batch takes the same n (SGLang's rule): the first prompt's
     n = req.sampling[0].n
@@ -73,9 +74,9 @@ async def run_generate(engine, job: NativeJob, receive=None,
                        metrics: Optional[RequestMetrics] = None):
     """Run a non-streamed job to its end: /generate's JSON answer (a dict, or a list of them).
     With `receive`, a client disconnect aborts it and raises ClientDisconnected."""
-    results = [P.SeqResult(i, job.seq_prompts[i]) for i in range(len(job.reqs))]
+    results = [O.SeqResult(i, job.seq_prompts[i]) for i in range(len(job.reqs))]
     await collect(engine, job.reqs, results, receive, metrics)
-    out = [P.native_result(r, job.reqs[r.index].rid, job.return_logprob[r.index])
+    out = [O.native_result(r, job.reqs[r.index].rid, job.return_logprob[r.index])
            for r in results]
     return out if job.many else out[0]
 
@@ -85,12 +86,12 @@ async def generate_chunks(engine, job: NativeJob,
     """A streamed job's chunks, each with the CUMULATIVE text and output ids so far of one
     sequence (SGLang's native streaming); batches add "index". Engine errors propagate; closing
     the iterator aborts the unfinished sequences."""
-    results = [P.SeqResult(i, job.seq_prompts[i]) for i in range(len(job.reqs))]
+    results = [O.SeqResult(i, job.seq_prompts[i]) for i in range(len(job.reqs))]
     gen = merge_generations(engine, job.reqs, metrics)
     try:
         async for i, out in gen:
             results[i].feed(out)
-            chunk = P.native_result(results[i], job.reqs[i].rid, job.return_logprob[i])
+            chunk = O.native_result(results[i], job.reqs[i].rid, job.return_logprob[i])
             if job.many:
                 chunk["index"] = i
             yield chunk
@@ -138,7 +139,7 @@ async def health_generate(request: Request, engine) -> Response:
     ids = engine.tokenizer.encode("hi", add_special_tokens=False) or [0]
     req = GenerateReqInput(rid=f"health-{uuid.uuid4().hex}", input_ids=ids[:1],
                            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
-    results = [P.SeqResult(0, req.input_ids)]
+    results = [O.SeqResult(0, req.input_ids)]
     try:
         # not through validate_all (no queue-capacity refusal): the engine validates it
         await asyncio.wait_for(collect(engine, [req], results, validated=False),
@@ -202,7 +203,7 @@ async def abort_request(request: Request, engine) -> Response:
     """Abort a live request of this client's (security.ClientView.abort), or with abort_all
     every live request of this client (ClientView.abort_all); 200 whether or not there was one
     to abort."""
-    rid = P.parse_abort_request(await read_json_object(request))
+    rid = R.parse_abort_request(await read_json_object(request))
     if rid is None:
         engine.abort_all()
     else:

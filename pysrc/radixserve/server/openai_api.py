@@ -1,9 +1,15 @@
 """OpenAI-compatible routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
 
-Each handler: parse + validate the body (protocol.py), tokenize, check the context, expand
-prompts x n into engine requests, validate them all with the engine, then either collect the
-outputs into one JSON body or stream SSE chunks. Errors before the first byte are 4xx bodies;
-an error after the stream started is sent as an error event followed by [DONE].
+Chat and completions run one route skeleton (`_serve`): read the body and check `model`,
+parse it (server/requests.py), build the prompts' token ids, check each against the context,
+expand prompts x n into engine requests, validate them all with the engine and compile their
+grammars, then either stream SSE chunks or collect the outputs into one JSON body, rendered by
+server/render.py. A `_Route` holds what differs between the two: how the body becomes prompts
+(chat: tools, reasoning parser and chat template over one conversation; completions: a batch
+of texts or token ids, and echo), and which chunks and response the outputs render to.
+Errors before the first byte are 4xx bodies (an engine abort of a collected request is the
+503 or 400 of render.abort_error); an error after the stream started is sent as an error
+event followed by [DONE]; a client that leaves a collected request gets 499.
 """
 from __future__ import annotations
 
@@ -12,17 +18,18 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import AsyncIterator, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.engine.io import GenerateReqInput, expand_requests
+from radixserve.engine.io import GenerateOutput, GenerateReqInput, expand_requests
 from radixserve.errors import ApiError, bad_request
 from radixserve.parsers import tool_calls as T
 from radixserve.parsers.reasoning import (ReasoningSplitter, reasoning_token_count,
                                           split_reasoning, with_reasoning_grammar)
-from radixserve.server import protocol as P
+from radixserve.server import render as O
+from radixserve.server import requests as R
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.generation import (ClientDisconnected, check_grammars, collect,
                                           encode_prompt, merge_generations, validate_all)
@@ -32,6 +39,7 @@ from radixserve.server.sse import DONE_EVENT, EventStreamResponse, encode_event
 from radixserve.tokenizer.chat_template import MAX_RENDER_SECONDS, RenderLimits
 
 logger = logging.getLogger(__name__)
+
 
 
 def _max_param(body: dict) -> str:
@@ -67,11 +75,129 @@ async def _stream_errors_as_events(events: AsyncIterator[bytes]) -> AsyncIterato
     yield DONE_EVENT
 
 
-def _raise_if_aborted(results: Sequence[P.SeqResult]) -> None:
+def _raise_if_aborted(results: Sequence[O.SeqResult]) -> None:
     for r in results:
-        err = P.abort_error(r.finish_reason)
+        err = O.abort_error(r.finish_reason)
         if err is not None:
             raise err
+
+
+# --------------------------------------------------------------------------- the route skeleton
+
+class _Route:
+    """What one OpenAI generation route adds to the skeleton (`_serve`); one per request.
+
+    The constructor parses the body (a 400 for a bad one) into `req`; `prompt_ids` builds the
+    prompts' token ids (the skeleton checks each against the context, naming `prompt_param`),
+    after which `prompts_checked` may prepare what rendering needs. `_serve` then sets `rid`,
+    `created`, `model` and `results` (sequence i of prompt i // n) before any output arrives.
+    Streaming: `opening_chunks` first, `chunks` for each engine output (its SeqResult already
+    fed), and with include_usage a last chunk of `chunk_object` carrying `stream_usage`.
+    Collected: `response` once every sequence finished without an abort."""
+
+    rid_prefix: str             # the response id's prefix (chatcmpl, cmpl)
+    chunk_object: str           # the streamed chunks' `object`
+    prompt_param: str           # the field a prompt that does not fit names
+    grammar_origin: Optional[str] = None   # check_grammars' origin (see there)
+    req: Union[R.ChatRequest, R.CompletionRequest]
+
+    rid: str
+    created: int
+    model: str
+    results: List[O.SeqResult]
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def prompt_ids(self) -> List[List[int]]:
+        raise NotImplementedError
+
+    def prompts_checked(self, prompt_ids: List[List[int]]) -> None:
+        """Every prompt passed check_prompt_ids; nothing has been sent to the engine yet."""
+
+    def logprob_options(self) -> Tuple[bool, int, bool]:
+        """(output logprobs?, top alternatives per token, prompt logprobs for echo?)."""
+        raise NotImplementedError
+
+    def opening_chunks(self) -> Iterator[dict]:
+        return iter(())
+
+    def chunks(self, i: int, out: GenerateOutput) -> Iterator[dict]:
+        raise NotImplementedError
+
+    def stream_usage(self) -> dict:
+        return O.usage_dict(self.results, self.req.n)
+
+    def response(self) -> dict:
+        raise NotImplementedError
+
+
+async def _serve(request: Request, engine, route_type: Type[_Route]) -> Response:
+    """The skeleton of /v1/chat/completions and /v1/completions: parse the body, build the
+    engine requests, then stream or collect, rendering through the route."""
+    body = await read_json_object(request)
+    R.check_model(body, engine.served_model_name, _model_aliases(engine))
+    route = route_type(engine, body)
+    req = route.req
+    prompt_ids = await route.prompt_ids()
+    for ids in prompt_ids:
+        R.check_prompt_ids(ids, engine.model_config.vocab_size, engine.context_len,
+                           req.sampling.max_new_tokens, route.prompt_param, _max_param(body))
+    route.prompts_checked(prompt_ids)
+    count = len(prompt_ids)
+    route.rid = f"{route.rid_prefix}-{uuid.uuid4().hex}"
+    logprobs, top, echo_logprobs = route.logprob_options()
+    reqs = expand_requests(route.rid, prompt_ids, req.n, [req.sampling] * count, req.stream,
+                           **_logprob_args(logprobs, top, echo_logprobs, req.extras,
+                                           req.stream and req.sampling.grammar_key is not None,
+                                           count),
+                           cache_salts=[req.cache_salt] * count)
+    validate_all(engine, reqs)
+    await check_grammars(engine, reqs, body, origin=route.grammar_origin)
+    route.created = int(time.time())
+    route.model = engine.served_model_name
+    # sequence i belongs to prompt i // n
+    route.results = [O.SeqResult(i, prompt_ids[i // req.n]) for i in range(len(reqs))]
+    metrics = request_metrics(request)
+    if req.stream:
+        return EventStreamResponse(_stream_errors_as_events(_events(route, reqs, metrics)))
+    try:
+        await collect(engine, reqs, route.results, request.receive, metrics)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    _raise_if_aborted(route.results)
+    return JSONResponse(route.response())
+
+
+async def _events(route: _Route, reqs: Sequence[GenerateReqInput],
+                  metrics: Optional[RequestMetrics] = None) -> AsyncIterator[bytes]:
+    """A streamed request's SSE events (before [DONE], which _stream_errors_as_events adds):
+    the route's opening chunks, its chunks for each output as the engine produces it (an abort
+    raises), and with include_usage the usage chunk."""
+    for chunk in route.opening_chunks():
+        yield encode_event(chunk)
+    async for i, out in merge_generations(route.engine, reqs, metrics):
+        route.results[i].feed(out)
+        _raise_if_aborted([route.results[i]])
+        for chunk in route.chunks(i, out):
+            yield encode_event(chunk)
+    if route.req.include_usage:
+        yield encode_event(O.usage_chunk(route.rid, route.chunk_object, route.created,
+                                         route.model, route.stream_usage()))
+
+
+def _logprob_args(logprobs: bool, top: int, echo_logprobs: bool, extras: R.OutputExtras,
+                  stable_ids: bool, count: int) -> dict:
+    """expand_requests' logprob settings for `count` prompts: output logprobs with `top`
+    alternatives; prompt logprobs (from position 0) for echo_logprobs or vLLM's
+    prompt_logprobs, the engine's top count the larger of the two (the builders cut each to
+    its own). stable_ids (streamed token_ids under a grammar): logprobs on, which keeps
+    jump-forward off, so streamed ids are never taken back."""
+    want_prompt = echo_logprobs or extras.wants_prompt_logprobs
+    return {"return_logprob": [bool(logprobs or want_prompt or stable_ids)] * count,
+            "logprob_start_len": [0 if want_prompt else -1] * count,
+            "top_logprobs_num": [max(top, extras.prompt_logprobs or 0)] * count,
+            "return_text_in_logprobs": True}
 
 
 # --------------------------------------------------------------------------- chat
@@ -83,7 +209,7 @@ def render_limits(engine) -> RenderLimits:
     return RenderLimits(max_seconds=MAX_RENDER_SECONDS if seconds is None else float(seconds))
 
 
-async def _render_chat(engine, req: P.ChatRequest, tools: "_Tools") -> List[int]:
+async def _render_chat(engine, req: R.ChatRequest, tools: "_Tools") -> List[int]:
     """The chat's prompt ids (see render_messages)."""
     return await render_messages(engine, tools.messages, req.add_generation_prompt,
                                  tools.template_tools, template_kwargs=req.template_kwargs,
@@ -131,7 +257,7 @@ class _Tools:
         return bool(self.functions)
 
 
-def _chat_tools(engine, body: dict, req: P.ChatRequest) -> _Tools:
+def _chat_tools(engine, body: dict, req: R.ChatRequest) -> _Tools:
     """Validate tools / tool_choice; the tool grammar goes into req.sampling."""
     functions, choice = T.check_tools(req.tools, body.get("tool_choice"))
     fmt = T.get_format(getattr(engine.server_args, "tool_call_parser", None))
@@ -148,7 +274,7 @@ def _chat_tools(engine, body: dict, req: P.ChatRequest) -> _Tools:
                   req.tools if (knows and used) else None)
 
 
-def _apply_reasoning_parser(engine, req: P.ChatRequest) -> Optional[str]:
+def _apply_reasoning_parser(engine, req: R.ChatRequest) -> Optional[str]:
     """--reasoning-parser for this request, or None when the request asked for no split
     (separate_reasoning false). A grammar of the request (response_format, tools) is wrapped
     so that it constrains the answer after the reasoning (reasoning.with_reasoning_grammar);
@@ -163,7 +289,7 @@ def _apply_reasoning_parser(engine, req: P.ChatRequest) -> Optional[str]:
     return parser
 
 
-def _with_reasoning(response: dict, parser: str, results: Sequence[P.SeqResult],
+def _with_reasoning(response: dict, parser: str, results: Sequence[O.SeqResult],
                     tokenizer) -> dict:
     """Split each choice's content into message.reasoning_content and the answer; usage gets
     completion_tokens_details.reasoning_tokens."""
@@ -186,57 +312,6 @@ def _with_tool_calls(response: dict, fmt: T.ToolFormat) -> dict:
             msg["content"], msg["tool_calls"] = content, calls
             choice["finish_reason"] = "tool_calls"
     return response
-
-
-async def chat_completions(request: Request, engine) -> Response:
-    body = await read_json_object(request)
-    P.check_model(body, engine.served_model_name, _model_aliases(engine))
-    req = P.parse_chat_request(body)
-    tools = _chat_tools(engine, body, req)
-    origin = req.sampling.grammar_key[0] if req.sampling.grammar_key else None
-    parser = _apply_reasoning_parser(engine, req)
-    prompt_ids = P.truncate_prompt(await _render_chat(engine, req, tools),
-                                   req.extras.truncate_prompt_tokens)
-    P.check_prompt_ids(prompt_ids, engine.model_config.vocab_size, engine.context_len,
-                       req.sampling.max_new_tokens, "messages", _max_param(body))
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    reqs = expand_requests(rid, [prompt_ids], req.n, [req.sampling], req.stream,
-                           **_logprob_args(req.logprobs, req.top_logprobs, False, req.extras,
-                                           req.stream and req.sampling.grammar_key is not None, 1),
-                           cache_salts=[req.cache_salt])
-    validate_all(engine, reqs)
-    await check_grammars(engine, reqs, body, origin=origin)
-    created = int(time.time())
-    model = engine.served_model_name
-    if req.stream:
-        return EventStreamResponse(_stream_errors_as_events(
-            _chat_events(engine, rid, created, model, req, reqs, prompt_ids,
-                         request_metrics(request), tools.fmt if tools.active else None, parser)))
-    results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
-    try:
-        await collect(engine, reqs, results, request.receive, request_metrics(request))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    _raise_if_aborted(results)
-    response = P.chat_response(rid, created, model, results, req.n, req.logprobs,
-                               req.top_logprobs, engine.tokenizer.token_text, req.extras)
-    if parser is not None:
-        response = _with_reasoning(response, parser, results, engine.tokenizer)
-    return JSONResponse(_with_tool_calls(response, tools.fmt) if tools.active else response)
-
-
-def _logprob_args(logprobs: bool, top: int, echo_logprobs: bool, extras: P.OutputExtras,
-                  stable_ids: bool, count: int) -> dict:
-    """expand_requests' logprob settings for `count` prompts: output logprobs with `top`
-    alternatives; prompt logprobs (from position 0) for echo_logprobs or vLLM's
-    prompt_logprobs, the engine's top count the larger of the two (the builders cut each to
-    its own). stable_ids (streamed token_ids under a grammar): logprobs on, which keeps
-    jump-forward off, so streamed ids are never taken back."""
-    want_prompt = echo_logprobs or extras.wants_prompt_logprobs
-    return {"return_logprob": [bool(logprobs or want_prompt or stable_ids)] * count,
-            "logprob_start_len": [0 if want_prompt else -1] * count,
-            "top_logprobs_num": [max(top, extras.prompt_logprobs or 0)] * count,
-            "return_text_in_logprobs": True}
 
 
 class _ChoiceText:
@@ -290,116 +365,187 @@ class _ChoiceText:
         return self._tools.feed(piece) if self._tools is not None else piece
 
 
-async def _chat_events(engine, rid: str, created: int, model: str, req: P.ChatRequest,
-                       reqs: Sequence[GenerateReqInput], prompt_ids: List[int],
-                       metrics: Optional[RequestMetrics] = None,
-                       tools: Optional[T.ToolFormat] = None,
-                       reasoning_parser: Optional[str] = None) -> AsyncIterator[bytes]:
-    results = [P.SeqResult(i, prompt_ids) for i in range(len(reqs))]
-    usage_null = req.include_usage
-    ex = req.extras
-    texts = [_ChoiceText(reasoning_parser, req.stream_reasoning, tools) for _ in reqs]
+class _Chat(_Route):
+    """/v1/chat/completions: one conversation rendered by the chat template; tools (their
+    grammar, and the calls parsed out of the content) and --reasoning-parser (the reasoning
+    split from the answer)."""
 
-    def usage(i: int) -> Optional[dict]:          # continuous_usage_stats: on every chunk
-        return P.seq_usage(results[i]) if ex.continuous_usage else None
+    rid_prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
+    prompt_param = "messages"
+    req: R.ChatRequest
 
-    for i in range(len(reqs)):
-        yield encode_event(P.chat_chunk(
-            rid, created, model, i, {"role": "assistant", "content": ""}, usage_null=usage_null,
-            usage=usage(i), chunk_extra={"prompt_token_ids": prompt_ids} if ex.return_token_ids else None))
-    async for i, out in merge_generations(engine, reqs, metrics):
-        results[i].feed(out)
-        _raise_if_aborted([results[i]])
+    def __init__(self, engine, body: dict):
+        super().__init__(engine)
+        self.req = req = R.parse_chat_request(body)
+        self.tools = _chat_tools(engine, body, req)
+        self.grammar_origin = req.sampling.grammar_key[0] if req.sampling.grammar_key else None
+        self.parser = _apply_reasoning_parser(engine, req)
+        self.texts: List[_ChoiceText] = []        # each streamed choice's text, once checked
+
+    async def prompt_ids(self) -> List[List[int]]:
+        req = self.req
+        return [R.truncate_prompt(await _render_chat(self.engine, req, self.tools),
+                                  req.extras.truncate_prompt_tokens)]
+
+    def prompts_checked(self, prompt_ids: List[List[int]]) -> None:
+        req, tools = self.req, (self.tools.fmt if self.tools.active else None)
+        self.texts = [_ChoiceText(self.parser, req.stream_reasoning, tools) for _ in range(req.n)]
+
+    def logprob_options(self) -> Tuple[bool, int, bool]:
+        return self.req.logprobs, self.req.top_logprobs, False
+
+    def response(self) -> dict:
+        req, results = self.req, self.results
+        response = O.chat_response(self.rid, self.created, self.model, results, req.n,
+                                   req.logprobs, req.top_logprobs,
+                                   self.engine.tokenizer.token_text, req.extras)
+        if self.parser is not None:
+            response = _with_reasoning(response, self.parser, results, self.engine.tokenizer)
+        return _with_tool_calls(response, self.tools.fmt) if self.tools.active else response
+
+    # streaming
+
+    def _usage(self, i: int) -> Optional[dict]:     # continuous_usage_stats: on every chunk
+        return O.seq_usage(self.results[i]) if self.req.extras.continuous_usage else None
+
+    def _chunk(self, i: int, delta: dict, finish_reason: Optional[str] = None,
+               logprobs: Optional[dict] = None, extra: Optional[dict] = None,
+               chunk_extra: Optional[dict] = None) -> dict:
+        return O.chat_chunk(self.rid, self.created, self.model, i, delta, finish_reason,
+                            logprobs, usage_null=self.req.include_usage, extra=extra,
+                            usage=self._usage(i), chunk_extra=chunk_extra)
+
+    def opening_chunks(self) -> Iterator[dict]:
+        for i, r in enumerate(self.results):
+            yield self._chunk(i, {"role": "assistant", "content": ""}, chunk_extra=(
+                {"prompt_token_ids": r.prompt_ids} if self.req.extras.return_token_ids else None))
+
+    def chunks(self, i: int, out: GenerateOutput) -> Iterator[dict]:
+        req, ex = self.req, self.req.extras
         logprobs = None
         if req.logprobs and out.output_token_logprobs_delta:
-            logprobs = P.chat_logprobs(out.output_token_logprobs_delta, out.output_top_logprobs_delta,
-                                       req.top_logprobs, engine.tokenizer.token_text)
-        reasoning, text = texts[i].feed(out.text_delta)
+            logprobs = O.chat_logprobs(out.output_token_logprobs_delta,
+                                       out.output_top_logprobs_delta, req.top_logprobs,
+                                       self.engine.tokenizer.token_text)
+        reasoning, text = self.texts[i].feed(out.text_delta)
         ids = list(out.output_ids_delta) if ex.return_token_ids else []
-        finish = P.finish_reason_str(out.finish_reason) if out.finished else None
+        finish = O.finish_reason_str(out.finish_reason) if out.finished else None
         if out.finished:
-            more_reasoning, rest, calls = texts[i].finish()
+            more_reasoning, rest, calls = self.texts[i].finish()
             reasoning, text = reasoning + more_reasoning, text + rest
-            for chunk in _tool_call_chunks(rid, created, model, i, calls, usage_null, usage(i)):
-                yield chunk
+            # one chunk per parsed call: delta.tool_calls[{index, id, type, function}] (whole
+            # arguments in one delta, which the openai client accumulates like partial ones)
+            for k, call in enumerate(calls):
+                yield self._chunk(i, {"tool_calls": [{"index": k, **call}]})
             finish = "tool_calls" if calls else finish
         if not (reasoning or text or logprobs or ids or out.finished):
-            continue
+            return
         delta = {"reasoning_content": reasoning} if reasoning else {}
         if text:
             delta["content"] = text
-        extra = {"matched_stop": P.matched_stop(out.finish_reason)} if out.finished else {}
+        extra = {"matched_stop": O.matched_stop(out.finish_reason)} if out.finished else {}
         if ex.return_token_ids:
             extra["token_ids"] = ids
-        yield encode_event(P.chat_chunk(rid, created, model, i, delta, finish, logprobs,
-                                        usage_null=usage_null, extra=extra, usage=usage(i)))
-    if req.include_usage:
-        reasoning_tokens = None if reasoning_parser is None else sum(
-            reasoning_token_count(r.output_ids, t.reasoning, engine.tokenizer)
-            for r, t in zip(results, texts))
-        yield encode_event(P.usage_chunk(rid, "chat.completion.chunk", created, model,
-                                         P.usage_dict(results, req.n, reasoning_tokens)))
+        yield self._chunk(i, delta, finish, logprobs, extra=extra)
+
+    def stream_usage(self) -> dict:
+        reasoning_tokens = None if self.parser is None else sum(
+            reasoning_token_count(r.output_ids, t.reasoning, self.engine.tokenizer)
+            for r, t in zip(self.results, self.texts))
+        return O.usage_dict(self.results, self.req.n, reasoning_tokens)
 
 
-def _tool_call_chunks(rid: str, created: int, model: str, index: int, calls: List[dict],
-                      usage_null: bool, usage: Optional[dict] = None):
-    """One chunk per parsed call: delta.tool_calls[{index, id, type, function}] (whole
-    arguments in one delta, which the openai client accumulates like partial ones)."""
-    for k, call in enumerate(calls):
-        delta = {"tool_calls": [{"index": k, **call}]}
-        yield encode_event(P.chat_chunk(rid, created, model, index, delta, usage_null=usage_null,
-                                        usage=usage))
+async def chat_completions(request: Request, engine) -> Response:
+    return await _serve(request, engine, _Chat)
 
 
 # --------------------------------------------------------------------------- completions
 
+class _Completions(_Route):
+    """/v1/completions: a batch of prompts (texts or token ids), each run n times; echo puts
+    the prompt (and with logprobs its logprobs) before each choice's text."""
+
+    rid_prefix = "cmpl"
+    chunk_object = "text_completion"
+    prompt_param = "prompt"
+    req: R.CompletionRequest
+
+    def __init__(self, engine, body: dict):
+        super().__init__(engine)
+        self.req = R.parse_completion_request(body)
+        self.encoded: List[List[int]] = []        # each prompt's ids before truncation
+        self.seq_echo: List[str] = []             # each sequence's echoed prompt ("" without echo)
+        self.sent_chars: List[int] = []           # characters of choice i's text streamed so far
+        self.started: List[bool] = []             # choice i's first chunk was sent
+
+    async def prompt_ids(self) -> List[List[int]]:
+        req, ex = self.req, self.req.extras
+        self.encoded = [await encode_prompt(self.engine, p, "prompt",
+                                            add_special_tokens=req.add_special_tokens,
+                                            must_fit=ex.truncate_prompt_tokens is None)
+                        if isinstance(p, str) else p for p in req.prompts]
+        return [R.truncate_prompt(ids, ex.truncate_prompt_tokens) for ids in self.encoded]
+
+    def prompts_checked(self, prompt_ids: List[List[int]]) -> None:
+        req, tok = self.req, self.engine.tokenizer
+        echo_texts = [_echo_text(tok, p, ids, len(ids) < len(whole)) if req.echo else ""
+                      for p, ids, whole in zip(req.prompts, prompt_ids, self.encoded)]
+        # sequence i belongs to prompt i // n
+        self.seq_echo = [echo_texts[i // req.n] for i in range(len(prompt_ids) * req.n)]
+        self.sent_chars = [0] * len(self.seq_echo)
+        self.started = [False] * len(self.seq_echo)
+
+    def logprob_options(self) -> Tuple[bool, int, bool]:
+        want = self.req.logprobs is not None
+        return want, self.req.logprobs or 0, want and self.req.echo
+
+    def response(self) -> dict:
+        req = self.req
+        choices = [O.completion_choice(r, self.seq_echo[r.index], req.logprobs,
+                                       self.engine.tokenizer.token_text, echo=req.echo,
+                                       extras=req.extras) for r in self.results]
+        return O.completion_response(self.rid, self.created, self.model, choices, self.results,
+                                     req.n)
+
+    # streaming
+
+    def chunks(self, i: int, out: GenerateOutput) -> Iterator[dict]:
+        req, ex, r = self.req, self.req.extras, self.results[i]
+        text = out.text_delta
+        entries, tops = list(out.output_token_logprobs_delta), list(out.output_top_logprobs_delta)
+        extra = {}
+        if not self.started[i]:
+            self.started[i] = True
+            text = self.seq_echo[i] + text
+            if req.echo and req.logprobs is not None:
+                p_entries, p_tops = O.prompt_logprob_entries(r)
+                entries, tops = p_entries + entries, p_tops + tops
+            if ex.return_token_ids:                  # vLLM: with the choice's first chunk
+                extra["prompt_token_ids"] = list(r.prompt_ids)
+        logprobs = None
+        if req.logprobs is not None and entries:
+            logprobs = O.completion_logprobs(entries, tops, req.logprobs,
+                                             self.engine.tokenizer.token_text, self.sent_chars[i])
+        if ex.return_token_ids:
+            extra["token_ids"] = list(out.output_ids_delta)
+        if not (text or logprobs or out.finished or extra.get("token_ids") or
+                "prompt_token_ids" in extra):
+            return
+        self.sent_chars[i] += len(text)
+        finish = O.finish_reason_str(out.finish_reason) if out.finished else None
+        if out.finished:
+            extra["matched_stop"] = O.matched_stop(out.finish_reason)
+        yield O.completion_chunk(self.rid, self.created, self.model, i, text, finish, logprobs,
+                                 usage_null=req.include_usage, extra=extra,
+                                 usage=O.seq_usage(r) if ex.continuous_usage else None)
+
+
 async def completions(request: Request, engine) -> Response:
-    body = await read_json_object(request)
-    P.check_model(body, engine.served_model_name, _model_aliases(engine))
-    req = P.parse_completion_request(body)
-    tok = engine.tokenizer
-    ex = req.extras
-    encoded = [await encode_prompt(engine, p, "prompt", add_special_tokens=req.add_special_tokens,
-                                   must_fit=ex.truncate_prompt_tokens is None)
-               if isinstance(p, str) else p for p in req.prompts]
-    prompt_ids = [P.truncate_prompt(ids, ex.truncate_prompt_tokens) for ids in encoded]
-    for ids in prompt_ids:
-        P.check_prompt_ids(ids, engine.model_config.vocab_size, engine.context_len,
-                           req.sampling.max_new_tokens, "prompt", _max_param(body))
-    echo_texts = [_echo_text(tok, p, ids, len(ids) < len(whole)) if req.echo else ""
-                  for p, ids, whole in zip(req.prompts, prompt_ids, encoded)]
-    want_logprobs = req.logprobs is not None
-    count = len(prompt_ids)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    reqs = expand_requests(rid, prompt_ids, req.n, [req.sampling] * count, req.stream,
-                           **_logprob_args(want_logprobs, req.logprobs or 0,
-                                           want_logprobs and req.echo, ex,
-                                           req.stream and req.sampling.grammar_key is not None,
-                                           count),
-                           cache_salts=[req.cache_salt] * count)
-    validate_all(engine, reqs)
-    await check_grammars(engine, reqs, body)
-    created = int(time.time())
-    model = engine.served_model_name
-    # sequence i belongs to prompt i // n
-    seq_prompts = [prompt_ids[i // req.n] for i in range(len(reqs))]
-    seq_echo = [echo_texts[i // req.n] for i in range(len(reqs))]
-    if req.stream:
-        return EventStreamResponse(_stream_errors_as_events(
-            _completion_events(engine, rid, created, model, req, reqs, seq_prompts, seq_echo,
-                               request_metrics(request))))
-    results = [P.SeqResult(i, seq_prompts[i]) for i in range(len(reqs))]
-    try:
-        await collect(engine, reqs, results, request.receive, request_metrics(request))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    _raise_if_aborted(results)
-    choices = [P.completion_choice(r, seq_echo[r.index], req.logprobs, tok.token_text,
-                                   echo=req.echo, extras=ex) for r in results]
-    return JSONResponse(P.completion_response(rid, created, model, choices, results, req.n))
+    return await _serve(request, engine, _Completions)
 
 
-def _echo_text(tok, prompt: P.Prompt, ids: List[int], truncated: bool) -> str:
+def _echo_text(tok, prompt: R.Prompt, ids: List[int], truncated: bool) -> str:
     """The prompt as echo shows it: the text sent, or (token ids, or a prompt that
     truncate_prompt_tokens cut) the ids decoded with their special tokens, so the echoed text
     matches the prompt's logprob tokens."""
@@ -407,50 +553,6 @@ def _echo_text(tok, prompt: P.Prompt, ids: List[int], truncated: bool) -> str:
         return prompt
     return tok.decode(ids, skip_special_tokens=False)
 
-
-async def _completion_events(engine, rid: str, created: int, model: str, req: P.CompletionRequest,
-                             reqs: Sequence[GenerateReqInput], seq_prompts: Sequence[List[int]],
-                             seq_echo: Sequence[str],
-                             metrics: Optional[RequestMetrics] = None) -> AsyncIterator[bytes]:
-    results = [P.SeqResult(i, seq_prompts[i]) for i in range(len(reqs))]
-    sent_chars = [0] * len(reqs)      # characters of choice i's text already streamed
-    started = [False] * len(reqs)
-    token_text = engine.tokenizer.token_text
-    usage_null = req.include_usage
-    ex = req.extras
-    async for i, out in merge_generations(engine, reqs, metrics):
-        r = results[i]
-        r.feed(out)
-        _raise_if_aborted([r])
-        text = out.text_delta
-        entries, tops = list(out.output_token_logprobs_delta), list(out.output_top_logprobs_delta)
-        extra = {}
-        if not started[i]:
-            started[i] = True
-            text = seq_echo[i] + text
-            if req.echo and req.logprobs is not None:
-                p_entries, p_tops = P.prompt_logprob_entries(r)
-                entries, tops = p_entries + entries, p_tops + tops
-            if ex.return_token_ids:                  # vLLM: with the choice's first chunk
-                extra["prompt_token_ids"] = list(r.prompt_ids)
-        logprobs = None
-        if req.logprobs is not None and entries:
-            logprobs = P.completion_logprobs(entries, tops, req.logprobs, token_text, sent_chars[i])
-        if ex.return_token_ids:
-            extra["token_ids"] = list(out.output_ids_delta)
-        if not (text or logprobs or out.finished or extra.get("token_ids") or
-                "prompt_token_ids" in extra):
-            continue
-        sent_chars[i] += len(text)
-        finish = P.finish_reason_str(out.finish_reason) if out.finished else None
-        if out.finished:
-            extra["matched_stop"] = P.matched_stop(out.finish_reason)
-        yield encode_event(P.completion_chunk(
-            rid, created, model, i, text, finish, logprobs, usage_null=usage_null, extra=extra,
-            usage=P.seq_usage(r) if ex.continuous_usage else None))
-    if req.include_usage:
-        yield encode_event(P.usage_chunk(rid, "text_completion", created, model,
-                                         P.usage_dict(results, req.n)))
 
 
 # --------------------------------------------------------------------------- models

@@ -6,7 +6,7 @@ request only: it is not carried to follow-ups) and after the stored conversation
 `previous_response_id`, rendered with the model's chat template (openai_api.render_messages),
 sampled with `temperature` / `top_p` for at most `max_output_tokens` tokens (default: up to the
 context length), constrained by `text.format` (json_object / json_schema become the same
-json_schema grammar as chat's response_format: protocol.json_format_schema, compiled up front by
+json_schema grammar as chat's response_format: requests.json_format_schema, compiled up front by
 generation.check_grammars). The answer is a Response object whose output is one assistant
 message with one output_text part, after a reasoning item (one reasoning_text part) when the
 server runs a --reasoning-parser and the output has a <think> block (parsers/reasoning.py;
@@ -70,7 +70,8 @@ from radixserve.errors import ApiError, bad_request
 from radixserve.parsers.reasoning import (ReasoningSplitter, reasoning_token_count,
                                           with_reasoning_grammar)
 from radixserve.sampling.params import SamplingParams
-from radixserve.server import protocol as P
+from radixserve.server import render as O
+from radixserve.server import requests as R
 from radixserve.server import schemas as S
 from radixserve.server.generation import (ClientDisconnected, check_grammars, collect,
                                           merge_generations, validate_all)
@@ -216,8 +217,8 @@ def _sampling(req: ResponseCreateRequest) -> SamplingParams:
         if fmt.type == "json_schema" and fmt.schema_ is None:
             raise bad_request("text.format.schema is required when text.format.type is json_schema",
                               param="text.format.schema")
-        d["json_schema"] = P.json_format_schema(fmt.type, fmt.schema_)
-    return P.sampling_params_from_dict(d, names={"max_new_tokens": "max_output_tokens"})
+        d["json_schema"] = R.json_format_schema(fmt.type, fmt.schema_)
+    return R.sampling_params_from_dict(d, names={"max_new_tokens": "max_output_tokens"})
 
 
 def _reasoning_sampling(engine, sampling: SamplingParams) -> tuple:
@@ -306,8 +307,8 @@ def _reasoning_item(rs_id: str, status: str, text: str) -> dict:
             "content": [_reasoning_part(text)]}
 
 
-def _usage(result: P.SeqResult, reasoning_tokens: int = 0) -> dict:
-    u = P.usage_dict([result], 1)
+def _usage(result: O.SeqResult, reasoning_tokens: int = 0) -> dict:
+    u = O.usage_dict([result], 1)
     return {"input_tokens": u["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
@@ -316,14 +317,14 @@ def _usage(result: P.SeqResult, reasoning_tokens: int = 0) -> dict:
             "total_tokens": u["total_tokens"]}
 
 
-def _ending(result: P.SeqResult) -> tuple:
+def _ending(result: O.SeqResult) -> tuple:
     """(status, incomplete_details) of a finished sequence."""
-    if P.finish_reason_str(result.finish_reason) == "length":
+    if O.finish_reason_str(result.finish_reason) == "length":
         return "incomplete", {"reason": "max_output_tokens"}
     return "completed", None
 
 
-def _finish(shape: _Shape, result: P.SeqResult, store: ResponseStore, owner: str,
+def _finish(shape: _Shape, result: O.SeqResult, store: ResponseStore, owner: str,
             conversation: List[dict]) -> dict:
     """The final Response object of a finished sequence, stored when asked (the answer joins
     the conversation; the reasoning does not)."""
@@ -347,7 +348,7 @@ def _finish(shape: _Shape, result: P.SeqResult, store: ResponseStore, owner: str
 async def create_response(request: Request, engine) -> Response:
     """POST /v1/responses."""
     body = await read_json_object(request)
-    P.check_model(body, engine.served_model_name, _model_aliases(engine))
+    R.check_model(body, engine.served_model_name, _model_aliases(engine))
     req = S.parse(ResponseCreateRequest, body)
     store = _store(request)
     history: List[dict] = []
@@ -363,7 +364,7 @@ async def create_response(request: Request, engine) -> Response:
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) \
         + conversation
     prompt_ids = await render_messages(engine, messages, param="input")
-    P.check_prompt_ids(prompt_ids, engine.model_config.vocab_size, engine.context_len,
+    R.check_prompt_ids(prompt_ids, engine.model_config.vocab_size, engine.context_len,
                        sampling.max_new_tokens, "input", "max_output_tokens")
     rid = f"resp_{uuid.uuid4().hex}"
     stream = bool(req.stream)
@@ -381,7 +382,7 @@ async def create_response(request: Request, engine) -> Response:
     if stream:
         return EventStreamResponse(_response_events(engine, shape, reqs, prompt_ids, store,
                                                     conversation, request_metrics(request)))
-    result = P.SeqResult(0, prompt_ids)
+    result = O.SeqResult(0, prompt_ids)
     try:
         await collect(engine, reqs, [result], request.receive, request_metrics(request))
     except ClientDisconnected:
@@ -485,7 +486,7 @@ async def _response_events(engine, shape: _Shape, reqs: Sequence[GenerateReqInpu
     seq = itertools.count()
     items = _StreamedItems(seq, shape)
     split = ReasoningSplitter(shape.parser) if shape.parser else None
-    result = P.SeqResult(0, prompt_ids)
+    result = O.SeqResult(0, prompt_ids)
     yield _event(seq, {"type": "response.created", "response": shape.response("in_progress", [])})
     yield _event(seq, {"type": "response.in_progress", "response": shape.response("in_progress", [])})
     for event in ([] if split else items.answer("")):   # no reasoning: the message at once

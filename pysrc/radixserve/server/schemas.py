@@ -21,7 +21,7 @@ Contract:
     you mean Y?)". Message objects keep unknown keys (the chat template sees them); an unknown
     key in native sampling_params is a 400; other native bodies ignore unknown keys.
 Rules across fields (exactly one of text / input_ids, one entry per prompt, prompts x n, at
-most one grammar, top_logprobs needs logprobs) are protocol.py's, which builds the engine's
+most one grammar, top_logprobs needs logprobs) are requests.py's, which builds the engine's
 types from these models.
 """
 from __future__ import annotations
@@ -461,7 +461,7 @@ Content = either(Text, Annotated[List[TextContentPart], Field(max_length=MAX_CON
 
 class ChatMessage(BaseModel):
     """One chat message. Keys beyond these are kept for the chat template (tool metadata...).
-    content may be left out only by an assistant message with tool_calls (protocol.py)."""
+    content may be left out only by an assistant message with tool_calls (requests.py)."""
     model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"anyOf": [
         {"required": ["content"]},
         {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]})
@@ -553,7 +553,7 @@ ChatTemplateKwargs = Annotated[Dict[TemplateArgName, Any], Field(max_length=MAX_
 class StructuredOutputs(_Closed):
     """vLLM's structured_outputs: at most one of json, regex, choice, grammar, json_object (true:
     any JSON object), structural_tag, each mapped onto the grammar of the same kind as the
-    top-level fields (protocol._grammar). The JSON grammars (constrained/backend.py) are
+    top-level fields (requests._grammar). The JSON grammars (constrained/backend.py) are
     always compact and closed, which is what disable_any_whitespace and
     disable_additional_properties ask for; a custom whitespace_pattern is refused."""
     json_: Optional[SchemaSpec] = Field(None, alias="json")
@@ -777,7 +777,7 @@ class AbortRequest(_Closed):
         {"required": ["rid"], "properties": {"rid": {"minLength": 1}}},
         {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}}]})
     rid: Optional[Name] = None
-    abort_all: Optional[bool] = None        # a rid or abort_all: protocol.parse_abort_request
+    abort_all: Optional[bool] = None        # a rid or abort_all: requests.parse_abort_request
 
 
 MAX_SCORE_LABELS = 64

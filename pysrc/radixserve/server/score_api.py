@@ -23,7 +23,8 @@ from starlette.responses import Response
 from radixserve.engine.io import GenerateReqInput
 from radixserve.errors import bad_request
 from radixserve.sampling.params import SamplingParams
-from radixserve.server import protocol as P
+from radixserve.server import render as O
+from radixserve.server import requests as R
 from radixserve.server import schemas as S
 from radixserve.server.generation import collect, encode_prompt, validate_all
 from radixserve.server.jsonio import JSONResponse
@@ -74,14 +75,14 @@ async def score(request: Request, engine) -> Response:
     for i, ids in enumerate(prompts):
         if not ids:
             raise bad_request("query + item is empty", param=f"items[{i}]")
-        P.check_prompt_ids(ids + [0], vocab, engine.context_len, 0, "items", "max_new_tokens")
+        R.check_prompt_ids(ids + [0], vocab, engine.context_len, 0, "items", "max_new_tokens")
         for j, label in enumerate(labels):
             reqs.append(GenerateReqInput(
                 rid=f"{rid}-{i}-{j}", input_ids=ids + [label],
                 sampling_params=SamplingParams(max_new_tokens=0, temperature=0.0),
                 return_logprob=True, logprob_start_len=len(ids), cache_salt=req.cache_salt))
     validate_all(engine, reqs)
-    results = [P.SeqResult(k, r.input_ids) for k, r in enumerate(reqs)]
+    results = [O.SeqResult(k, r.input_ids) for k, r in enumerate(reqs)]
     await collect(engine, reqs, results, request.receive, request_metrics(request))
     scores = []
     for i in range(len(prompts)):

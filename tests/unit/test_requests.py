@@ -1,13 +1,9 @@
-"""Request parsing / validation and response builders of radixserve.server.protocol, and the
-SSE framing: every bad input gets the right status and a message naming the field."""
-import json
-
+"""Request parsing / validation of radixserve.server.requests: every bad input gets the right
+status and a message naming the field."""
 import pytest
 
-from radixserve.engine.io import GenerateOutput
 from radixserve.errors import ApiError
-from radixserve.server import protocol as P
-from radixserve.server.sse import DONE_EVENT, encode_event
+from radixserve.server import requests as R
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -22,7 +18,7 @@ def _err(fn, *args) -> ApiError:
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"', b"null"])
 def test_body_must_be_a_json_object(raw):
-    e = _err(P.parse_json_body, raw)
+    e = _err(R.parse_json_body, raw)
     assert e.status == 400 and e.type == "invalid_request_error"
     assert "JSON" in e.message
 
@@ -36,20 +32,20 @@ def test_error_body_shape():
 
 
 def test_model_optional_but_must_match():
-    P.check_model({}, "smol")
-    P.check_model({"model": "smol"}, "smol")
-    P.check_model({"model": "/path/to/smol"}, "smol", ["/path/to/smol"])
-    e = _err(P.check_model, {"model": "gpt-4"}, "smol")
+    R.check_model({}, "smol")
+    R.check_model({"model": "smol"}, "smol")
+    R.check_model({"model": "/path/to/smol"}, "smol", ["/path/to/smol"])
+    e = _err(R.check_model, {"model": "gpt-4"}, "smol")
     assert e.status == 404 and e.type == "not_found_error" and e.param == "model"
     assert e.message == "The model 'gpt-4' does not exist; this server serves 'smol'"
-    e = _err(P.check_model, {"model": 3}, "smol")
+    e = _err(R.check_model, {"model": 3}, "smol")
     assert e.status == 400 and e.param == "model"
 
 
 # --------------------------------------------------------------------------- chat
 
 def test_chat_defaults_and_mapping():
-    r = P.parse_chat_request({**CHAT, "temperature": 0, "top_p": 0.5, "max_tokens": 7,
+    r = R.parse_chat_request({**CHAT, "temperature": 0, "top_p": 0.5, "max_tokens": 7,
                               "stop": "\n", "seed": 3, "presence_penalty": 0.5,
                               "frequency_penalty": -0.5, "top_k": 5, "min_p": 0.1,
                               "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
@@ -61,25 +57,25 @@ def test_chat_defaults_and_mapping():
     assert (sp.repetition_penalty, sp.min_new_tokens, sp.ignore_eos) == (1.1, 2, True)
     assert sp.stop_token_ids == [7] and sp.skip_special_tokens is False and sp.no_stop_trim is True
     assert (r.n, r.stream, r.include_usage, r.logprobs, r.top_logprobs) == (1, False, False, False, 0)
-    assert P.parse_chat_request(CHAT).sampling.max_new_tokens is None   # up to the context
+    assert R.parse_chat_request(CHAT).sampling.max_new_tokens is None   # up to the context
 
 
 def test_max_completion_tokens_wins():
-    r = P.parse_chat_request({**CHAT, "max_tokens": 5, "max_completion_tokens": 9})
+    r = R.parse_chat_request({**CHAT, "max_tokens": 5, "max_completion_tokens": 9})
     assert r.sampling.max_new_tokens == 9
-    e = _err(P.parse_chat_request, {**CHAT, "max_completion_tokens": -1})
+    e = _err(R.parse_chat_request, {**CHAT, "max_completion_tokens": -1})
     assert e.param == "max_completion_tokens" and "max_completion_tokens" in e.message
 
 
 def test_stream_options_include_usage():
-    r = P.parse_chat_request({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    r = R.parse_chat_request({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
     assert r.stream and r.include_usage
-    e = _err(P.parse_chat_request, {**CHAT, "stream_options": {"include_usage": True}})
+    e = _err(R.parse_chat_request, {**CHAT, "stream_options": {"include_usage": True}})
     assert e.param == "stream_options"
 
 
 def test_messages_content_parts_and_developer_role():
-    msgs = P.parse_messages([{"role": "developer", "content": "be brief"},
+    msgs = R.parse_messages([{"role": "developer", "content": "be brief"},
                              {"role": "user", "content": [{"type": "text", "text": "a"},
                                                           {"type": "text", "text": "b"}]},
                              {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
@@ -140,7 +136,7 @@ def test_messages_content_parts_and_developer_role():
     ({**CHAT, "json_schema": 5}, "json_schema", "JSON object"),
 ])
 def test_chat_bad_inputs(body, param, words):
-    e = _err(P.parse_chat_request, body)
+    e = _err(R.parse_chat_request, body)
     assert e.status == 400, e.message
     assert e.param == param, (e.param, e.message)
     assert words in e.message
@@ -150,10 +146,10 @@ def test_chat_bad_inputs(body, param, words):
 # --------------------------------------------------------------------------- completions
 
 def test_prompt_shapes():
-    assert P.parse_prompts("a", "prompt") == ["a"]
-    assert P.parse_prompts(["a", "b"], "prompt") == ["a", "b"]
-    assert P.parse_prompts([1, 2, 3], "prompt") == [[1, 2, 3]]
-    assert P.parse_prompts([[1, 2], [3]], "prompt") == [[1, 2], [3]]
+    assert R.parse_prompts("a", "prompt") == ["a"]
+    assert R.parse_prompts(["a", "b"], "prompt") == ["a", "b"]
+    assert R.parse_prompts([1, 2, 3], "prompt") == [[1, 2, 3]]
+    assert R.parse_prompts([[1, 2], [3]], "prompt") == [[1, 2], [3]]
 
 
 @pytest.mark.parametrize("body, param, words", [
@@ -171,21 +167,21 @@ def test_prompt_shapes():
     ({"prompt": "x", "best_of": 3}, "best_of", "best_of"),
 ])
 def test_completion_bad_inputs(body, param, words):
-    e = _err(P.parse_completion_request, body)
+    e = _err(R.parse_completion_request, body)
     assert e.status == 400 and e.param == param and words in e.message, (e.param, e.message)
 
 
 def test_completion_defaults():
-    r = P.parse_completion_request({"prompt": "x", "logprobs": 2, "echo": True, "n": 3})
+    r = R.parse_completion_request({"prompt": "x", "logprobs": 2, "echo": True, "n": 3})
     assert r.sampling.max_new_tokens == 16 and r.logprobs == 2 and r.echo and r.n == 3
 
 
 # --------------------------------------------------------------------------- native
 
 def test_generate_request_shapes():
-    r = P.parse_generate_request({"text": "a", "sampling_params": {"max_new_tokens": 3}})
+    r = R.parse_generate_request({"text": "a", "sampling_params": {"max_new_tokens": 3}})
     assert r.prompts == ["a"] and not r.is_batch and r.sampling[0].max_new_tokens == 3
-    r = P.parse_generate_request({"input_ids": [[1, 2], [3]], "return_logprob": [True, False],
+    r = R.parse_generate_request({"input_ids": [[1, 2], [3]], "return_logprob": [True, False],
                                   "sampling_params": [{"temperature": 0}, {"temperature": 1}],
                                   "rid": ["x", "y"], "top_logprobs_num": 2, "stream": True})
     assert r.is_batch and r.prompts == [[1, 2], [3]] and r.return_logprob == [True, False]
@@ -217,20 +213,20 @@ def test_generate_request_shapes():
     ({"text": ["a", "b"], "return_logprob": [True]}, "return_logprob", "one per prompt"),
 ])
 def test_generate_bad_inputs(body, param, words):
-    e = _err(P.parse_generate_request, body)
+    e = _err(R.parse_generate_request, body)
     assert e.status == 400 and e.param == param and words in e.message, (e.param, e.message)
 
 
 def test_check_prompt_ids():
-    P.check_prompt_ids([1, 2], 10, 8, 6, "prompt", "max_tokens")
-    P.check_prompt_ids([1, 2], 10, 8, None, "prompt", "max_tokens")
-    e = _err(P.check_prompt_ids, [], 10, 8, 1, "prompt", "max_tokens")
+    R.check_prompt_ids([1, 2], 10, 8, 6, "prompt", "max_tokens")
+    R.check_prompt_ids([1, 2], 10, 8, None, "prompt", "max_tokens")
+    e = _err(R.check_prompt_ids, [], 10, 8, 1, "prompt", "max_tokens")
     assert e.param == "prompt" and "empty" in e.message
-    e = _err(P.check_prompt_ids, [1, 10], 10, 8, 1, "prompt", "max_tokens")
+    e = _err(R.check_prompt_ids, [1, 10], 10, 8, 1, "prompt", "max_tokens")
     assert e.param == "prompt" and "token id 10" in e.message
-    e = _err(P.check_prompt_ids, list(range(8)), 10, 8, None, "messages", "max_tokens")
+    e = _err(R.check_prompt_ids, list(range(8)), 10, 8, None, "messages", "max_tokens")
     assert e.param == "messages" and "context length is 8" in e.message
-    e = _err(P.check_prompt_ids, [1, 2], 10, 8, 7, "prompt", "max_completion_tokens")
+    e = _err(R.check_prompt_ids, [1, 2], 10, 8, 7, "prompt", "max_completion_tokens")
     assert e.param == "max_completion_tokens" and "at most 6" in e.message
 
 
@@ -240,31 +236,31 @@ from radixserve.server import schemas as S  # noqa: E402
 
 
 @pytest.mark.parametrize("fn, body, param, words", [
-    (P.parse_chat_request, {"messages": [{"role": "user", "content": "x"}] * (S.MAX_MESSAGES + 1)},
+    (R.parse_chat_request, {"messages": [{"role": "user", "content": "x"}] * (S.MAX_MESSAGES + 1)},
      "messages", f"at most {S.MAX_MESSAGES} entries"),
-    (P.parse_chat_request, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]
+    (R.parse_chat_request, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]
                                           * (S.MAX_CONTENT_PARTS + 1)}]},
      "messages[0].content", f"at most {S.MAX_CONTENT_PARTS} entries"),
-    (P.parse_chat_request, {**CHAT, "tools": [{}] * (S.MAX_TOOLS + 1)}, "tools", f"at most {S.MAX_TOOLS}"),
-    (P.parse_chat_request, {"messages": [{"role": "user", "content": "x" * (S.MAX_TEXT_CHARS + 1)}]},
+    (R.parse_chat_request, {**CHAT, "tools": [{}] * (S.MAX_TOOLS + 1)}, "tools", f"at most {S.MAX_TOOLS}"),
+    (R.parse_chat_request, {"messages": [{"role": "user", "content": "x" * (S.MAX_TEXT_CHARS + 1)}]},
      "messages[0].content", f"at most {S.MAX_TEXT_CHARS} characters"),
-    (P.parse_chat_request, {**CHAT, "logit_bias": {str(i): 1 for i in range(S.MAX_LOGIT_BIAS + 1)}},
+    (R.parse_chat_request, {**CHAT, "logit_bias": {str(i): 1 for i in range(S.MAX_LOGIT_BIAS + 1)}},
      "logit_bias", f"at most {S.MAX_LOGIT_BIAS} entries"),
-    (P.parse_chat_request, {**CHAT, "guided_choice": ["a"] * (S.MAX_CHOICES + 1)}, "guided_choice",
+    (R.parse_chat_request, {**CHAT, "guided_choice": ["a"] * (S.MAX_CHOICES + 1)}, "guided_choice",
      f"at most {S.MAX_CHOICES} entries"),
-    (P.parse_completion_request, {"prompt": ["a"] * (S.MAX_PROMPTS + 1)}, "prompt",
+    (R.parse_completion_request, {"prompt": ["a"] * (S.MAX_PROMPTS + 1)}, "prompt",
      f"at most {S.MAX_PROMPTS} entries"),
-    (P.parse_completion_request, {"prompt": [1] * (S.MAX_PROMPT_TOKENS + 1)}, "prompt",
+    (R.parse_completion_request, {"prompt": [1] * (S.MAX_PROMPT_TOKENS + 1)}, "prompt",
      f"at most {S.MAX_PROMPT_TOKENS} entries"),
-    (P.parse_completion_request, {"prompt": ["a"] * 40, "n": 128}, "n",
+    (R.parse_completion_request, {"prompt": ["a"] * 40, "n": 128}, "n",
      f"40 prompts x n=128 = 5120 sequences; at most {S.MAX_SEQUENCES}"),
-    (P.parse_generate_request, {"text": ["a"] * 33, "sampling_params": {"n": 128}}, "sampling_params.n",
+    (R.parse_generate_request, {"text": ["a"] * 33, "sampling_params": {"n": 128}}, "sampling_params.n",
      f"at most {S.MAX_SEQUENCES}"),
-    (P.parse_generate_request, {"input_ids": [[1]] * (S.MAX_PROMPTS + 1)}, "input_ids",
+    (R.parse_generate_request, {"input_ids": [[1]] * (S.MAX_PROMPTS + 1)}, "input_ids",
      f"at most {S.MAX_PROMPTS} entries"),
-    (P.parse_generate_request, {"text": "a", "rid": "r" * (S.MAX_NAME_CHARS + 1)}, "rid",
+    (R.parse_generate_request, {"text": "a", "rid": "r" * (S.MAX_NAME_CHARS + 1)}, "rid",
      f"at most {S.MAX_NAME_CHARS} characters"),
-    (P.parse_generate_request, {"text": "a", "sampling_params": {"stop_regex": ["a"] * 17}},
+    (R.parse_generate_request, {"text": "a", "sampling_params": {"stop_regex": ["a"] * 17}},
      "sampling_params.stop_regex", "at most 16"),
 ])
 def test_every_list_and_string_is_capped(fn, body, param, words):
@@ -274,26 +270,26 @@ def test_every_list_and_string_is_capped(fn, body, param, words):
 
 def test_bounds_are_inclusive_at_the_engine_types():
     """The largest values the engine's types hold pass; one more is refused (above)."""
-    sp = P.parse_chat_request({**CHAT, "seed": 2 ** 63 - 128, "n": 128, "top_k": 2 ** 31 - 1,
+    sp = R.parse_chat_request({**CHAT, "seed": 2 ** 63 - 128, "n": 128, "top_k": 2 ** 31 - 1,
                                "max_tokens": 2 ** 31 - 1, "temperature": 10000,
                                "repetition_penalty": 1e-20}).sampling
     assert (sp.seed, sp.top_k, sp.max_new_tokens) == (2 ** 63 - 128, 2 ** 31 - 1, 2 ** 31 - 1)
-    assert P.parse_chat_request({**CHAT, "seed": -(2 ** 63)}).sampling.seed == -(2 ** 63)
+    assert R.parse_chat_request({**CHAT, "seed": -(2 ** 63)}).sampling.seed == -(2 ** 63)
 
 
 def test_documented_ignored_fields_pass_unknown_ones_are_400s_and_message_keys_kept():
-    r = P.parse_chat_request({"messages": [{"role": "user", "content": "hi", "name": "bob"},
+    r = R.parse_chat_request({"messages": [{"role": "user", "content": "hi", "name": "bob"},
                                            {"role": "assistant", "content": None,
                                             "tool_calls": [{"id": "1"}], "reasoning": "r"}],
                               "user": "u-1", "metadata": {"a": 1}, "parallel_tool_calls": True})
     assert r.messages[0] == {"role": "user", "content": "hi", "name": "bob"}
     assert r.messages[1] == {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}],
                              "reasoning": "r"}
-    assert P.parse_completion_request({"prompt": "x", "user": "u"}).prompts == ["x"]
-    assert _err(P.parse_generate_request, {"text": "x", "custom": 1}).param == "custom"
-    assert _err(P.parse_chat_request, {"messages": [{"role": "user", "content": "hi"}],
+    assert R.parse_completion_request({"prompt": "x", "user": "u"}).prompts == ["x"]
+    assert _err(R.parse_generate_request, {"text": "x", "custom": 1}).param == "custom"
+    assert _err(R.parse_chat_request, {"messages": [{"role": "user", "content": "hi"}],
                                        "temprature": 1}).param == "temprature"
-    e = _err(P.parse_chat_request, {"messages": [{"role": "assistant"}]})
+    e = _err(R.parse_chat_request, {"messages": [{"role": "assistant"}]})
     assert e.param == "messages[0].content" and "required" in e.message
 
 
@@ -314,113 +310,35 @@ def test_documented_ignored_fields_pass_unknown_ones_are_400s_and_message_keys_k
      '{"type": "structural_tag", "format": {}}'),
 ])
 def test_openai_grammar_fields_reach_sampling_params(extra, kind, spec):
-    for parse, body in ((P.parse_chat_request, CHAT), (P.parse_completion_request, {"prompt": "x"})):
+    for parse, body in ((R.parse_chat_request, CHAT), (R.parse_completion_request, {"prompt": "x"})):
         sp = parse({**body, **extra}).sampling
         assert sp.grammar_key == (kind, spec)
 
 
 def test_response_format_text_is_no_constraint_and_two_constraints_are_refused():
-    assert P.parse_chat_request({**CHAT, "response_format": {"type": "text"}}).sampling.grammar_key is None
-    e = _err(P.parse_chat_request, {**CHAT, "response_format": {"type": "json_object"},
+    assert R.parse_chat_request({**CHAT, "response_format": {"type": "text"}}).sampling.grammar_key is None
+    e = _err(R.parse_chat_request, {**CHAT, "response_format": {"type": "json_object"},
                                     "guided_regex": "a"})
     assert e.param == "guided_regex" and "response_format, guided_regex" in e.message
 
 
 def test_logit_bias_and_stop_regex_pass_through():
-    sp = P.parse_chat_request({**CHAT, "logit_bias": {"5": -100, "7": 2.5}, "stop_regex": "a+b"}).sampling
+    sp = R.parse_chat_request({**CHAT, "logit_bias": {"5": -100, "7": 2.5}, "stop_regex": "a+b"}).sampling
     assert sp.logit_bias == {5: -100.0, 7: 2.5} and sp.stop_regexes == ["a+b"]
-    r = P.parse_generate_request({"text": "x", "sampling_params": {
+    r = R.parse_generate_request({"text": "x", "sampling_params": {
         "json_schema": {"type": "object"}, "stop_regex": ["x", "y+"], "logit_bias": {"3": 1}}})
     sp = r.sampling[0]
     assert sp.json_schema == '{"type": "object"}' and sp.stop_regexes == ["x", "y+"]
     assert sp.logit_bias == {3: 1.0}
-    sp = P.parse_generate_request({"text": "x", "sampling_params": {
+    sp = R.parse_generate_request({"text": "x", "sampling_params": {
         "structural_tag": {"format": {"type": "const_string", "value": "hi"}}}}).sampling[0]
     assert sp.grammar_key == ("structural_tag", '{"format": {"type": "const_string", "value": "hi"}}')
-    e = _err(P.parse_generate_request, {"text": "x", "sampling_params": {"stop_regex": "("}})
+    e = _err(R.parse_generate_request, {"text": "x", "sampling_params": {"stop_regex": "("}})
     assert e.param == "sampling_params.stop_regex" and "regular expression" in e.message
 
 
 def test_native_sampling_defaults_and_null_max_new_tokens():
-    r = P.parse_generate_request({"text": "x"})
+    r = R.parse_generate_request({"text": "x"})
     assert r.sampling[0].max_new_tokens == 128 and r.sampling[0].temperature == 1.0
-    r = P.parse_generate_request({"text": "x", "sampling_params": {"max_new_tokens": None}})
+    r = R.parse_generate_request({"text": "x", "sampling_params": {"max_new_tokens": None}})
     assert r.sampling[0].max_new_tokens is None            # up to the context length
-
-
-# --------------------------------------------------------------------------- builders
-
-def _out(text, ids, finished=False, reason=None, lps=(), tops=(), **kw):
-    return GenerateOutput(rid="r", text_delta=text, output_ids_delta=list(ids), finished=finished,
-                          finish_reason=reason, output_token_logprobs_delta=list(lps),
-                          output_top_logprobs_delta=list(tops), **kw)
-
-
-def test_seq_result_and_usage():
-    a, b = P.SeqResult(0, [1, 2, 3]), P.SeqResult(1, [1, 2, 3])
-    a.feed(_out("He", [5], prompt_tokens=3, completion_tokens=1, cached_tokens=0))
-    a.feed(_out("llo", [6], True, {"type": "stop", "matched": "!"}, prompt_tokens=3,
-                completion_tokens=2, cached_tokens=0))
-    b.feed(_out("X", [7], True, {"type": "length", "matched": None}, prompt_tokens=3,
-                completion_tokens=1, cached_tokens=2))
-    assert a.text == "Hello" and a.output_ids == [5, 6] and a.finished
-    assert P.finish_reason_str(a.finish_reason) == "stop" and P.matched_stop(a.finish_reason) == "!"
-    assert P.usage_dict([a, b], n=2) == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
-                                         "prompt_tokens_details": {"cached_tokens": 2}}
-    assert P.usage_dict([a, b], n=1)["prompt_tokens"] == 6
-
-
-def test_chat_logprobs_shape():
-    lp = P.chat_logprobs([(-0.5, 7, "é")], [[(-0.5, 7, "é"), (-1.5, 8, None)]], 2,
-                         token_text=lambda i: f"<{i}>")
-    assert lp == {"content": [{"token": "é", "logprob": -0.5, "bytes": [195, 169], "top_logprobs": [
-        {"token": "é", "logprob": -0.5, "bytes": [195, 169]},
-        {"token": "<8>", "logprob": -1.5, "bytes": list(b"<8>")}]}]}
-
-
-def test_completion_logprobs_with_echo():
-    r = P.SeqResult(0, [1, 2])
-    r.feed(_out("c", [3], True, {"type": "length"}, lps=[(-0.1, 3, "c")], tops=[[(-0.1, 3, "c")]],
-                input_token_logprobs=[(-2.0, 2, "b")], input_top_logprobs=[[(-2.0, 2, "b")]]))
-    choice = P.completion_choice(r, "ab", 1, token_text=lambda i: "ab"[i - 1])
-    assert choice["text"] == "abc" and choice["finish_reason"] == "length"
-    assert choice["logprobs"] == {"tokens": ["a", "b", "c"], "token_logprobs": [None, -2.0, -0.1],
-                                  "top_logprobs": [None, {"b": -2.0}, {"c": -0.1}],
-                                  "text_offset": [0, 1, 2]}
-
-
-def test_native_result_shape():
-    r = P.SeqResult(0, [1, 2])
-    r.feed(_out("hi", [4, 5], True, {"type": "length", "matched": None}, lps=[(-1.0, 4, None)],
-                tops=[[(-1.0, 4, None)]], prompt_tokens=2, completion_tokens=2, cached_tokens=1,
-                input_token_logprobs=[(None, 1, None), (-3.0, 2, None)]))
-    res = P.native_result(r, "rid1", return_logprob=True)
-    assert res["text"] == "hi" and res["output_ids"] == [4, 5]
-    m = res["meta_info"]
-    assert (m["id"], m["prompt_tokens"], m["completion_tokens"], m["cached_tokens"]) == ("rid1", 2, 2, 1)
-    assert m["finish_reason"] == {"type": "length", "matched": None}
-    assert m["input_token_logprobs"] == [[None, 1, None], [-3.0, 2, None]]
-    assert m["output_token_logprobs"] == [[-1.0, 4, None]]
-    assert m["output_top_logprobs"] == [[[-1.0, 4, None]]]
-    assert "input_token_logprobs" not in P.native_result(r, "rid1", False)["meta_info"]
-
-
-def test_chunks_and_usage_chunk():
-    c = P.chat_chunk("id", 1, "m", 2, {"content": "x"}, "stop", usage_null=True)
-    assert c == {"id": "id", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                 "choices": [{"index": 2, "delta": {"content": "x"}, "logprobs": None,
-                              "finish_reason": "stop"}], "usage": None}
-    u = P.usage_chunk("id", "text_completion", 1, "m", {"prompt_tokens": 1})
-    assert u["choices"] == [] and u["usage"] == {"prompt_tokens": 1}
-    c = P.completion_chunk("id", 1, "m", 0, "t")
-    assert c["object"] == "text_completion" and c["choices"][0]["text"] == "t" and "usage" not in c
-
-
-# --------------------------------------------------------------------------- SSE framing
-
-def test_sse_framing_byte_exact():
-    assert encode_event({"a": 1, "b": "é"}) == 'data: {"a":1,"b":"é"}\n\n'.encode("utf-8")
-    assert DONE_EVENT == b"data: [DONE]\n\n"
-    payload = encode_event({"x": "line1\nline2"})
-    assert payload.count(b"\n") == 2          # newlines inside strings are escaped by JSON
-    assert json.loads(payload[len(b"data: "):-2]) == {"x": "line1\nline2"}
