@@ -180,7 +180,7 @@ def test_graph_bounds(runner):
 
 def _decode_step(rows, seq_lens, loc):
     from radixserve.model.step_io import StepInput
-    from radixserve.sampling.inputs import SamplingInputs
+    from radixserve.sampling.batch import SamplingInputs
 
     n = len(rows)
     si = SamplingInputs(temperature=[0.0] * n, top_k=[-1] * n, top_p=[1.0] * n, min_p=[0.0] * n,

@@ -20,6 +20,7 @@ from radixserve.engine.schedule_batch import ScheduleBatch
 from radixserve.model.forward_batch import ForwardMode
 from radixserve.model.staging import Packer
 from radixserve.sampling import sampler
+from radixserve.sampling.batch import SamplingTensors
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.penalties import PenaltyState
 
@@ -55,20 +56,17 @@ def test_sampling_params_refused_or_safe_in_the_sampler(d):
     batch = ScheduleBatch(ForwardMode.DECODE)
     for r in reqs:
         batch.add(r, 0, 1, torch.tensor([1]), sample=True)
-    si = batch._sampling_inputs([2], VOCAB)
-    # the runner's packed upload, field by field as it converts them
+    si = batch.sampling_inputs([2], VOCAB)
+    # the runner's packed upload (sampling/batch.py packs it)
     ints, floats = Packer(torch.int64), Packer(torch.float32)
-    for name in ("top_k", "seeds", "offsets", "penalty_rows", "banned_rows", "banned_cols"):
-        ints.add(name, getattr(si, name))
-    for name in ("temperature", "top_p", "min_p", "repetition", "frequency", "presence"):
-        floats.add(name, getattr(si, name))
+    si.pack(ints, floats)
     up_i, up_f = ints.upload(torch.device("cpu")), floats.upload(torch.device("cpu"))
     assert torch.isfinite(up_f["temperature"]).all()
     assert up_i["top_k"].to(torch.int32).tolist() == si.top_k     # fits int32 exactly
     assert up_i["seeds"].tolist() == si.seeds                     # fits int64 exactly
     if si.repetition:
         assert (up_f["repetition"] > 0).all()                     # never 0 in float32
-    st_ = sampler.sampling_tensors(si, torch.device("cpu"))
+    st_ = SamplingTensors.from_upload(up_i, up_f)
     state = PenaltyState(len(reqs), VOCAB, torch.device("cpu"))
     state.init_rows(si.penalty_init)
     logits = torch.randn(len(reqs), VOCAB)

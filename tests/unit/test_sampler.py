@@ -34,10 +34,10 @@ def run(logits, reqs, eos=(EOS,), state=None):
         r.req_pool_idx = i
         r.num_output_scheduled = len(r.output_ids)
         batch.add(r, 0, 1, torch.tensor([1]), sample=True, from_device=True)
-    si = batch._sampling_inputs(list(eos), VOCAB)
+    si = batch.sampling_inputs(list(eos), VOCAB)
     state = state or PenaltyState(len(reqs), VOCAB, torch.device("cpu"))
     state.init_rows(si.penalty_init)
-    st = sampler.sampling_tensors(si, torch.device("cpu"))
+    st = si.to_device(torch.device("cpu"))
     out = sampler.sample(logits, si, st, torch.arange(len(reqs)), state)
     ids = out.ids.tolist()
     tv = out.top_values.tolist() if out.top_values is not None else None
@@ -67,10 +67,10 @@ def penalized_logits(logits, reqs):
         r.req_pool_idx = i
         r.num_output_scheduled = len(r.output_ids)
         batch.add(r, 0, 1, torch.tensor([1]), sample=True)
-    si = batch._sampling_inputs([EOS], VOCAB)
+    si = batch.sampling_inputs([EOS], VOCAB)
     state = PenaltyState(len(reqs), VOCAB, torch.device("cpu"))
     state.init_rows(si.penalty_init)
-    st = sampler.sampling_tensors(si, torch.device("cpu"))
+    st = si.to_device(torch.device("cpu"))
     work = logits.clone()
     state.apply(work, st.penalty_rows, st.penalty_rows, st.repetition, st.frequency, st.presence)
     return work

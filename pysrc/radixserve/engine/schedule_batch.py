@@ -17,7 +17,7 @@ from radixserve.cache.kv_pool import ReqToTokenPool
 from radixserve.engine.req import Req
 from radixserve.model.forward_batch import ForwardMode
 from radixserve.model.step_io import StepInput
-from radixserve.sampling.inputs import SamplingInputs
+from radixserve.sampling.batch import SamplingInputs
 
 
 @dataclass
@@ -87,7 +87,7 @@ class ScheduleBatch:
                              else torch.empty(0, dtype=torch.int64))           # [num_tokens]
         sample_rows = [row for row, s in zip(pool_rows, self.sample) if s]
         step = StepInput(self.mode, self.batch_size, pool_rows, seq_lens, out_cache_loc,
-                         sample_rows, self._sampling_inputs(eos_ids, vocab_size))
+                         sample_rows, self.sampling_inputs(eos_ids, vocab_size))
         pending = rows.take_pending()
         if pending is not None:
             step.table_rows, step.table_cols, step.table_slots = pending
@@ -127,43 +127,9 @@ class ScheduleBatch:
         step.logits_indices = prompt_rows + sample_rows
         step.num_prompt_rows = len(prompt_rows)
 
-    def _sampling_inputs(self, eos_ids: Sequence[int], vocab_size: int) -> SamplingInputs:
-        """Per sampling row, from values the requests were validated with at admission."""
-        si = SamplingInputs()
-        row = 0
-        for req, s, offset in zip(self.reqs, self.sample, self.offsets):
-            if not s:
-                continue
-            sp = req.sampling_params
-            si.temperature.append(float(sp.temperature))
-            si.top_k.append(int(sp.top_k) if sp.top_k and sp.top_k > 0 else -1)
-            si.top_p.append(float(sp.top_p))
-            si.min_p.append(float(sp.min_p))
-            si.seeds.append(int(req.seed or 0))
-            si.offsets.append(offset)
-            top_n = int(req.top_logprobs_num) if req.return_logprob else 0
-            si.top_logprobs_num.append(top_n)
-            if req.return_logprob:
-                si.logprob_rows.append(row)
-            if req.uses_penalties:
-                si.penalty_rows.append(row)
-                si.repetition.append(float(sp.repetition_penalty))
-                si.frequency.append(float(sp.frequency_penalty))
-                si.presence.append(float(sp.presence_penalty))
-                if not req.penalty_ready:
-                    si.penalty_init.append((req.req_pool_idx, list(req.origin_input_ids),
-                                            list(req.output_ids)))
-                    req.penalty_ready = True
-            if req.grammar is not None:
-                si.grammar_rows.append(row)
-            for tid, bias in (sp.logit_bias or {}).items():
-                si.bias_rows.append(row)
-                si.bias_cols.append(tid)
-                si.bias_values.append(bias)
-            if offset < sp.min_new_tokens and req.grammar is None:   # a grammar decides the end
-                for t in sorted({t for t in list(eos_ids) + list(sp.stop_token_ids or [])
-                                 if 0 <= t < vocab_size}):
-                    si.banned_rows.append(row)
-                    si.banned_cols.append(t)
-            row += 1
-        return si
+    def sampling_inputs(self, eos_ids: Sequence[int], vocab_size: int) -> SamplingInputs:
+        """The per-row sampling inputs of the rows that sample, in batch order, each at the
+        output offset taken by add() (sampling/batch.py builds them)."""
+        rows = [i for i, s in enumerate(self.sample) if s]
+        return SamplingInputs.from_requests([self.reqs[i] for i in rows],
+                                            [self.offsets[i] for i in rows], eos_ids, vocab_size)

@@ -39,6 +39,7 @@ from radixserve.model.staging import Packer, Upload
 from radixserve.model.step_io import SampleResult, StepInput, StepOutput
 from radixserve.ops.kernel_status import log_kernel_status
 from radixserve.sampling import sampler
+from radixserve.sampling.batch import SamplingTensors
 from radixserve.sampling.penalties import PenaltyState
 
 logger = logging.getLogger(__name__)
@@ -317,8 +318,8 @@ class ModelRunner:
         return pending
 
     def _upload(self, step: StepInput):
-        """Pack the step's ints and floats into one host buffer each and send them up."""
-        sp = step.sampling
+        """Pack the step's ints and floats into one host buffer each (the sampling fields as
+        sampling/batch.py packs them) and send them up."""
         ints, floats = Packer(torch.int64), Packer(torch.float32)
         ints.add("rows", step.req_pool_indices)
         ints.add("seq_lens", step.seq_lens)
@@ -339,12 +340,7 @@ class ModelRunner:
             ints.add("logits_indices", step.logits_indices)
             ints.add("sample_rows", step.sample_rows)
             ints.add("prompt_targets", step.prompt_targets)
-        for name in ("top_k", "seeds", "offsets", "penalty_rows", "banned_rows", "banned_cols",
-                     "bias_rows", "bias_cols"):
-            ints.add(name, getattr(sp, name))
-        for name in ("temperature", "top_p", "min_p", "repetition", "frequency", "presence",
-                     "bias_values"):
-            floats.add(name, getattr(sp, name))
+        step.sampling.pack(ints, floats)
         return (ints.upload(self.device, self.copy_stream),
                 floats.upload(self.device, self.copy_stream))
 
@@ -410,12 +406,7 @@ class ModelRunner:
             return {}
         sp = step.sampling
         self.penalties.init_rows(sp.penalty_init)
-        st = sampler.SamplingTensors(
-            floats["temperature"], ints["top_k"].to(torch.int32), floats["top_p"],
-            floats["min_p"], ints["seeds"], ints["offsets"], ints["penalty_rows"],
-            floats["repetition"], floats["frequency"], floats["presence"],
-            ints["banned_rows"], ints["banned_cols"], ints["bias_rows"], ints["bias_cols"],
-            floats["bias_values"])
+        st = SamplingTensors.from_upload(ints, floats)
         out = sampler.sample(logits, sp, st, pool_rows, self.penalties, bitmask)
         self.next_ids.index_copy_(0, pool_rows, out.ids)
         device = {"ids": out.ids, "logprobs": out.logprobs.float()}

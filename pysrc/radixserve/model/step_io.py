@@ -10,8 +10,9 @@ length after the step and its new slot. Positions (seq_len - 1), the ReqToToken 
 input token (the id the previous step sampled for that row, kept on the device in a per-row
 buffer) are computed on the device, so a step never waits for the host to learn a token.
 
-A step's per-row sampling settings are the sampler's own type (sampling/inputs.SamplingInputs):
-sampling sits below the model and owns its per-row batch.
+A step's per-row sampling settings are the sampler's own type (sampling/batch.SamplingInputs,
+built from the step's requests in one call): sampling sits below the model and owns its batch,
+its packing into the step's upload and the tensors the sampler takes.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from radixserve.model.forward_batch import ForwardMode
-from radixserve.sampling.inputs import SamplingInputs
+from radixserve.sampling.batch import SamplingInputs
 
 
 @dataclass
@@ -34,6 +35,8 @@ class StepInput:
       out_cache_loc    [T]  int64 CPU tensor: the slot each new token's K/V goes to
       sample_rows      [S]  ReqToToken rows of the requests that sample (their new id is kept
                             on the device as that row's next input)
+      sampling              their per-row settings, row i for sample_rows[i]
+                            (sampling/batch.SamplingInputs)
       table_rows / table_cols / table_slots [W]: ReqToToken writes the device copy lacks (the
                             matched prefix of admitted requests, every extend token's slot,
                             rows re-pointed at the cache after a chunk is published); None: none

@@ -17,45 +17,11 @@ import torch
 
 from radixserve import ops
 from radixserve.sampling import cpu_sampling
-from radixserve.sampling.inputs import SamplingInputs
+from radixserve.sampling.batch import SamplingInputs, SamplingTensors
 from radixserve.sampling.penalties import PenaltyState, ban_tokens
 
 # rows of prompt logits turned into log_softmax at a time (bounds the [rows, vocab] temporaries)
 PROMPT_LOGPROB_CHUNK = 128
-
-
-class SamplingTensors(NamedTuple):
-    """SamplingInputs on the device. [S] per sampling row unless noted."""
-    temperature: torch.Tensor      # float32
-    top_k: torch.Tensor            # int32, <= 0 = off
-    top_p: torch.Tensor            # float32
-    min_p: torch.Tensor            # float32
-    seeds: torch.Tensor            # int64
-    offsets: torch.Tensor          # int64
-    penalty_rows: torch.Tensor     # [P] int64 rows that use penalties
-    repetition: torch.Tensor       # [P] float32
-    frequency: torch.Tensor        # [P] float32
-    presence: torch.Tensor         # [P] float32
-    banned_rows: torch.Tensor      # [N] int64 } logits[rows, cols] = -inf
-    banned_cols: torch.Tensor      # [N] int64 }
-    bias_rows: torch.Tensor        # [L] int64 } logits[rows, cols] += values (logit_bias)
-    bias_cols: torch.Tensor        # [L] int64 }
-    bias_values: torch.Tensor      # [L] float32
-
-
-def sampling_tensors(inputs: SamplingInputs, device: torch.device) -> SamplingTensors:
-    """SamplingTensors built field by field (tests, tools); the runner builds the same tensors
-    from its packed upload."""
-    def t(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    f32, i64 = torch.float32, torch.int64
-    return SamplingTensors(
-        t(inputs.temperature, f32), t(inputs.top_k, torch.int32), t(inputs.top_p, f32),
-        t(inputs.min_p, f32), t(inputs.seeds, i64), t(inputs.offsets, i64),
-        t(inputs.penalty_rows, i64), t(inputs.repetition, f32), t(inputs.frequency, f32),
-        t(inputs.presence, f32), t(inputs.banned_rows, i64), t(inputs.banned_cols, i64),
-        t(inputs.bias_rows, i64), t(inputs.bias_cols, i64), t(inputs.bias_values, f32))
 
 
 class DeviceSample(NamedTuple):
@@ -72,11 +38,12 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs, st: SamplingTensors,
            bitmask: Optional[torch.Tensor] = None) -> DeviceSample:
     """logits: [S, vocab] float32 raw model logits (not modified: they may be a CUDA graph's
     static output). pool_rows: [S] int64 ReqToToken rows of the sampling rows (penalty state).
-    inputs: the host copy of st (its list lengths and flags decide which work runs, with no
-    device read). bitmask: None or [S, ceil(vocab / 32)] int32 on the device (grammar rows;
-    free rows all ones). Order: logit_bias, penalties, bans, then bitmask_sample's mask and
-    filters (on CPU tensors cpu_sampling.bitmask_sample, ops.bitmask_sample's contract without a
-    sort of the vocabulary). Records the sampled ids in the penalty state."""
+    inputs: the host copy of st (sampling/batch.py; its list lengths and flags decide which
+    work runs, with no device read). bitmask: None or [S, ceil(vocab / 32)] int32 on the
+    device (grammar rows; free rows all ones). Order: logit_bias, penalties, bans, then
+    bitmask_sample's mask and filters (on CPU tensors cpu_sampling.bitmask_sample,
+    ops.bitmask_sample's contract without a sort of the vocabulary). Records the sampled ids in
+    the penalty state."""
     penalized = bool(inputs.penalty_rows) or bool(inputs.banned_rows) or bool(inputs.bias_rows)
     work = logits
     if penalized:
