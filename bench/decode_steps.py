@@ -40,7 +40,7 @@ def make_scheduler(model_dir, args, serial, model=None):
     sa = ServerArgs(model_path=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
                     max_total_tokens=max_bs * (args.prompt_len + args.steps + 64) + 1024,
                     max_running_requests=max_bs, context_length=args.prompt_len + 4096,
-                    disable_overlap_schedule=serial,
+                    disable_overlap_schedule=serial, tp_size=getattr(args, "tp_size", 1),
                     chunked_prefill_size=getattr(args, "chunked_prefill_size", 8192),
                     max_prefill_tokens=getattr(args, "max_prefill_tokens", 16384))
     runner = ModelRunner(sa, ModelConfig.from_path(model_dir), model_dir,
@@ -94,6 +94,8 @@ def main(argv=None):
     p.add_argument("--modes", default="overlap,no-overlap",
                    help="comma-separated: overlap (the default loop), no-overlap (serial), "
                         "eager (overlap with CUDA graphs off)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks (GPUs 0..N-1; decode runs eager under TP)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]

@@ -213,6 +213,34 @@ for stage in "$@"; do
         --disable-tqdm --server-log-dir "$OUT/serve70b-logs" \
         --output-file "$OUT/serving-70b-fp8.json" 2>&1 | tee "$OUT/serve70b.txt" | tail -30
       grep -h "KV pool" "$OUT"/serve70b-logs/* | head -3 ;;
+    tp)
+      # issue 42, on a host of N >= 2 GPUs (TP_SIZES, default "2 4 8", those above the GPU count
+      # skipped): the TP GPU tests; small all-reduces, NCCL against our one-shot kernel; decode
+      # steps of the 8B shape at TP=1 and TP=N; the 70B shape in bf16 at TP=N on SGLang's
+      # published serving config (and Qwen3-32B at the smallest N)
+      gpus=$(nvidia-smi -L | wc -l)
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_cuda.py \
+        tests/gpu/test_oneshot_allreduce_cuda.py 2>&1 | tee "$OUT/tp-tests.txt" | tail -5
+      python3 bench/allreduce_bench.py 2>&1 | tee "$OUT/allreduce.txt" | tail -30
+      python3 bench/decode_steps.py --preset llama-3.1-8b --batch-sizes 1,64,256 \
+        --modes overlap,eager --out "$OUT/decode-steps-tp1.json" 2>&1 | grep -E "ms/step"
+      first=1
+      for n in ${TP_SIZES:-2 4 8}; do
+        [ "$n" -gt "$gpus" ] && continue
+        python3 bench/decode_steps.py --preset llama-3.1-8b --batch-sizes 1,64,256 \
+          --modes overlap --tp-size $n --out "$OUT/decode-steps-tp$n.json" 2>&1 | grep -E "ms/step"
+        python3 bench/serving.py --preset llama-3.1-70b --launch --server-args "--tp-size $n" \
+          --dataset random --random-input-len 1024 --random-output-len 1024 --num-prompts 200 \
+          --request-rate 16 --no-plots --disable-tqdm --server-log-dir "$OUT/tp$n-70b-logs" \
+          --output-file "$OUT/serving-70b-tp$n.json" 2>&1 | grep -E "^(Succ|Failed|Output|Median ITL|Duration)"
+        if [ $first = 1 ]; then
+          python3 bench/serving.py --preset qwen3-32b --launch --server-args "--tp-size $n" \
+            --dataset random --random-input-len 1024 --random-output-len 1024 --num-prompts 200 \
+            --request-rate 16 --no-plots --disable-tqdm --server-log-dir "$OUT/tp$n-32b-logs" \
+            --output-file "$OUT/serving-qwen3-32b-tp$n.json" 2>&1 | grep -E "^(Succ|Failed|Output)"
+          first=0
+        fi
+      done ;;
     accept33)
       # issue 33's acceptance runs: per server config of $ACCEPT_CONFIGS (name:flags; default
       # overlap on and off), our client at SGLang's published config (200 prompts at 16 req/s,

@@ -33,6 +33,11 @@ TORCH_LIBRARY(radixserve, m) {
         "Tensor cos_sin_cache, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_indices, "
         "float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  // one-shot all-reduce (csrc/ops/oneshot_allreduce.cu); the first takes no tensor: registered
+  // here as a catch-all kernel
+  m.def("oneshot_signal_bytes() -> int", &radixserve::oneshot_signal_bytes);
+  m.def("oneshot_register(Tensor[] buffers, Tensor[] signals, int blocks) -> int");
+  m.def("oneshot_all_reduce(int handle, int rank, Tensor input, Tensor(a!) output) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CUDA, m) {
@@ -52,6 +57,8 @@ TORCH_LIBRARY_IMPL(radixserve, CUDA, m) {
   m.impl("rotary_embedding", &radixserve::rotary_embedding);
   m.impl("rotary_embedding_store_kv", &radixserve::rotary_embedding_store_kv);
   m.impl("silu_and_mul", &radixserve::silu_and_mul);
+  m.impl("oneshot_register", &radixserve::oneshot_register);
+  m.impl("oneshot_all_reduce", &radixserve::oneshot_all_reduce);
 }
 
 // Importing radixserve._C runs the registrations above. The module carries one constant,

@@ -67,4 +67,13 @@ void rotary_embedding_store_kv(const at::Tensor& positions, at::Tensor q, at::Te
                                const at::Tensor& slot_indices, double k_scale, double v_scale);
 at::Tensor silu_and_mul(const at::Tensor& x);
 
+// oneshot_allreduce.cu (issue 37 point 3: one-shot all-reduce over peer-mapped buffers of one
+// process; parallel/oneshot.py). register: per-rank uint8 buffers (two halves of the capacity)
+// and signal areas (>= oneshot_signal_bytes(), zeroed), enables peer access between their GPUs,
+// returns a handle; all_reduce: rank's share of one all-reduce, on the current stream.
+int64_t oneshot_signal_bytes();
+int64_t oneshot_register(at::TensorList buffers,
+                         at::TensorList signals, int64_t blocks);
+void oneshot_all_reduce(int64_t handle, int64_t rank, const at::Tensor& input, at::Tensor output);
+
 }  // namespace radixserve

@@ -123,10 +123,18 @@ class NcclGroup:
         self.streams: List[Optional[torch.cuda.Stream]] = [None] + [
             torch.cuda.Stream(device=d) for d in self.devices[1:]]
         self.broken = False
+        # small all-reduces: a one-shot kernel over peer-mapped buffers (parallel/oneshot.py),
+        # None (NCCL for every size) without P2P between every pair of GPUs or the extension
+        from radixserve.parallel.oneshot import OneShotAllReduce
+
+        self.oneshot, self._oneshot_off = OneShotAllReduce.maybe_create(self.devices)
 
     def describe(self) -> str:
-        return (f"NCCL {self.nccl.version()} in-process ({self.size} GPUs "
-                f"{self._indices}, ncclCommInitAll; NVLS {'off' if os.environ.get('NCCL_NVLS_ENABLE') == '0' else 'on'})")
+        nvls = "off" if os.environ.get("NCCL_NVLS_ENABLE") == "0" else "on"
+        small = (self.oneshot.describe() if self.oneshot is not None
+                 else f"NCCL (one-shot off: {self._oneshot_off})")
+        return (f"NCCL {self.nccl.version()} in-process ({self.size} GPUs {self._indices}, "
+                f"ncclCommInitAll; NVLS {nvls}; small all-reduces: {small})")
 
     @contextlib.contextmanager
     def rank_context(self, rank: int) -> Iterator[None]:
@@ -144,6 +152,8 @@ class NcclGroup:
 
     def all_reduce(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         """The sum of every rank's x (same shape and dtype): a new tensor on x's GPU."""
+        if self.oneshot is not None and self.oneshot.eligible(x):
+            return self.oneshot.all_reduce(x, rank)
         x = x.contiguous()
         out = torch.empty_like(x)
         self.nccl.all_reduce(x, out, self.comms[rank], self._stream(x))
@@ -163,6 +173,8 @@ class NcclGroup:
         """A rank failed: its peers may wait on the GPU for a collective it never enqueued.
         reset() must rebuild the communicators before the next step."""
         self.broken = True
+        if self.oneshot is not None:
+            self.oneshot.abort()                 # one-shot kernels waiting for it return
 
     def reset(self) -> None:
         """Fresh communicators (the old ones aborted: a half-run collective cannot complete)."""
@@ -172,6 +184,8 @@ class NcclGroup:
             except Exception:                    # noqa: BLE001 - rebuilding anyway
                 pass
         self.comms = self.nccl.init_all(self._indices)
+        if self.oneshot is not None:
+            self.oneshot.reset()                 # its call counters and flags back to zero
         self.broken = False
 
 
