@@ -1,4 +1,4 @@
-"""radixserve: an LLM serving runtime organised around KV reuse (see DESIGN.md).
+"""radixserve: an LLM serving runtime organised around KV reuse (see docs/ARCHITECTURE.md).
 
 `radixserve.Engine` is the offline API (offline.py); it is imported lazily so that
 `import radixserve` stays cheap for the CLI. The package root sits above every layer

@@ -26,8 +26,8 @@ from radixserve import knobs
 
 
 # SGLang flags radixserve does not support yet, each refused by name with its reason (exit 2):
-# `radixserve serve --quantization fp8` stops with "--quantization is an SGLang flag radixserve
-# does not support yet: ...", never starts with the flag silently ignored. The SGLang flags we do
+# `radixserve serve --pp-size 2` stops with "--pp-size is an SGLang flag radixserve does not
+# support yet: ...", never starts with the flag silently ignored. The SGLang flags we do
 # implement are ServerArgs fields under SGLang's names (plus the `aliases` of their metadata).
 _ONE_DEVICE = "one server runs on one device, or with --tp-size N on N ranks (pipeline, " \
               "expert and data parallelism are not implemented)"

@@ -1,5 +1,6 @@
-"""Every import inside radixserve points down the layers (../shared/DESIGN.md: server > engine >
-model > sampling > ops/cache/tokenizer), and no imports go round in a circle.
+"""Every import inside radixserve points down the layers (LAYERS below, drawn in
+docs/ARCHITECTURE.md: entry > lang > offline > server > engine > request > model > sampling >
+ground), and no imports go round in a circle.
 
 The graph is built from the sources with ast (nothing is imported):
   - a node is a module of pysrc/radixserve (a package is its __init__.py), plus radixserve._C;

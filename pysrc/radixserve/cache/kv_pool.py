@@ -60,7 +60,8 @@ class KVPool(KVBuffers):
 
     Contract: alloc(n) returns n distinct free slots (int64 tensor on the CPU) or None when fewer
     than n are free, and changes nothing in that case; free(slots) returns slots to the free list.
-    Freeing a slot that is already free is a bug and raises in debug mode (check_integrity).
+    Freeing a slot that is already free is a bug; free() does not check, the scheduler's
+    check_integrity (--debug-integrity) finds it.
     """
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,

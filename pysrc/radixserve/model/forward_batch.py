@@ -1,7 +1,7 @@
 """ForwardBatch: everything one forward pass needs, as tensors on the model's device.
 
-Built by the engine (engine/schedule_batch.py) from a ScheduleBatch; consumed by the model
-(model/llama.py) and the runner (model/runner.py). The model never looks at requests.
+Built by the runner from the uploaded StepInput (ModelRunner._decode_logits / _extend_logits,
+and the CUDA graphs of model/cuda_graph_runner.py); consumed by the model (model/llama.py). The model never looks at requests.
 decode_prologue is the device half of building a decode batch, shared by the runner's eager
 decode and the CUDA graphs that capture it (model/cuda_graph_runner.py).
 """

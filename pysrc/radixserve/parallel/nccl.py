@@ -11,7 +11,8 @@ call checks its ncclResult_t and raises NcclError naming the call and NCCL's mes
 
 Calls through ctypes release the GIL, so N rank threads enqueue their collectives at once; a
 collective enqueued on a stream under CUDA graph capture is captured (NCCL >= 2.9 supports
-capture), which is how the decode graphs hold their all-reduces.
+capture; tests/gpu/test_tp_cuda.py replays one). The per-GPU decode graphs that will hold the
+all-reduces are not written yet: decode runs eager under TP.
 
 NCCL_NVLS_ENABLE is set to 0 before the library loads (NVLink multicast stays off: the device
 README's rule), unless the environment already sets it.
