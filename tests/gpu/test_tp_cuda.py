@@ -3,7 +3,10 @@
 
 On one GPU: the library loads, a one-rank communicator all-reduces and all-gathers (identity
 and copy), eagerly and captured inside a CUDA graph (how the decode graphs will hold them),
-with the result checked after replays on new inputs. On two or more GPUs (issue 42's machine):
+with the result checked after replays on new inputs; the TP machinery over ONE rank (a
+TensorParallelModel of one shard on an NcclGroup of GPU 0: the sharded KV pool, the rank
+streams, the per-GPU decode graphs with the input broadcast and the LM-head gather inside)
+gives the same greedy ids as the plain model, graphs and eager. On two or more GPUs (issue 42's machine):
 a tiny random Llama and Qwen3 in float32 with --tp-size 2 give the same logits as --tp-size 1
 (1e-3) and the offline Engine the same greedy ids.
 """
@@ -50,22 +53,77 @@ def test_one_rank_nccl_eager_and_in_a_graph():
         nccl.destroy(comm)
 
 
-def _tiny(path_factory, arch: str) -> str:
+def _greedy(path, model, prompts, graphs: bool):
+    from radixserve.config import ModelConfig, ServerArgs
+    from radixserve.engine.req import Req
+    from radixserve.engine.scheduler import Scheduler
+    from radixserve.model.runner import ModelRunner
+    from radixserve.sampling.params import SamplingParams
+
+    sa = ServerArgs(model_path=path, device="cuda", dtype="bfloat16", max_total_tokens=2048,
+                    max_running_requests=8, context_length=256, chunked_prefill_size=32,
+                    tp_size=getattr(model, "tp_size", 1), disable_cuda_graph=not graphs)
+    sched = Scheduler(sa, ModelRunner(sa, ModelConfig.from_path(path), path, context_len=256,
+                                      model=model))
+    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=16, temperature=0.0,
+                                             ignore_eos=True), 16)
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        steps += 1
+        assert steps < 500
+    return sched, [r.output_ids for r in reqs]
+
+
+@requires_cuda
+def test_one_rank_tp_graphs_equal_the_plain_model(tmp_path_factory):
+    from radixserve.cache.kv_pool import ShardedKVPool
+    from radixserve.config import ModelConfig
+    from radixserve.model.cuda_graph_runner import TPCudaGraphRunner
+    from radixserve.model.loader import load_model, load_model_shards
+    from radixserve.model.tensor_parallel import TensorParallelModel
+    from radixserve.ops._ext import kernels_available
+
+    if not kernels_available():
+        pytest.skip("needs radixserve._C (the graphs need the kernels)")
+    path = _tiny(tmp_path_factory, "llama", head_dim=64)
+    config = ModelConfig.from_path(path)
+    gen = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, 90, (40,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 90, (k,), generator=gen).tolist() for k in (9, 2, 30)]
+    plain = load_model(path, config, "safetensors", torch.bfloat16, "cuda")
+    [shard] = load_model_shards(path, config, "safetensors", torch.bfloat16,
+                                [torch.device("cuda", 0)])
+    tp = TensorParallelModel([shard], single_ok=True)
+    assert tp.group.backend == "nccl"
+    _, want = _greedy(path, plain, prompts, graphs=True)
+    sched, got = _greedy(path, tp, prompts, graphs=True)
+    assert isinstance(sched.runner.graph_runner, TPCudaGraphRunner)
+    assert isinstance(sched.runner.kv_pool, ShardedKVPool)
+    assert got == want
+    _, eager = _greedy(path, tp, prompts, graphs=False)
+    assert eager == want
+
+
+def _tiny(path_factory, arch: str, head_dim: int = 32) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    common = dict(hidden_size=4 * head_dim, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if arch == "llama":
         hf = LlamaForCausalLM(LlamaConfig(vocab_size=97, tie_word_embeddings=False, **common))
     else:
-        hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=103, head_dim=32, tie_word_embeddings=True,
-                                          **common))
+        hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=103, head_dim=head_dim,
+                                          tie_word_embeddings=True, **common))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else noise / p.shape[-1] ** 0.5)
     path = path_factory.mktemp(arch)
     hf.save_pretrained(path, safe_serialization=True)
     return str(path)
@@ -109,3 +167,23 @@ def test_tp2_scheduler_greedy_equals_tp1(tmp_path_factory, arch):
             assert steps < 500
         outs[tp] = [r.output_ids for r in reqs]
     assert outs[2] == outs[1]
+
+
+@requires_2
+def test_tp2_decode_graphs_equal_tp2_eager(tmp_path_factory):
+    """bf16 on GPUs 0 and 1: the per-GPU decode graphs (all-reduces, input broadcast and
+    LM-head gather captured) give the ids the eager TP=2 steps give."""
+    from radixserve.config import ModelConfig
+    from radixserve.model.cuda_graph_runner import TPCudaGraphRunner
+    from radixserve.model.tensor_parallel import load_tp_model
+
+    path = _tiny(tmp_path_factory, "llama", head_dim=64)
+    config = ModelConfig.from_path(path)
+    tp = load_tp_model(path, config, "safetensors", torch.bfloat16, torch.device("cuda", 0), 2)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 90, (k,), generator=gen).tolist() for k in (12, 40, 3)]
+    sched, graphs = _greedy(path, tp, prompts, graphs=True)
+    assert isinstance(sched.runner.graph_runner, TPCudaGraphRunner)
+    _, eager = _greedy(path, tp, prompts, graphs=False)
+    assert graphs == eager
+

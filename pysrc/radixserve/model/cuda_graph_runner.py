@@ -184,3 +184,109 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:bucket].zero_()          # the padding slot
         self.graphs[key].replay()
         return self.logits[key][:bs]
+
+
+class TPCudaGraphRunner(CudaGraphRunner):
+    """The decode graphs under tensor parallelism on CUDA (runner.model a TensorParallelModel
+    over an NcclGroup): one graph per GPU for each (bucket, capacity), the all-reduces and the
+    LM-head gather captured inside as NCCL collectives.
+
+    Rank 0's graph runs the decode prologue on GPU 0 (the runner's req_to_token and next_ids,
+    the static inputs above) and packs the step's inputs into two buffers, int64 [3 x bucket]
+    (input_ids | positions | out_cache_loc) and int32 [2 x bucket + 1 + bucket x capacity]
+    (seq_lens | kv_indptr | kv_indices); every rank's graph then broadcasts them from rank 0
+    (NCCL, in place; rank r >= 1 receives into its own buffers on its GPU), runs its shard over
+    its KV shard, and takes part in the LM-head gather; rank 0's graph ends with the full logits
+    [bucket, vocab] fp32 in static memory. Cross-GPU order comes from the collectives alone.
+
+    Capture: every rank captures at once on its own thread (RankWorkers), stream and memory
+    pool, in thread-local capture mode, after two eager warm-ups. Replay, from the calling
+    thread: the inputs copied on rank 0's current stream (the runner's compute stream), rank
+    0's graph launched there, rank r's on its rank stream (NcclGroup.streams[r], the stream of
+    its eager steps too, so a rank's steps stay in order however they run)."""
+
+    def __init__(self, runner, max_bs: int):
+        self.tp = runner.model
+        self.rank_graphs: Dict[Tuple[int, int], List[torch.cuda.CUDAGraph]] = {}
+        super().__init__(runner, max_bs)
+
+    def _rank_step(self, r: int, bs: int, cap: int) -> Optional[torch.Tensor]:
+        """Rank r's share of one decode step of bs rows planned for capacity cap; rank 0 gets
+        the logits [bs, vocab] float32, the others None."""
+        from radixserve.model.forward_batch import decode_prologue
+
+        tp, run = self.tp, self.runner
+        n32 = 2 * bs + 1 + bs * cap
+        p64, p32 = self.packed64[r][:3 * bs], self.packed32[r][:n32]
+        if r == 0:
+            kv_indices = self.kv_indices[:bs * cap]
+            input_ids, positions = decode_prologue(
+                run.req_to_token, run.next_ids, self.rows[:bs], self.seq_lens[:bs],
+                self.out_cache_loc[:bs], self.kv_indptr[:bs + 1], kv_indices)
+            p64[:bs].copy_(input_ids)
+            p64[bs:2 * bs].copy_(positions)
+            p64[2 * bs:].copy_(self.out_cache_loc[:bs])
+            p32[:bs].copy_(self.seq_lens[:bs])
+            p32[bs:2 * bs + 1].copy_(self.kv_indptr[:bs + 1])
+            p32[2 * bs + 1:].copy_(kv_indices)
+        tp.group.broadcast(p64, r, root=0)
+        tp.group.broadcast(p32, r, root=0)
+        kv_indptr = p32[bs:2 * bs + 1]
+        fb = ForwardBatch(ForwardMode.DECODE, bs, p64[:bs], p64[bs:2 * bs], p64[2 * bs:],
+                          kv_indptr, kv_indptr, p32[2 * bs + 1:], p32[:bs], None,
+                          run.kv_pool.shard(r))
+        shard = tp.shards[r]
+        logits = shard.compute_logits(shard(fb))                   # rank 0: [bs, vocab]
+        return None if logits is None else logits.float()
+
+    def _capture_buckets(self) -> None:
+        tp = self.tp
+        biggest = max(max(caps) * b for b, caps in self.capacities.items())
+        self.packed64, self.packed32, streams, pools = [], [], [], []
+        for r, dev in enumerate(tp.devices):
+            self.packed64.append(torch.zeros(3 * self.max_bs, dtype=torch.int64, device=dev))
+            self.packed32.append(torch.zeros(2 * self.max_bs + 1 + biggest, dtype=torch.int32,
+                                             device=dev))
+            streams.append(torch.cuda.Stream(device=dev) if r == 0 else tp.group.streams[r])
+            with torch.cuda.device(dev):
+                pools.append(torch.cuda.graph_pool_handle())
+        streams[0].wait_stream(torch.cuda.current_stream(self.device))
+        for bs in reversed(self.buckets):          # largest first: later ones reuse its pool
+            for cap in reversed(self.capacities[bs]):
+                def capture(r: int, bs=bs, cap=cap):
+                    with torch.cuda.stream(streams[r]):
+                        for _ in range(2):         # warm-up outside the graph (lazy init)
+                            self._rank_step(r, bs, cap)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pools[r], stream=streams[r],
+                                          capture_error_mode="thread_local"):
+                        out = self._rank_step(r, bs, cap)
+                    return graph, out
+                captured = tp.workers.run(capture)
+                self.rank_graphs[(bs, cap)] = [g for g, _ in captured]
+                self.logits[(bs, cap)] = captured[0][1]
+        torch.cuda.current_stream(self.device).wait_stream(streams[0])
+        for dev in tp.devices:
+            torch.cuda.synchronize(dev)
+        logger.info("CUDA graphs captured for decode batch sizes %s on %d GPUs (one graph per "
+                    "GPU each, NCCL inside)", self.buckets, tp.tp_size)
+
+    @torch.inference_mode()
+    def replay(self, bs: int, rows: torch.Tensor, seq_lens: torch.Tensor,
+               out_cache_loc: torch.Tensor, max_seq_len: Optional[int] = None) -> torch.Tensor:
+        """As CudaGraphRunner.replay: logits [bs, vocab] float32 on GPU 0."""
+        bucket = self.bucket_for(bs)
+        key = (bucket, capacity_for(self.capacities[bucket], max_seq_len))
+        self.rows[:bs].copy_(rows)
+        self.seq_lens[:bs].copy_(seq_lens)
+        self.out_cache_loc[:bs].copy_(out_cache_loc)
+        if bucket > bs:
+            self.rows[bs:bucket].fill_(self.runner.padding_row)
+            self.seq_lens[bs:bucket].fill_(1)
+            self.out_cache_loc[bs:bucket].zero_()          # the padding slot
+        graphs = self.rank_graphs[key]
+        graphs[0].replay()                                  # rank 0: the caller's stream
+        for r in range(1, len(graphs)):
+            with torch.cuda.device(self.tp.devices[r]), torch.cuda.stream(self.tp.group.streams[r]):
+                graphs[r].replay()
+        return self.logits[key][:bs]

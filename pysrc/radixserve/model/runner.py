@@ -164,7 +164,7 @@ class ModelRunner:
         self.max_running_requests = (server_args.max_running_requests
                                      or DEFAULT_MAX_RUNNING_REQUESTS.get(self.device.type, 64))
         self.max_total_tokens = self._kv_pool_tokens()
-        if self.tp_size > 1:    # one slot allocator, each rank's KV heads in its own shard
+        if hasattr(self.model, "make_kv_pool"):   # TP: one slot allocator, KV heads sharded
             self.kv_pool = self.model.make_kv_pool(self.max_total_tokens, self.kv_dtype)
         else:
             self.kv_pool = KVPool(self.max_total_tokens, model_config.num_hidden_layers,
@@ -185,15 +185,16 @@ class ModelRunner:
             self.copy_stream = torch.cuda.Stream(device=dev)
         logger.info("KV pool: %d tokens, %.1f MB, %s%s", self.max_total_tokens,
                     self.kv_pool.size_bytes / (1 << 20), str(self.kv_dtype).replace("torch.", ""),
-                    "" if self.tp_size == 1 else f", sharded by KV heads over {self.tp_size} "
-                    f"ranks ({self.kv_pool.num_kv_heads} a rank)")
+                    "" if not hasattr(self.kv_pool, "shards") else f", sharded by KV heads over "
+                    f"{len(self.kv_pool.shards)} ranks ({self.kv_pool.num_kv_heads} a rank)")
         self.graph_runner = None
         if self._cuda_graph_usable():
-            from radixserve.model.cuda_graph_runner import CudaGraphRunner
+            from radixserve.model.cuda_graph_runner import CudaGraphRunner, TPCudaGraphRunner
 
             max_bs = min(self.max_running_requests,
                          server_args.cuda_graph_max_bs or self.max_running_requests)
-            self.graph_runner = CudaGraphRunner(self, max_bs)
+            graphs = TPCudaGraphRunner if hasattr(self.model, "shards") else CudaGraphRunner
+            self.graph_runner = graphs(self, max_bs)
             if max_bs < self.max_running_requests:
                 logger.info("decode batches above %d (--cuda-graph-max-bs) run eagerly", max_bs)
         if dev.type == "cuda":
@@ -203,7 +204,10 @@ class ModelRunner:
         """Decode runs as CUDA graphs where every op on its path is a graph-safe kernel."""
         from radixserve.ops._ext import kernels_available
 
-        if self.server_args.disable_cuda_graph or self.device.type != "cuda" or self.tp_size > 1:
+        if self.server_args.disable_cuda_graph or self.device.type != "cuda":
+            return False
+        group = getattr(self.model, "group", None)
+        if group is not None and group.backend != "nccl":
             return False
         if self.dtype not in (torch.bfloat16, torch.float16) or not kernels_available():
             logger.info("CUDA graphs off: they need radixserve._C and bf16/fp16 (dtype %s)",
@@ -217,7 +221,7 @@ class ModelRunner:
             if sa.max_total_tokens < 2:
                 raise ValueError("--max-total-tokens must be at least 2")
             return sa.max_total_tokens
-        kv_heads = mc.num_key_value_heads if self.tp_size == 1 else \
+        kv_heads = mc.num_key_value_heads if not hasattr(self.model, "shards") else \
             self.model.kv_heads_per_token(one_memory=self.device.type == "cpu")
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads,
                                            mc.head_dim, self.kv_dtype)   # 1 byte a value: FP8

@@ -24,8 +24,8 @@ ncclCommInitAll). On CUDA the step's inputs and the hidden states for the LM hea
 from rank 0's stream to each rank's stream on the calling thread (torch orders a cross-device
 copy after the source stream's work and the destination stream after the copy), then every
 rank launches its forward on its own thread and stream; rank 0's output stays on the caller's
-stream. Decode runs eager under TP on CUDA (the per-GPU CUDA graphs with the all-reduces
-captured inside are not written yet).
+stream. Decode runs as one CUDA graph per GPU with the all-reduces inside
+(model/cuda_graph_runner.TPCudaGraphRunner); on the CPU it runs eager.
 """
 from __future__ import annotations
 
@@ -86,9 +86,10 @@ def describe_layout(config: ModelConfig, tp_size: int) -> str:
 class TensorParallelModel(nn.Module):
     """N shards of one model run as one (see the module docstring)."""
 
-    def __init__(self, shards: Sequence[nn.Module]):
+    def __init__(self, shards: Sequence[nn.Module], single_ok: bool = False):
+        """single_ok: accept one shard (the TP machinery over one rank: tests on one GPU)."""
         super().__init__()
-        if len(shards) < 2:
+        if len(shards) < (1 if single_ok else 2):
             raise ValueError("TensorParallelModel needs at least 2 shards (tp_size 1 is the "
                              "plain model)")
         for rank, shard in enumerate(shards):

@@ -159,6 +159,13 @@ class NcclGroup:
         self.nccl.all_reduce(x, out, self.comms[rank], self._stream(x))
         return out
 
+    def broadcast(self, x: torch.Tensor, rank: int, root: int = 0) -> None:
+        """Overwrite x (contiguous, the same shape and dtype on every rank) with root's x, in
+        place: how the decode graphs under TP hand every rank rank 0's step inputs."""
+        if not x.is_contiguous():
+            raise ValueError("broadcast needs a contiguous tensor (it writes in place)")
+        self.nccl.broadcast(x, root, self.comms[rank], self._stream(x))
+
     def gather_last_dim(self, x: torch.Tensor, rank: int, dst: int = 0) -> Optional[torch.Tensor]:
         """Every rank's x concatenated along the last dimension on rank dst (an all-gather:
         NCCL has no gather), None on the other ranks."""
@@ -310,5 +317,5 @@ def backends_summary(num_gpus: int) -> str:
     except Exception as e:                      # noqa: BLE001 - a report line, not a failure
         nccl = f"NCCL unavailable: {e}"
     return (f"--tp-size N > 1 {cpu}; on CUDA: N of the {num_gpus} local GPU(s), one rank thread "
-            f"each, communicators made in-process by ncclCommInitAll, {nccl}; decode eager "
-            f"(no CUDA graphs under TP yet)")
+            f"each, communicators made in-process by ncclCommInitAll, {nccl}; decode as one CUDA "
+            f"graph per GPU")

@@ -6,13 +6,13 @@ rendezvous. Issue 37 point 2.
     lib.all_reduce(x, out, comms[r], stream)  # on rank r's thread, x and out on GPU r
 
 What it binds (nccl.h, stable since NCCL 2.0): ncclGetVersion, ncclCommInitAll,
-ncclCommDestroy, ncclCommAbort, ncclGetErrorString, ncclAllReduce, ncclAllGather, ncclGroupStart/End. Every
+ncclCommDestroy, ncclCommAbort, ncclGetErrorString, ncclAllReduce, ncclAllGather, ncclBroadcast, ncclGroupStart/End. Every
 call checks its ncclResult_t and raises NcclError naming the call and NCCL's message.
 
 Calls through ctypes release the GIL, so N rank threads enqueue their collectives at once; a
 collective enqueued on a stream under CUDA graph capture is captured (NCCL >= 2.9 supports
-capture; tests/gpu/test_tp_cuda.py replays one). The per-GPU decode graphs that will hold the
-all-reduces are not written yet: decode runs eager under TP.
+capture; tests/gpu/test_tp_cuda.py replays one): the per-GPU decode graphs under TP
+(model/cuda_graph_runner.TPCudaGraphRunner) hold their all-reduces, broadcast and gather so.
 
 NCCL_NVLS_ENABLE is set to 0 before the library loads (NVLink multicast stays off: the device
 README's rule), unless the environment already sets it.
@@ -80,8 +80,9 @@ class Nccl:
         lib.ncclCommAbort.argtypes = [c_p]
         lib.ncclAllReduce.argtypes = [c_p, c_p, c_size, c_int, c_int, c_p, c_p]
         lib.ncclAllGather.argtypes = [c_p, c_p, c_size, c_int, c_p, c_p]
+        lib.ncclBroadcast.argtypes = [c_p, c_p, c_size, c_int, c_int, c_p, c_p]
         for fn in ("ncclGetVersion", "ncclCommInitAll", "ncclCommDestroy", "ncclCommAbort", "ncclAllReduce",
-                   "ncclAllGather", "ncclGroupStart", "ncclGroupEnd"):
+                   "ncclAllGather", "ncclBroadcast", "ncclGroupStart", "ncclGroupEnd"):
             getattr(lib, fn).restype = c_int
 
     @classmethod
@@ -141,4 +142,12 @@ class Nccl:
         self._check("ncclAllGather", self.lib.ncclAllGather(
             ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
             ctypes.c_size_t(x.numel()), self._dtype(x), ctypes.c_void_p(comm),
+            ctypes.c_void_p(stream)))
+
+    def broadcast(self, x: torch.Tensor, root: int, comm: int, stream: int) -> None:
+        """x on every rank = root's x (in place: x contiguous, same shape and dtype on every
+        rank), enqueued on stream."""
+        self._check("ncclBroadcast", self.lib.ncclBroadcast(
+            ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(x.data_ptr()),
+            ctypes.c_size_t(x.numel()), self._dtype(x), root, ctypes.c_void_p(comm),
             ctypes.c_void_p(stream)))
