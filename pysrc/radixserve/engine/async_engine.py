@@ -7,6 +7,8 @@ Threads. Everything runs on the event-loop thread except the steps themselves:
     on CUDA it enqueues it on the compute stream and returns. It touches only the StepInput, the
     weights and the runner's device state; it never sees a Req;
   * waiter (one thread, CUDA): PendingStep.wait(), the one blocking event wait per step.
+Both belong to the pipeline's executor (engine/pipeline.ThreadedExecutor), given to the
+Scheduler (and so to its pipeline) once, at construction.
 With overlap the loop processes step N-1 and builds step N+1 while the worker (CPU) or the GPU
 runs step N. Slots freed while a step is in flight are safe to hand out again: the step that
 uses them next runs after it, in stream (or worker) order. The loop sleeps on an asyncio.Event
@@ -16,12 +18,10 @@ unhealthy and calls on_fatal (the server then exits non-zero so a supervisor res
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import gc
 import logging
 import os
-import threading
 from typing import Any, AsyncIterator, Callable, Dict, Optional
 
 from radixserve import knobs
@@ -29,7 +29,8 @@ from radixserve.config import ModelConfig, ServerArgs
 from radixserve.constrained import GrammarBackend
 from radixserve.engine import validation
 from radixserve.engine.io import GenerateOutput, GenerateReqInput
-from radixserve.engine.req import Req
+from radixserve.engine.pipeline import ThreadedExecutor
+from radixserve.engine.req import FinishReason, Req
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.thread_cpu import ThreadCPU
 from radixserve.errors import EngineOverloaded, RequestError
@@ -115,14 +116,14 @@ class AsyncEngine:
         self.context_len = check_context_length(server_args.context_length, self.model_config)
         self.runner = ModelRunner(server_args, self.model_config, self.model_path,
                                   context_len=self.context_len)
+        self.executor = ThreadedExecutor(self.runner)     # the pipeline's: started by start()
         self.scheduler = Scheduler(server_args, self.runner, tokenizer=self.tokenizer,
-                                   detokenizer_factory=self._make_detokenizer)
+                                   detokenizer_factory=self._make_detokenizer,
+                                   executor=self.executor)
         self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
                                        self.scheduler.eos_ids,
                                        cache_size=server_args.grammar_cache_size,
                                        timeout_s=server_args.grammar_compile_timeout)
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._waiter: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.on_fatal: Optional[Callable[[BaseException], None]] = None
         self._draining = False
         self._wakeup: Optional[asyncio.Event] = None
@@ -145,15 +146,11 @@ class AsyncEngine:
         """Start the scheduling loop; call inside the running event loop (once)."""
         if self._task is not None:
             return
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="radixserve-forward")
-        self._waiter = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="radixserve-wait")
+        forward_thread = self.executor.start()
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._thread_cpu.add_current("loop_thread_cpu_seconds")
-        self._thread_cpu.add("forward_thread_cpu_seconds",
-                             self._executor.submit(threading.get_ident).result())
+        self._thread_cpu.add("forward_thread_cpu_seconds", forward_thread)
         self._task = asyncio.get_running_loop().create_task(self._run_loop(),
                                                             name="radixserve-scheduler")
         self._gc_thresholds = freeze_startup_objects()
@@ -190,35 +187,18 @@ class AsyncEngine:
             pass
         self._task = None
         self._thread_cpu.forget()
-        self._executor.shutdown(wait=True)
-        self._waiter.shutdown(wait=True)
-        self._executor = self._waiter = None
+        self.executor.shutdown()
         gc.unfreeze()      # this engine's start-up objects may be collected again
         if self._gc_thresholds is not None:
             gc.set_threshold(*self._gc_thresholds)
             self._gc_thresholds = None
-
-    async def _launch(self, step_input):
-        """Hand the step to the forward worker; the handle is that worker's (concurrent) future."""
-        return self._executor.submit(self.runner.launch, step_input)
-
-    async def _sample(self, handle, bitmask):
-        """The grammar slot: sample a launched step under bitmask, on the forward worker after
-        its launch (the worker runs jobs in order, so the launch is done by then)."""
-        return self._executor.submit(lambda: self.runner.sample_masked(handle.result(), bitmask))
-
-    async def _wait(self, handle):
-        pending = await asyncio.wrap_future(handle)    # launched (CUDA) or computed (CPU)
-        if pending.ready():
-            return pending.wait()
-        return await asyncio.get_running_loop().run_in_executor(self._waiter, pending.wait)
 
     async def _run_loop(self) -> None:
         sched = self.scheduler
         pipeline = sched.pipeline
         try:
             while not self._stopping:
-                if await pipeline.turn(self._launch, self._wait, self._sample):
+                if await pipeline.turn():
                     await asyncio.sleep(0)     # let HTTP handlers and consumers run between turns
                     continue
                 if self.server_args.debug_integrity:
@@ -234,19 +214,18 @@ class AsyncEngine:
                     except asyncio.TimeoutError:
                         pass
             # shutdown: finish the requests marked for abort above, so their consumers end
-            await pipeline.drain(self._wait)
+            await pipeline.drain()
             sched.handle_aborts()
         except BaseException as e:
             self._loop_error = e
             logger.exception("the scheduling loop stopped; the engine cannot serve")
             for req in list(sched.reqs.values()):
                 try:
-                    sched._finish(req, {"type": "abort", "matched": None,
-                                        "message": f"internal error: {e}"})
+                    sched.finish(req, FinishReason.abort(f"internal error: {e}"))
                 except Exception:     # noqa: BLE001 - the consumers must still be woken
                     if req.sink is not None:
-                        req.sink(GenerateOutput(req.rid, "", [], True, {
-                            "type": "abort", "matched": None, "message": f"internal error: {e}"}))
+                        req.sink(GenerateOutput(req.rid, "", [], True, FinishReason.abort(
+                            f"internal error: {e}").to_dict()))
             if self.on_fatal is not None:
                 self.on_fatal(e)
             raise

@@ -16,10 +16,11 @@ A request without a row owns nothing. Only the event-loop thread mutates a Req.
 """
 from __future__ import annotations
 
-import hashlib
-
 import enum
-from typing import Any, Callable, Dict, List, Optional
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 
@@ -41,6 +42,57 @@ class ReqStatus(enum.Enum):
     PREFILL = 2    # admitted; prompt (or a chunk of it) being prefilled
     RUNNING = 3    # in the decode batch
     FINISHED = 4
+
+
+@dataclass(frozen=True, eq=False)
+class FinishReason(Mapping):
+    """Why a request finished, one of three kinds:
+      * stop:   an EOS or stop token (matched: its id), a stop string or regex (matched: it), or
+                the grammar's end (matched: the last token);
+      * length: max_new_tokens or the context length reached (matched: None);
+      * abort:  the request was aborted (message: why; status_code: set only when the request
+                itself is at fault, 400: its grammar left no valid token; else a 503 upstream).
+    to_dict() renders the wire form that GenerateOutput.finish_reason carries and the server
+    emits: {"type", "matched"}, plus "message" for an abort and "status_code" where set. The
+    object is also a read-only Mapping over that dict (reason["type"], reason == {...})."""
+    kind: str
+    matched: Union[int, str, None] = None
+    message: Optional[str] = None
+    status_code: Optional[int] = None
+
+    @classmethod
+    def stop(cls, matched: Union[int, str]) -> "FinishReason":
+        return cls("stop", matched)
+
+    @classmethod
+    def length(cls) -> "FinishReason":
+        return cls("length")
+
+    @classmethod
+    def abort(cls, message: str, status_code: Optional[int] = None) -> "FinishReason":
+        return cls("abort", None, message, status_code)
+
+    @property
+    def is_abort(self) -> bool:
+        return self.kind == "abort"
+
+    def to_dict(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"type": self.kind, "matched": self.matched}
+        if self.kind == "abort":
+            d["message"] = self.message
+            if self.status_code is not None:
+                d["status_code"] = self.status_code
+        return d
+
+    # the Mapping view of to_dict()
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
 
 
 class Req:
@@ -82,7 +134,7 @@ class Req:
         self.queue_time: Optional[float] = None        # arrival -> first admission, seconds
         self.queue_time_sent = False
         # finishing
-        self.finish_reason: Optional[Dict[str, Any]] = None
+        self.finish_reason: Optional[FinishReason] = None
         self.to_abort = False
         self.abort_message: Optional[str] = None
         # logprobs

@@ -1,15 +1,23 @@
 """Scheduler: owns every live request and decides what each step computes.
 
-The scheduler is split by concern, as one class over four files:
-  core.py     requests in and out (add, abort, finish, release KV), schedule(), integrity, stats
-  prefill.py  admission and chunked prefill (PrefillMixin)
-  decode.py   decode batches and retraction (DecodeMixin)
-  results.py  a step's results: tokens, stops, streaming (ResultsMixin)
-  grammar.py  constrained decoding: the grammar slot's bitmask, matchers, jump-forward
-Its pipeline (engine/pipeline.py) runs the steps: schedule() -> launch -> process_batch_result(),
-with the next step scheduled while the previous one runs (overlap). Everything here runs on the
-event-loop thread and is the only code that mutates requests, the queues, the KV free list, the
-host ReqToToken rows and the prefix cache; the device sees only StepInputs.
+The Scheduler holds the requests (`reqs`), the waiting queue and the running set, and is
+composed of parts that own their state; each part gets what it needs at construction:
+  kv.py        SlotLedger: slots between the KV pool, the ReqToToken rows, the prefix cache and
+               a request; DecodeReserve: the KV kept for running requests' future tokens
+  prefill.py   PrefillPlanner: admission and chunked prefill; owns the chunked request
+  decode.py    DecodeManager: decode batches, retraction for memory
+  fairness.py  the fair share between clients, and whom admission preempts for it
+  results.py   ResultProcessor: a step's results: tokens, stops, streaming (emit)
+  grammar.py   GrammarSlot: the grammar slot's bitmask, matchers, jump-forward plans
+  stats.py     SchedulerStats: counters and device-time telemetry
+The parts do not call each other (ResultProcessor asks the GrammarSlot, a leaf); they reach
+the queues through the Scheduler, which alone finishes and retracts requests (finish,
+retract: a request leaves the running set only there, or when results move it).
+Its StepPipeline (engine/pipeline.py), built once with its executor, runs the steps:
+schedule() -> launch -> process_batch_result(), with the next step scheduled while the
+previous one runs (overlap). Everything here runs on the event-loop thread and is the only code
+that mutates requests, the queues, the KV free list, the host ReqToToken rows and the prefix
+cache; the device sees only StepInputs.
 
 Per step (schedule()):
   1. finish requests marked for abort;
@@ -34,20 +42,20 @@ from radixserve.cache.base import PrefixCache
 from radixserve.cache.chunk_cache import ChunkCache
 from radixserve.cache.kv_pool import KVPool, ReqToTokenPool
 from radixserve.config import ServerArgs
-from radixserve.engine.pipeline import StepPipeline, run_sync
+from radixserve.engine.pipeline import StepExecutor, StepPipeline, SyncExecutor, run_sync
 from radixserve.engine.policy import get_policy
-from radixserve.engine.req import Req, ReqStatus
+from radixserve.engine.req import FinishReason, Req, ReqStatus
 from radixserve.engine.schedule_batch import ScheduleBatch
-from radixserve.engine.scheduler.decode import DecodeMixin
-from radixserve.engine.scheduler.grammar import GrammarMixin
-from radixserve.engine.scheduler.prefill import PrefillMixin
-from radixserve.engine.scheduler.results import ResultsMixin
+from radixserve.engine.scheduler.decode import DecodeManager
+from radixserve.engine.scheduler.fairness import FairShare, fair_share
+from radixserve.engine.scheduler.grammar import GrammarSlot
+from radixserve.engine.scheduler.kv import DecodeReserve, SlotLedger
+from radixserve.engine.scheduler.prefill import PrefillPlanner
+from radixserve.engine.scheduler.results import ResultProcessor, emit
+from radixserve.engine.scheduler.stats import SchedulerStats
 from radixserve.model.forward_batch import ForwardMode
 
 logger = logging.getLogger("radixserve.engine.scheduler")
-
-INIT_NEW_TOKEN_RATIO = 0.7       # x conservativeness: share of remaining max_new_tokens reserved
-MIN_NEW_TOKEN_RATIO = 0.1        # the ratio decays to this (x conservativeness) while nothing retracts
 
 
 def make_prefix_cache(server_args: ServerArgs, kv_pool: KVPool) -> PrefixCache:
@@ -63,14 +71,17 @@ def make_prefix_cache(server_args: ServerArgs, kv_pool: KVPool) -> PrefixCache:
     return ChunkCache(kv_pool, page_size=server_args.page_size)
 
 
-class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
-    """runner: provides kv_pool, model_config, context_len, max_running_requests, launch(StepInput).
-    tokenizer: optional; gives EOS ids, token_text for logprobs, and detokenizers (via
-    detokenizer_factory(req) -> IncrementalDetokenizer or None)."""
+class Scheduler:
+    """runner: provides kv_pool, model_config, context_len, max_running_requests, and the
+    calls SyncExecutor makes (launch, sample_masked). tokenizer: optional; gives EOS ids,
+    token_text for logprobs, and detokenizers (via detokenizer_factory(req) ->
+    IncrementalDetokenizer or None). executor: the pipeline's StepExecutor (default: a
+    SyncExecutor over runner, which step() needs; AsyncEngine passes its ThreadedExecutor)."""
 
     def __init__(self, server_args: ServerArgs, runner: Any, tokenizer: Any = None,
                  detokenizer_factory: Optional[Callable[[Req], Any]] = None,
-                 cache: Optional[PrefixCache] = None):
+                 cache: Optional[PrefixCache] = None,
+                 executor: Optional[StepExecutor] = None):
         self.server_args = server_args
         self.runner = runner
         self.tokenizer = tokenizer
@@ -78,55 +89,35 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
         self.kv_pool: KVPool = runner.kv_pool
         self.vocab_size = runner.model_config.vocab_size
         self.context_len = runner.context_len
+        self.max_running_requests = runner.max_running_requests
         self.req_to_token_pool = ReqToTokenPool(runner.max_running_requests,
                                                 runner.context_len + 1)
         self.cache = cache if cache is not None else make_prefix_cache(server_args, self.kv_pool)
-        self.policy = get_policy(server_args.schedule_policy)
-        self.max_running_requests = runner.max_running_requests
         self.chunk_size = server_args.resolved_chunked_prefill_size()
-        self.max_prefill_tokens = server_args.max_prefill_tokens
         self.mixed_chunk = server_args.enable_mixed_chunk
         self.alternate = server_args.step_order == "alternate"
-        self.jump_forward = not server_args.disable_jump_forward
         self.eos_ids = self._eos_ids(runner, tokenizer)
-        cons = server_args.schedule_conservativeness
-        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * cons, 1.0)
-        self.min_new_token_ratio = min(MIN_NEW_TOKEN_RATIO * cons, self.init_new_token_ratio)
-        self.new_token_ratio = self.init_new_token_ratio
         self._rng = random.Random(server_args.random_seed)
-        self.pipeline = StepPipeline(self, overlap=not server_args.disable_overlap_schedule)
-        # request state
+        # the queues and the running set (the chunked request is the PrefillPlanner's)
         self.waiting: Deque[Req] = collections.deque()
         self.running: List[Req] = []
-        self.chunked_req: Optional[Req] = None
         self.reqs: Dict[str, Req] = {}
-        self._admit_counter = 0
         self._last_was_prefill = False
-        self._fair_preempt_wanted = False     # see prefill.py (fairness) and the pipeline
-        # telemetry (decode.py's log line refreshes the rates)
-        self._num_decode_steps = 0
-        self._decode_log_tokens = 0
-        self._decode_log_time = time.perf_counter()
-        self._device_time = 0.0
-        self.total_device_time = 0.0        # device seconds of every step processed
-        # the same split by step kind: "decode", and "extend" (prefill chunks, mixed steps)
-        self.device_time_by_kind: Dict[str, float] = {"decode": 0.0, "extend": 0.0}
-        # device seconds idle just before a step of each kind (CUDA: from the steps' events)
-        self.device_idle_before_kind: Dict[str, float] = {"decode": 0.0, "extend": 0.0}
-        # decode steps' device seconds x their rows: over a run, divided by the tokens those
-        # steps made, the mean decode step a generated token waited for (bench serving puts
-        # the median ITL over it)
-        self.decode_row_device_time = 0.0
-        self.decode_rows = 0
-        self.gen_throughput = 0.0
-        self.gpu_busy_fraction = 0.0
-        self.counters: Dict[str, int] = {
-            "num_requests": 0, "num_finished_requests": 0, "num_aborted_requests": 0,
-            "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
-            "num_retractions": 0, "num_fair_retractions": 0,
-            "num_prefill_steps": 0, "num_decode_steps": 0,
-            "num_jumps": 0, "jump_forward_tokens": 0,
-        }
+        # the parts
+        self.stats = SchedulerStats()
+        self.ledger = SlotLedger(self.kv_pool, self.req_to_token_pool, self.cache)
+        reserve = DecodeReserve(server_args.schedule_conservativeness)
+        self.admission = PrefillPlanner(self, self.ledger, reserve, self.stats,
+                                        get_policy(server_args.schedule_policy),
+                                        self.chunk_size, server_args.max_prefill_tokens)
+        self.decode = DecodeManager(self, self.ledger, reserve, self.stats, self.context_len)
+        self.grammar = GrammarSlot(self.vocab_size, tokenizer, self.context_len,
+                                   pin=self.kv_pool.device.type == "cuda",
+                                   jump_forward=not server_args.disable_jump_forward)
+        self.results = ResultProcessor(self, self.ledger, self.grammar, self.stats, tokenizer,
+                                       self.context_len, server_args.page_size)
+        self.pipeline = StepPipeline(self, executor or SyncExecutor(runner),
+                                     overlap=not server_args.disable_overlap_schedule)
 
     @staticmethod
     def _eos_ids(runner: Any, tokenizer: Any) -> List[int]:
@@ -137,8 +128,43 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
             eos |= set(tok_eos or [])
         return sorted(eos)
 
+    # ------------------------------------------------------------------ the parts' state, read
+    @property
+    def chunked_req(self) -> Optional[Req]:
+        """The request whose prompt is mid-prefill across steps (PrefillPlanner's)."""
+        return self.admission.chunked_req
+
+    @property
+    def counters(self) -> Dict[str, int]:
+        return self.stats.counters
+
+    @property
+    def total_device_time(self) -> float:
+        return self.stats.total_device_time
+
+    @property
+    def device_time_by_kind(self) -> Dict[str, float]:
+        return self.stats.device_time_by_kind
+
+    @property
+    def device_idle_before_kind(self) -> Dict[str, float]:
+        return self.stats.device_idle_before_kind
+
+    @property
+    def gen_throughput(self) -> float:
+        return self.stats.gen_throughput
+
+    @property
+    def jump_forward(self) -> bool:
+        return self.grammar.jump_forward
+
+    @jump_forward.setter
+    def jump_forward(self, on: bool) -> None:
+        self.grammar.jump_forward = on
+
     # ------------------------------------------------------------------ queue API (loop thread)
     def add_request(self, req: Req) -> None:
+        """Queue req (ValueError for an rid in use): it gets its seed and detokenizer here."""
         if req.rid in self.reqs:
             raise ValueError(f"request id {req.rid!r} is already in use; send a unique rid")
         if req.seed is None:
@@ -149,7 +175,7 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
         req.arrival_time = time.perf_counter()
         self.reqs[req.rid] = req
         self.waiting.append(req)
-        self.counters["num_requests"] += 1
+        self.stats.count("num_requests")
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
         """Abort a live request: at once if it is waiting, else at the next step boundary (its
@@ -160,27 +186,69 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
         req.abort_message = message
         if req.status == ReqStatus.WAITING:
             self.waiting.remove(req)
-            self._finish(req, {"type": "abort", "matched": None, "message": message})
+            self.finish(req, FinishReason.abort(message))
         else:
             req.to_abort = True
         return True
 
     def has_work(self) -> bool:
         """Any live request (waiting, decoding, mid-chunk) or a step still in flight."""
-        return bool(self.reqs) or self.pipeline.inflight is not None
+        return bool(self.reqs) or self.step_in_flight() is not None
 
-    @property
-    def num_running(self) -> int:
-        """Requests holding a running slot: decoding, mid-chunk, or ending their prefill in the
-        step in flight (not in `running` until that step is processed)."""
-        return len(self.running) + (self.chunked_req is not None) + len(self._inflight_prefills())
+    def step_in_flight(self) -> Optional[ScheduleBatch]:
+        """The batch of the pipeline's step in flight, or None."""
+        return self.pipeline.inflight_batch
 
-    def _inflight_prefills(self) -> List[Req]:
+    def inflight_prefills(self) -> List[Req]:
         """The step in flight's requests that end their prefill there (status PREFILL, not the
         chunked request): they join `running` when it is processed."""
         return [r for r in self.pipeline.inflight_reqs()
                 if r.status == ReqStatus.PREFILL and r is not self.chunked_req]
 
+    @property
+    def num_running(self) -> int:
+        """Requests holding a running slot: decoding, mid-chunk, or ending their prefill in the
+        step in flight (not in `running` until that step is processed)."""
+        return len(self.running) + (self.chunked_req is not None) + len(self.inflight_prefills())
+
+    def fair_share(self) -> Optional[FairShare]:
+        """Fairness between clients now (fairness.py); None while the live requests are all
+        one client's."""
+        holders = self.running + ([self.chunked_req] if self.chunked_req else []) + \
+            self.inflight_prefills()
+        return fair_share(holders, self.waiting, self.max_running_requests,
+                          self.server_args.max_running_requests_per_client)
+
+    # ------------------------------------------------------------------ a step
+    def step(self) -> bool:
+        """One pipeline turn, synchronously (tests, offline use; the default SyncExecutor);
+        False when idle."""
+        return run_sync(self.pipeline.turn())
+
+    def schedule(self, prefill_only: bool = False) -> Optional[ScheduleBatch]:
+        """Pick this step's batch, allocate its slots and build its StepInput. Loop thread.
+        prefill_only: a prefill step or nothing (None, no state changed but aborts handled):
+        the pipeline schedules over an extend step in flight (can_prefill_over)."""
+        self.handle_aborts()
+        batch = None
+        decoding = bool(self.running) or bool(self.inflight_prefills())
+        if not (self.alternate and self._last_was_prefill and decoding):
+            batch = self.admission.plan()
+            if batch is not None and self.mixed_chunk:
+                self.decode.add_rows(batch)
+        if batch is None and prefill_only:
+            return None
+        if batch is None:
+            batch = self.decode.plan()
+        self._last_was_prefill = batch is not None and batch.mode is ForwardMode.EXTEND
+        if batch is None:
+            self._drop_unschedulable()
+            return None
+        batch.step_input = batch.prepare(self.req_to_token_pool, self.eos_ids, self.vocab_size,
+                                         decode_slots=batch.decode_slots)
+        return batch
+
+    # the pipeline's questions and calls (engine/pipeline.py)
     def can_prefill_over(self, batch: ScheduleBatch) -> bool:
         """May a prefill step be scheduled while `batch` (an extend step) is in flight? Yes when
         prompts wait and every request of batch ends its prompt there with nothing else to
@@ -194,54 +262,23 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
                 and all(lp is None for lp in batch.prompt_lp)
                 and not batch.step_input.sampling.grammar_rows)
 
-    # ------------------------------------------------------------------ a step
-    def step(self) -> bool:
-        """One pipeline turn, synchronously (tests, offline use); False when idle."""
-        async def launch(step_input):
-            return self.runner.launch(step_input)
+    def decode_memory_short(self) -> bool:
+        """A decode step now could not give every running request a slot without retracting."""
+        return self.decode.memory_short()
 
-        async def sample(pending, bitmask):
-            return self.runner.sample_masked(pending, bitmask)
+    def fair_preempt_pending(self) -> bool:
+        """The last admission wanted to retract requests of a client over its share for a
+        client under it, but a step was in flight: the pipeline resolves that step before
+        scheduling the next, which then preempts (prefill.py)."""
+        return self.admission.preempt_wanted and bool(self.waiting)
 
-        async def wait(pending):
-            return pending.wait()
+    def grammar_bitmask(self, batch: ScheduleBatch) -> torch.Tensor:
+        """The grammar slot: batch's token bitmask (GrammarSlot.bitmask)."""
+        return self.grammar.bitmask(batch)
 
-        return run_sync(self.pipeline.turn(launch, wait, sample))
-
-    def schedule(self, prefill_only: bool = False) -> Optional[ScheduleBatch]:
-        """Pick this step's batch, allocate its slots and build its StepInput. Loop thread.
-        prefill_only: a prefill step or nothing (None, no state changed but aborts handled):
-        the pipeline schedules over an extend step in flight (can_prefill_over)."""
-        self.handle_aborts()
-        batch = None
-        decoding = bool(self.running) or bool(self._inflight_prefills())
-        if not (self.alternate and self._last_was_prefill and decoding):
-            batch = self._prefill_batch()
-            if batch is not None and self.mixed_chunk:
-                self._add_decode_rows(batch)
-        if batch is None and prefill_only:
-            return None
-        if batch is None:
-            batch = self._decode_batch()
-        if batch is None:
-            self._last_was_prefill = False
-            self._drop_unschedulable()
-            return None
-        self._last_was_prefill = batch.mode == ForwardMode.EXTEND
-        batch.step_input = batch.prepare(self.req_to_token_pool, self.eos_ids, self.vocab_size,
-                                         decode_slots=batch.decode_slots)
-        return batch
-
-    def _drop_unschedulable(self) -> None:
-        """Nothing runs and the head of the queue still cannot be admitted. Admission refuses
-        requests that can never fit, so this is a safety net: finish it rather than wait forever."""
-        if self.waiting and not self.running and self.chunked_req is None \
-                and self.pipeline.inflight is None:
-            req = self.waiting.popleft()
-            self._finish(req, {"type": "abort", "matched": None,
-                               "message": f"the request needs {req.seq_len} KV slots to start "
-                                          f"but only {self.kv_pool.available_size()} of "
-                                          f"{self.kv_pool.num_slots} can be freed"})
+    def process_batch_result(self, batch: ScheduleBatch, out: Any) -> None:
+        """A step's StepOutput reached the host (ResultProcessor.process). Loop thread."""
+        self.results.process(batch, out)
 
     def fail_batch(self, batch: ScheduleBatch, error: BaseException) -> None:
         """The step of batch raised: finish its requests with an abort (their new KV is not
@@ -251,11 +288,9 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
             if req.finished:
                 continue
             if req.req_pool_idx is not None:
-                own = self.req_to_token_pool.slots(req.req_pool_idx, req.kv_len)[req.prefix_len:]
-                self.kv_pool.free(own)
-                req.kv_len = req.prefix_len
+                self.ledger.drop_own(req)
             req.abort_message = message
-            self._finish(req, {"type": "abort", "matched": None, "message": message})
+            self.finish(req, FinishReason.abort(message))
         self._requeue_table_writes(batch)
 
     def _requeue_table_writes(self, batch: ScheduleBatch) -> None:
@@ -271,58 +306,62 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
             for c, s in zip(cols.tolist(), slots.tolist()):
                 self.req_to_token_pool.write(row, c, torch.tensor([s]))
 
+    def _drop_unschedulable(self) -> None:
+        """Nothing runs and the head of the queue still cannot be admitted. Admission refuses
+        requests that can never fit, so this is a safety net: finish it rather than wait forever."""
+        if self.waiting and not self.running and self.chunked_req is None \
+                and self.step_in_flight() is None:
+            req = self.waiting.popleft()
+            self.finish(req, FinishReason.abort(
+                f"the request needs {req.seq_len} KV slots to start but only "
+                f"{self.kv_pool.available_size()} of {self.kv_pool.num_slots} can be freed"))
+
+    # ------------------------------------------------------------------ leaving the running set
     def handle_aborts(self) -> None:
         """Finish every request marked for abort (between steps only)."""
         for req in [r for r in self.running if r.to_abort]:
-            self._finish(req, self._abort_reason(req))
-        if self.chunked_req is not None and self.chunked_req.to_abort:
-            req, self.chunked_req = self.chunked_req, None
-            self._finish(req, self._abort_reason(req))
+            self.finish(req, self.abort_reason(req))
+        chunked = self.chunked_req
+        if chunked is not None and chunked.to_abort:
+            self.finish(chunked, self.abort_reason(chunked))
 
-    def _abort_reason(self, req: Req) -> Dict[str, Any]:
-        return {"type": "abort", "matched": None, "message": req.abort_message or "aborted"}
+    @staticmethod
+    def abort_reason(req: Req) -> FinishReason:
+        return FinishReason.abort(req.abort_message or "aborted")
 
-    def _finish(self, req: Req, reason: Dict[str, Any]) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """req is done: it leaves the running set, its KV goes to the cache (released), it is
+        counted, its detokenizer flushed (unless aborted or trimmed at a stop string) and its
+        last output emitted with the reason."""
         req.finish_reason = reason
-        if req in self.running:
-            self.running.remove(req)
-        if self.chunked_req is req:
-            self.chunked_req = None
-        self._release_kv(req)
+        self._leave_running(req)
+        self.ledger.release(req)
         req.status = ReqStatus.FINISHED
         self.reqs.pop(req.rid, None)
-        if reason["type"] == "abort":
-            self.counters["num_aborted_requests"] += 1
+        if reason.is_abort:
+            self.stats.count("num_aborted_requests")
         else:
-            self.counters["num_finished_requests"] += 1
-        if req.detokenizer is not None and reason["type"] != "abort" and \
-                not req.stop_str_matched:
+            self.stats.count("num_finished_requests")
+        if req.detokenizer is not None and not reason.is_abort and not req.stop_str_matched:
             req.pending_text += req.detokenizer.flush()
-        self._emit(req, finished=True)
+        emit(req, finished=True)
 
-    def _release_kv(self, req: Req, keep: Optional[int] = None) -> None:
-        """Give the request's computed tokens to the cache (ChunkCache frees them), unlock its
-        prefix and free its row. A running request publishes fill_ids[:seq_len - 1], exactly as
-        with no step in flight: the slot a step in flight is writing for its last token is
-        freed (the next owner's writes come after that step on the device). keep: publish at
-        most that many (jump-forward rolls back the re-tokenized tail)."""
-        if req.req_pool_idx is None:
-            return
-        kv = req.kv_len
-        if req.status == ReqStatus.RUNNING:
-            kv = min(kv, req.seq_len - 1)
-        if keep is not None:
-            kv = min(kv, keep)
-        kv = max(kv, req.prefix_len)   # never below the prefix: those slots are the cache's
-        slots = self.req_to_token_pool.slots(req.req_pool_idx, req.kv_len)
-        self.cache.insert(req.cache_key[:kv], slots[:kv])
-        self.kv_pool.free(slots[kv:])
-        self.cache.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.last_node = None
-        req.prefix_indices = torch.empty(0, dtype=torch.int64)
-        req.kv_len = 0
+    def retract(self, req: Req) -> None:
+        """A running (or the chunked) request goes back to the front of the queue with its
+        output; its computed KV is published, so resuming re-matches it. Only with no step in
+        flight (the caller's contract: the host state must be exact)."""
+        self._leave_running(req)
+        self.ledger.release(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        req.num_output_scheduled = len(req.output_ids)
+        # the earliest-admitted of the retracted ends up first (each later victim is pushed first)
+        self.waiting.appendleft(req)
+
+    def _leave_running(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.admission.forget(req)
 
     # ------------------------------------------------------------------ cache, stats, checks
     def flush_cache(self) -> bool:
@@ -333,25 +372,19 @@ class Scheduler(PrefillMixin, DecodeMixin, ResultsMixin, GrammarMixin):
         return True
 
     def num_used_tokens(self) -> int:
-        return self.kv_pool.num_slots - self.kv_pool.available_size() - self.cache.evictable_size()
+        return self.ledger.num_used_tokens()
 
     def token_usage(self) -> float:
-        return self.num_used_tokens() / max(self.kv_pool.num_slots, 1)
+        return self.ledger.token_usage()
 
     def metrics(self) -> Dict[str, Any]:
         m: Dict[str, Any] = dict(self.counters)
         m.update(num_running_reqs=self.num_running,
                  num_waiting_reqs=len(self.waiting), token_usage=self.token_usage(),
                  num_used_tokens=self.num_used_tokens(), max_total_tokens=self.kv_pool.num_slots,
-                 evictable_tokens=self.cache.evictable_size(),
-                 gen_throughput=self.gen_throughput, gpu_busy_fraction=self.gpu_busy_fraction,
-                 decode_device_seconds=self.device_time_by_kind["decode"],
-                 extend_device_seconds=self.device_time_by_kind["extend"],
-                 device_idle_before_decode_seconds=self.device_idle_before_kind["decode"],
-                 device_idle_before_extend_seconds=self.device_idle_before_kind["extend"],
-                 decode_row_device_seconds=self.decode_row_device_time,
-                 decode_rows=self.decode_rows,
-                 weight_floor_seconds=getattr(self.runner, "weight_floor_s", None) or 0.0)
+                 evictable_tokens=self.cache.evictable_size())
+        m.update(self.stats.device_metrics())
+        m.update(weight_floor_seconds=getattr(self.runner, "weight_floor_s", None) or 0.0)
         return m
 
     def check_integrity(self) -> None:

@@ -1,21 +1,31 @@
-"""Results and streaming: a step's sampled tokens become output, stop checks, deltas, finishes.
+"""ResultProcessor: a step's sampled tokens become output, stop checks, deltas, finishes.
 
-process_batch_result runs on the event-loop thread when the pipeline resolves a step. With
+process(batch, out) runs on the event-loop thread when the pipeline resolves a step. With
 overlap, the step after it is already running: a request that finished (or was aborted, or
-jumped forward: grammar.py) since this step was scheduled is skipped here, so the extra token it computed is dropped and its
-output equals the serial loop's. A row whose logits were not finite fails alone (an abort with
-a clear message); its batch-mates go on. Part of Scheduler (core.py).
+jumped forward) since this step was scheduled is skipped here, so the extra token it computed
+is dropped and its output equals the serial loop's. A row whose logits were not finite fails
+alone (an abort with a clear message); its batch-mates go on.
+
+It moves a request whose prefill ended into the Scheduler's running set (publishing its prompt
+to the cache), and one that jumped forward (GrammarSlot.plan_jump) back to the front of the
+waiting queue; finishing is the Scheduler's (Scheduler.finish). emit() turns a request's
+pending deltas into one GenerateOutput for its sink.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from radixserve.engine.io import GenerateOutput, LogprobEntry
-from radixserve.engine.req import Req, ReqStatus
+from radixserve.engine.req import FinishReason, Req, ReqStatus
 from radixserve.engine.schedule_batch import ScheduleBatch
-from radixserve.model.forward_batch import ForwardMode
+from radixserve.engine.scheduler.grammar import GrammarSlot, Jump
+from radixserve.engine.scheduler.kv import SlotLedger
+from radixserve.engine.scheduler.stats import SchedulerStats
 from radixserve.model.step_io import StepOutput
+
+if TYPE_CHECKING:
+    from radixserve.engine.scheduler.core import Scheduler
 
 logger = logging.getLogger("radixserve.engine.scheduler")
 
@@ -23,19 +33,27 @@ NON_FINITE_MESSAGE = ("the model produced non-finite logits for this request (Na
                       "check the sampling parameters and the model's weights")
 
 
-class ResultsMixin:
-    def process_batch_result(self, batch: ScheduleBatch, out: StepOutput) -> None:
-        """Append sampled tokens, check stops, stream outputs, finish requests. Loop thread."""
+class ResultProcessor:
+    """sched: the Scheduler (running, waiting, eos_ids, finish, abort_reason). tokenizer:
+    token text for logprobs (optional). page_size: a prompt is published at its prefill's end
+    only when it fills whole pages."""
+
+    def __init__(self, sched: "Scheduler", ledger: SlotLedger, grammar: GrammarSlot,
+                 stats: SchedulerStats, tokenizer: Any, context_len: int, page_size: int):
+        self.sched = sched
+        self.ledger = ledger
+        self.grammar = grammar
+        self.stats = stats
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.page_size = page_size
+
+    def process(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        """Append sampled tokens, check stops, stream outputs, finish requests."""
+        sched = self.sched
         sample_i = 0
         generated = 0
-        self._device_time += out.device_time
-        self.total_device_time += out.device_time
-        kind = "decode" if batch.mode is ForwardMode.DECODE else "extend"
-        self.device_time_by_kind[kind] += out.device_time
-        self.device_idle_before_kind[kind] += out.idle_before
-        if kind == "decode":
-            self.decode_row_device_time += out.device_time * batch.batch_size
-            self.decode_rows += batch.batch_size
+        self.stats.step_processed(batch.mode, batch.batch_size, out)
         for i, req in enumerate(batch.reqs):
             if batch.sample[i]:
                 row, sample_i = sample_i, sample_i + 1
@@ -50,83 +68,126 @@ class ResultsMixin:
             if req.status == ReqStatus.PREFILL:
                 self._start_running(req)
             if req.to_abort:
-                self._finish(req, self._abort_reason(req))
+                sched.finish(req, sched.abort_reason(req))
                 continue
             if not out.sample.finite[row]:
                 logger.warning("request %s: non-finite logits; failing it alone", req.rid)
                 req.abort_message = NON_FINITE_MESSAGE
-                self._finish(req, {"type": "abort", "matched": None, "message": NON_FINITE_MESSAGE})
+                sched.finish(req, FinishReason.abort(NON_FINITE_MESSAGE))
                 continue
             if req.max_new_tokens == 0:
-                self._finish(req, {"type": "length", "matched": None})
+                sched.finish(req, FinishReason.length())
                 continue
             tok = out.sample.ids[row]
-            if req.grammar is not None and not self._grammar_accepts(req, tok):
-                continue
+            if req.grammar is not None:
+                refused = self.grammar.refusal(req, tok)
+                if refused is not None:
+                    sched.finish(req, refused)
+                    continue
             self._append_token(req, tok, out.sample.logprobs[row], out.sample.top_logprobs[row])
             generated += 1
-            if not req.finished and req.can_jump_forward and self.jump_forward:
-                self._jump_forward(req)
-        self.counters["generation_tokens"] += generated
-        self._decode_log_tokens += generated
+            if not req.finished:
+                jump = self.grammar.plan_jump(req)
+                if jump is not None:
+                    self._apply_jump(req, jump)
+        self.stats.tokens_generated(generated)
 
+    # ------------------------------------------------------------------ transitions
     def _after_chunk(self, req: Req) -> None:
         """A non-final prefill chunk finished: publish it (or finish an aborted request)."""
         if req.to_abort:
-            if self.chunked_req is req:
-                self.chunked_req = None
-            self._finish(req, self._abort_reason(req))
-        elif self.cache.supports_sharing:
-            self._publish_chunk(req)
+            self.sched.finish(req, self.sched.abort_reason(req))
+        elif self.ledger.cache.supports_sharing:
+            self.ledger.publish(req)
 
     def _start_running(self, req: Req) -> None:
         """The prefill ended: publish the prompt now, not at finish, so requests arriving while
-        this one decodes (or waiting on it, see _waits_for_batch_prefix) reuse it."""
-        if self.chunked_req is req:
-            self.chunked_req = None
-        if self.cache.supports_sharing and req.kv_len % self.server_args.page_size == 0:
-            self._publish_chunk(req)
+        this one decodes (or waiting on it, see PrefillPlanner._waits_for_batch_prefix) reuse
+        it; req joins the running set."""
+        if self.ledger.cache.supports_sharing and req.kv_len % self.page_size == 0:
+            self.ledger.publish(req)
         req.status = ReqStatus.RUNNING
         if req.wants_prompt_logprobs and not req.prompt_logprobs_done:
             if req.input_token_logprobs is None:     # nothing to score (short prompt)
                 self._add_prompt_logprobs(req, (0, 0), [], None)
             req.prompt_logprobs_done = True
-        self.running.append(req)
+        self.sched.running.append(req)
 
+    def _apply_jump(self, req: Req, jump: Jump) -> None:
+        """req leaves the decode batch: its KV of fill positions before the first replaced
+        token (old ids: they are what the KV holds) is published, the rest and its row freed,
+        and a step of it in flight is dropped from now on (epoch); its output tail is replaced
+        and streamed; unless that finished it, it waits at the front of the queue."""
+        self.sched.running.remove(req)
+        self.ledger.release(req, keep=req.seq_len - max(jump.num_removed, 1))
+        req.epoch += 1
+        self._append_jumped(req, jump.num_removed, jump.new_ids)
+        if not req.finished:
+            req.status = ReqStatus.WAITING
+            self.sched.waiting.appendleft(req)
+            self.stats.count("num_jumps")
+
+    # ------------------------------------------------------------------ tokens and stops
     def _append_token(self, req: Req, tok: int, lp: Optional[float], top) -> None:
         req.output_ids.append(tok)
         if req.return_logprob:
             req.pending_logprobs.append(self._entry(req, lp, tok))
             if req.top_logprobs_num > 0:
                 req.pending_top_logprobs.append([self._entry(req, v, t) for v, t in (top or [])])
-        reason = self._check_stop_token(req, tok)
-        trim_token = reason is not None and reason["type"] == "stop" and \
+        reason = self._stop_by_token(req, tok)
+        trim_token = reason is not None and reason.kind == "stop" and \
             not req.sampling_params.no_stop_trim
         if req.detokenizer is not None and not trim_token:
             res = req.detokenizer.push([tok])
             req.pending_text += res.text_delta
             if reason is None and res.stop_matched is not None:
-                reason = {"type": "stop", "matched": res.stop_matched}
+                reason = FinishReason.stop(res.stop_matched)
                 req.stop_str_matched = True
         req.pending_ids.append(tok)
         if reason is not None:
-            self._finish(req, reason)
+            self.sched.finish(req, reason)
         else:
-            self._emit(req, finished=False)
+            emit(req, finished=False)
 
-    def _check_stop_token(self, req: Req, tok: int) -> Optional[Dict[str, Any]]:
+    def _stop_by_token(self, req: Req, tok: int) -> Optional[FinishReason]:
         sp = req.sampling_params
-        if not sp.ignore_eos and tok in self.eos_ids:
-            return {"type": "stop", "matched": tok}
+        if not sp.ignore_eos and tok in self.sched.eos_ids:
+            return FinishReason.stop(tok)
         if req.grammar is not None and req.grammar.terminated:   # the grammar's end
-            return {"type": "stop", "matched": tok}
+            return FinishReason.stop(tok)
         if sp.stop_token_ids and tok in sp.stop_token_ids:
-            return {"type": "stop", "matched": tok}
+            return FinishReason.stop(tok)
         if len(req.output_ids) >= req.max_new_tokens or req.seq_len >= self.context_len:
-            return {"type": "length", "matched": None}
+            return FinishReason.length()
         return None
 
-    # ------------------------------------------------------------------ outputs
+    def _append_jumped(self, req: Req, num_removed: int, new_ids: List[int]) -> None:
+        """Replace the last num_removed output ids with new_ids and stream the change."""
+        del req.output_ids[len(req.output_ids) - num_removed:]
+        req.output_ids.extend(new_ids)
+        req.num_jumped_tokens += len(new_ids)
+        req.num_output_scheduled = len(req.output_ids)
+        req.penalty_ready = False
+        reason = None
+        if req.detokenizer is not None:
+            res = req.detokenizer.replace_tail(num_removed, new_ids)
+            req.pending_text += res.text_delta
+            if res.stop_matched is not None:
+                reason = FinishReason.stop(res.stop_matched)
+                req.stop_str_matched = True
+        req.pending_rollback += num_removed
+        req.pending_ids.extend(new_ids)
+        if reason is None and (len(req.output_ids) >= req.max_new_tokens
+                               or req.seq_len >= self.context_len):
+            reason = FinishReason.length()
+        self.stats.count("generation_tokens", len(new_ids) - num_removed)
+        self.stats.count("jump_forward_tokens", len(new_ids))
+        if reason is not None:
+            self.sched.finish(req, reason)
+        else:
+            emit(req, finished=False)
+
+    # ------------------------------------------------------------------ logprobs
     def _entry(self, req: Req, logprob: Optional[float], tok: int) -> LogprobEntry:
         text = None
         if req.return_text_in_logprobs and self.tokenizer is not None:
@@ -147,32 +208,36 @@ class ResultsMixin:
         if req.input_top_logprobs is not None and tops is not None:
             req.input_top_logprobs += [[self._entry(req, v, t) for v, t in row] for row in tops]
 
-    def _emit(self, req: Req, finished: bool) -> None:
-        if req.sink is None:
-            req.pending_ids, req.pending_text, req.pending_rollback = [], "", 0
-            req.pending_logprobs, req.pending_top_logprobs = [], []
-            return
-        out = GenerateOutput(
-            rid=req.rid,
-            text_delta=req.pending_text,
-            output_ids_delta=req.pending_ids,
-            finished=finished,
-            finish_reason=req.finish_reason if finished else None,
-            prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens or 0,
-            output_token_logprobs_delta=req.pending_logprobs,
-            output_top_logprobs_delta=req.pending_top_logprobs,
-            output_ids_rollback=req.pending_rollback,
-        )
-        if req.queue_time is not None and not req.queue_time_sent:
-            out.queue_time_s = req.queue_time
-            req.queue_time_sent = True
-        if req.wants_prompt_logprobs and not req.input_logprobs_sent and \
-                req.input_token_logprobs is not None and (req.prompt_logprobs_done or finished):
-            out.input_token_logprobs = req.input_token_logprobs
-            out.input_top_logprobs = req.input_top_logprobs
-            req.input_logprobs_sent = True
+
+def emit(req: Req, finished: bool) -> None:
+    """Send req's pending deltas (text, ids, rollback, logprobs) to its sink as one
+    GenerateOutput, with the finish reason rendered (FinishReason.to_dict()) when finished,
+    and clear them; without a sink they are just cleared."""
+    if req.sink is None:
         req.pending_ids, req.pending_text, req.pending_rollback = [], "", 0
         req.pending_logprobs, req.pending_top_logprobs = [], []
-        req.sink(out)
+        return
+    out = GenerateOutput(
+        rid=req.rid,
+        text_delta=req.pending_text,
+        output_ids_delta=req.pending_ids,
+        finished=finished,
+        finish_reason=req.finish_reason.to_dict() if finished else None,
+        prompt_tokens=len(req.origin_input_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens or 0,
+        output_token_logprobs_delta=req.pending_logprobs,
+        output_top_logprobs_delta=req.pending_top_logprobs,
+        output_ids_rollback=req.pending_rollback,
+    )
+    if req.queue_time is not None and not req.queue_time_sent:
+        out.queue_time_s = req.queue_time
+        req.queue_time_sent = True
+    if req.wants_prompt_logprobs and not req.input_logprobs_sent and \
+            req.input_token_logprobs is not None and (req.prompt_logprobs_done or finished):
+        out.input_token_logprobs = req.input_token_logprobs
+        out.input_top_logprobs = req.input_top_logprobs
+        req.input_logprobs_sent = True
+    req.pending_ids, req.pending_text, req.pending_rollback = [], "", 0
+    req.pending_logprobs, req.pending_top_logprobs = [], []
+    req.sink(out)
