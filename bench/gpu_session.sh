@@ -284,7 +284,8 @@ for stage in "$@"; do
     ssweep)
       # bitmask_sample A/B (bench/variants/sample_sweep.cu): the header at git revision
       # $SSWEEP_BASE (default HEAD; or a carried .ssweep-base/sampling.cuh where the copy has no
-      # git history) against the working tree's, built side by side, same run
+      # git history, as on the device: bench/variants/README.md says how to prepare it) against
+      # the working tree's, built side by side, same run
       V=/tmp/ssweep; rm -rf $V
       if [ -f .ssweep-base/sampling.cuh ]; then
         mkdir -p $V/var_base/radixserve && cp .ssweep-base/sampling.cuh $V/var_base/radixserve/
@@ -306,7 +307,7 @@ for stage in "$@"; do
         --sub "  if (cut_above || cut_below) return false;" "  if (cut_above || cut_below) { if (threadIdx.x == 0) atomicAdd(&g_diag[3], 1u); return false; }" \
         --sub "    if (id < 0) return false;" "    if (id < 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[4], 1u); return false; }\n    if (threadIdx.x == 0) atomicAdd(&g_diag[6], 1u);" \
         --sub "  if (L == 0) return false;" "  if (L == 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[5], 1u); return false; }\n  if (threadIdx.x == 0) atomicAdd(&g_diag[6], 1u);" \
-        --sub "  if (!hist_on) pass1(" "  if (hist_row && !hist_on && tid == 0) atomicAdd(&g_diag[0], 1u);\n  if (!hist_on) pass1("
+        --sub "  if (!hist_on) pass1<" "  if (cfg.hist_row && !hist_on && threadIdx.x == 0) atomicAdd(&g_diag[0], 1u);\n  if (!hist_on) pass1<"
       bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/ssweep.txt"
       bash bench/variants/run.sh $D sample_sweep.cu -DDIAG 2>&1 | tee -a "$OUT/ssweep.txt" ;;
     sdiag)
@@ -547,44 +548,6 @@ print(max(runs)[1] if runs else 0)")
       (flashinfer_env
        timeout "${FI_TIMEOUT:-240}" python3 bench/flashinfer_peer.py --parts "${FI_PARTS:-decode,sampling}" \
          --json "$OUT/flashinfer-h200.json" 2>&1 | grep -v "^ \|^{\|^}" | tail -30 | tee "$OUT/flashinfer.txt") ;;
-    patchab)
-      # kernel experiments kept as patches under bench/variants/ (written without a GPU, not yet
-      # run; bench/variants/README.md): each of $PATCHES applied to this copy and _C rebuilt; the
-      # GPU tests under the patched defaults and again with every small kernel launched with PDL
-      # and the q|k|v + rope kernel's other stream plan;
-      # then decode_steps at bs 1 and 8 under each setting of $AB_SETTINGS (';'-separated, each a
-      # space-separated list of VAR=VALUE), in $AB_ROUNDS interleaved rounds (~15 s a setting a
-      # round: 10 settings x 2 rounds with the build and tests take ~8 min, so run this stage in
-      # a call of its own, after one that measured main with `build tests decode`). The patched
-      # build stays: run this stage last.
-      # (graph-context-classes and decode-short-no-split landed in session 19 (1.17-1.22x the
-      # floor); pdl-small-kernels needs rebasing onto the landed no-split change before it goes
-      # back in the list; each patch is made against the tree with the ones before it applied; apply_patch.py
-      # because the image may lack `patch` and the copy has no git repository)
-      for patch in ${PATCHES:-skinny-qkv-rope l2-prefetch-next}; do
-        python3 bench/variants/apply_patch.py "bench/variants/$patch.patch" 2>&1 | tee -a "$OUT/patchab.txt"
-      done
-      rm -rf pysrc/radixserve/_C*.so build/cuda-objects-*
-      build_ext 2 | tee -a "$OUT/patchab.txt"
-      gpu_tests "$OUT/gpu_tests_patched.txt" 3 | tee -a "$OUT/patchab.txt"
-      RADIXSERVE_PDL_SMALL=norm,rope,attn RADIXSERVE_QKV_ROPE_PLAN=16 \
-        gpu_tests "$OUT/gpu_tests_patched_pdl.txt" 3 | tee -a "$OUT/patchab.txt"
-      F=RADIXSERVE_FUSE_QKV_ROPE; P=RADIXSERVE_PDL_SMALL; L=RADIXSERVE_L2_PREFETCH
-      G=RADIXSERVE_GRAPH_CONTEXT_CLASSES; S=RADIXSERVE_DECODE_NO_SPLIT_TOKENS
-      # 0 all off (main's kernels); then each patch added: 1 graph classes, 2 no split, 3 fused
-      # q|k|v + rope, 4-5 PDL on attention / norms + attention, 6-8 L2 prefetch (default, o only,
-      # half), 9 everything
-      IFS=';' read -ra settings <<< "${AB_SETTINGS:-$G=0 $S=0 $F=0 $P=none $L=0;$G=1 $S=0 $F=0 $P=none $L=0;$G=1 $F=0 $P=none $L=0;$G=1 $F=1 $P=none $L=0;$G=1 $F=1 $P=attn $L=0;$G=1 $F=1 $P=norm,attn $L=0;$G=1 $F=1 $P=none;$G=1 $F=1 $P=none $L=o=32;$G=1 $F=1 $P=none $L=o=16,gu=8,qkv=8;$G=1 $F=1 $P=norm,attn}"
-      for r in $(seq "${AB_ROUNDS:-2}"); do
-        i=0
-        for setting in "${settings[@]}"; do
-          echo "round $r setting $i: $setting" | tee -a "$OUT/patchab.txt"
-          env $setting python3 bench/decode_steps.py --preset llama-3.1-8b --batch-sizes 1,8 \
-            --modes overlap --out "/tmp/ab-$i-$r.json" 2>&1 | grep -E "bs |over_floor" \
-            | tee -a "$OUT/patchab.txt"
-          i=$((i + 1))
-        done
-      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
