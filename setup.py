@@ -179,6 +179,8 @@ setup(
         "xgrammar",
         "prometheus_client",
         "orjson",
+        "pyzmq",           # --kv-events-config (cache/kv_events.py; imported only with the flag)
+        "msgspec",         # idem: vLLM's KVEventBatch msgpack encoding
         "pydantic>=2",
         "tqdm",
         "gguf",
@@ -188,7 +190,10 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "openai", "httpx",
                  "aiohttp", "matplotlib", "schemathesis", "jsonschema", "nvidia-cuda-cuobjdump",
-                 "pyelftools"],
+                 "pyelftools", "smg>=1.13,<2"],
+        # `radixserve serve --dp-size N`: SGLang's model gateway (Shepherd Model Gateway) in
+        # front of the replicas (radixserve/replicas.py)
+        "router": ["smg>=1.13,<2"],
         "bench": ["httpx", "aiohttp", "matplotlib"],
         "build": ["pybind11", "ninja", "nvidia-cutlass"],
     },

@@ -1,6 +1,7 @@
 """`radixserve serve | convert | bench | env`: the command line.
 
-    radixserve serve [--model-path DIR] [every ServerArgs flag]   (no model: the default model)
+    radixserve serve [--model-path DIR] [every ServerArgs flag]   (no model: the default model;
+                                           --dp-size N: N replicas behind smg, replicas.py)
     radixserve convert --gguf FILE --out DIR                       (GGUF -> HF-style directory)
     radixserve bench serving|offline|presets|plots [ARGS...]   (the benchmarks: radixserve.bench)
     radixserve env                  (versions, GPU, CUDA kernels' state, cache path: bug reports)
@@ -98,6 +99,14 @@ def run_serve(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
+    if args.dp_size > 1:            # N replicas behind SGLang's model gateway (replicas.py)
+        from radixserve import replicas
+        if not replicas.gateway_installed():
+            print(f"radixserve: error: {replicas.missing_gateway_message(args.dp_size)}",
+                  file=sys.stderr)
+            return 2
+        setup_logging("debug" if args.log_level == "trace" else args.log_level)
+        return replicas.serve_replicas(args)
     setup_logging("debug" if args.log_level == "trace" else args.log_level)
     from radixserve.server.app import serve
     return serve(args)

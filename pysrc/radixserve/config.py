@@ -59,14 +59,15 @@ REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     # quantization and data type
     "--quantization-param-path": "FP8 scales come from the checkpoint (quantization_config) or "
                                  "are computed at load (--quantization fp8)",
-    # parallelism and distribution (--tp-size N and --dp-size 1 are accepted)
+    # parallelism and distribution (--tp-size N and --dp-size N are accepted)
     "--pp-size": _ONE_DEVICE,
     "--pipeline-parallel-size": _ONE_DEVICE,
     "--ep-size": _ONE_DEVICE,
     "--expert-parallel-size": _ONE_DEVICE,
     "--enable-dp-attention": _ONE_DEVICE,
     "--enable-dp-lm-head": _ONE_DEVICE,
-    "--load-balance-method": _ONE_DEVICE,
+    "--load-balance-method": "--dp-size N puts SGLang's model gateway in front of N replica "
+                             "processes; choose its policy with --router-policy",
     "--nnodes": _ONE_HOST,
     "--node-rank": _ONE_HOST,
     "--dist-init-addr": _ONE_HOST,
@@ -361,8 +362,16 @@ class ServerArgs:
     tp_size: int = _flag(1, "tensor-parallel size: ranks per model, all in this one process (a "
                          "thread per rank; on CUDA one GPU per rank, NCCL made in-process)",
                          aliases=("--tensor-parallel-size",), metavar="N", group="parallelism")
-    dp_size: int = _flag(1, "data-parallel size (model replicas); only 1 is supported yet",
-                         aliases=("--data-parallel-size",), metavar="N")
+    dp_size: int = _flag(
+        1, "data-parallel size: N > 1 starts N replica servers (each on its own GPU, or --tp-size "
+        "GPUs; on the CPU, N CPU processes) on loopback ports, and SGLang's model gateway (smg: "
+        "pip install 'radixserve[router]') in front of them on --host:--port; a replica that "
+        "dies is restarted", aliases=("--data-parallel-size",), metavar="N")
+    router_policy: str = _flag(
+        "cache_aware", "with --dp-size N > 1, how the gateway picks a replica: cache_aware (the "
+        "replica whose earlier requests share the longest prefix with this one, unless load is "
+        "imbalanced), round_robin, power_of_two (the less loaded of two random replicas), "
+        "random", choices=("cache_aware", "round_robin", "power_of_two", "random"))
     # runtime
     random_seed: int = _flag(0, "seed of the generator that seeds requests sent without a seed",
                              metavar="SEED", group="runtime")
@@ -452,10 +461,21 @@ class ServerArgs:
         False, "/metrics also serves latency histograms (TTFT, inter-token, per output token, "
         "end-to-end, queue time)", group="observability")
     metrics_prefix: str = _flag(
-        "radixserve:", "prefix of every metric name (sglang: gives SGLang's names)",
-        metavar="PREFIX")
+        "radixserve:", "prefix of every metric name (sglang: gives SGLang's names; vllm: serves "
+        "vLLM's names where vLLM has one (vllm:num_requests_running, vllm:num_requests_waiting, "
+        "vllm:kv_cache_usage_perc, vllm:prefix_cache_queries/hits, ... with the labels "
+        "model_name and engine) and the rest as radixserve:)", metavar="PREFIX")
     log_requests: bool = _flag(
         False, "one INFO line per finished request: rid, token counts, timings, finish reason")
+    kv_events_config: Optional[str] = _flag(
+        None, "publish the prefix cache's KV events (BlockStored, BlockRemoved, AllBlocksCleared) "
+        "over ZMQ in vLLM's KVEventBatch msgpack format, for KV-aware routers (llm-d, Dynamo): "
+        "vLLM's and SGLang's JSON, e.g. '{\"publisher\": \"zmq\", \"endpoint\": "
+        "\"tcp://*:5557\", \"topic\": \"kv-events\"}' (also replay_endpoint, buffer_steps, hwm, "
+        "max_queue_size, enable_kv_cache_events), plus block_size (tokens per event block, a "
+        "multiple of --page-size; default --page-size, 16 when that is 1) and event_encoding "
+        "(map: current vLLM, the default; array: vLLM before 2026 and SGLang); see "
+        "cache/kv_events.py", metavar="JSON")
     # debug: the A/B switches of knobs.KNOBS as hidden flags (not in --help; `radixserve env`
     # lists them); each, when given, beats its environment variable (knob_overrides)
     debug_decode_kernel: Optional[str] = _debug_flag("RADIXSERVE_DECODE_KERNEL", group="debug")
@@ -586,13 +606,31 @@ class ServerArgs:
             if self.tp_size > have:
                 raise ValueError(f"--tp-size {self.tp_size} needs {self.tp_size} GPUs (one per "
                                  f"rank); this host has {have}")
-        if self.dp_size != 1:
-            raise ValueError(f"--dp-size {self.dp_size}: only 1 is supported yet "
-                             f"(data parallelism is not implemented)")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, not {self.dp_size}")
+        if self.dp_size > 1 and self.resolved_device().startswith("cuda"):
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if self.dp_size * self.tp_size > have:
+                raise ValueError(f"--dp-size {self.dp_size} x --tp-size {self.tp_size} needs "
+                                 f"{self.dp_size * self.tp_size} GPUs (one replica per "
+                                 f"{'GPU' if self.tp_size == 1 else f'{self.tp_size} GPUs'}); "
+                                 f"this host has {have}")
+        if self.router_policy not in ("cache_aware", "round_robin", "power_of_two", "random"):
+            raise ValueError(f"--router-policy must be cache_aware, round_robin, power_of_two or "
+                             f"random, not {self.router_policy!r}")
         if self.grammar_backend != "xgrammar":
             raise ValueError(f"--grammar-backend must be xgrammar, not {self.grammar_backend!r}")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1 token")
+        if self.kv_events_config is not None:
+            from radixserve.cache.kv_events import KVEventsConfig
+            events = KVEventsConfig.parse(self.kv_events_config)
+            if events.enabled and self.disable_radix_cache:
+                raise ValueError("--kv-events-config publishes the radix cache's blocks: drop "
+                                 "--disable-radix-cache")
+            if events.enabled and events.resolved_block_size(self.page_size) % self.page_size:
+                raise ValueError(f"--kv-events-config: block_size {events.block_size} must be a "
+                                 f"multiple of --page-size {self.page_size}")
         template = self.resolved_chat_template()
         if template is not None:
             from radixserve.tokenizer.chat_template import ChatTemplate

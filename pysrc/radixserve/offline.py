@@ -53,6 +53,10 @@ class Engine:
         self._closed = True
         server_arg_overrides.setdefault("step_order", "prefill-first")
         self.server_args = ServerArgs(model_path=model_path, **server_arg_overrides)
+        if self.server_args.dp_size != 1:
+            raise ValueError(f"dp_size={self.server_args.dp_size}: data parallelism is a server "
+                             f"of replicas behind the gateway (`radixserve serve --dp-size N`); "
+                             f"the offline Engine is one engine in this process")
         self.async_engine = AsyncEngine(self.server_args)
         self.tokenizer = self.async_engine.tokenizer
         self._loop = _new_loop()

@@ -41,9 +41,11 @@ PKG_DIR = os.path.dirname(os.path.abspath(radixserve.__file__))
 # package root's __init__.py alone.
 LAYERS: Sequence[Tuple[str, Sequence[str], str]] = (
     ("entry", ("radixserve", "radixserve.__main__", "radixserve.cli",
-               "radixserve.launch_server", "radixserve.bench", "radixserve.env_report"),
+               "radixserve.launch_server", "radixserve.replicas", "radixserve.bench",
+               "radixserve.env_report"),
      "entry points and tools: the package root (lazy radixserve.Engine), the CLI, "
-     "launch_server, the packaged benchmarks (drive a server or the Engine), `radixserve env`"),
+     "launch_server, the --dp-size supervisor (replicas and the gateway in front), the "
+     "packaged benchmarks (drive a server or the Engine), `radixserve env`"),
     ("lang", ("radixserve.lang",),
      "the frontend language: a client, of a server over HTTP (RuntimeEndpoint) or of the "
      "offline Engine in-process (EngineBackend)"),

@@ -488,13 +488,16 @@ def test_each_key_is_its_own_client(engine, tmp_path):
 
 
 def test_admin_key_guards_the_server_wide_routes(engine):
-    """With --admin-api-key: /flush_cache, /get_server_info and /metrics take only the admin
+    """With --admin-api-key: /flush_cache, /get_server_info (/server_info), /metrics and the load
+    routes (/v1/loads, /get_load) take only the admin
     key (a client key gets 403, none or a wrong one 401); every other route takes the client
     keys, and the admin key too. Without client keys, only the server-wide routes are locked."""
     from radixserve.server.security import ADMIN_PATHS
-    assert ADMIN_PATHS == {"/flush_cache", "/get_server_info", "/metrics"}
+    assert ADMIN_PATHS == {"/flush_cache", "/get_server_info", "/server_info", "/metrics",
+                           "/v1/loads", "/get_load"}
     admin, alice = ({"Authorization": f"Bearer {k}"} for k in (ADMIN_KEY, ALICE_KEY))
-    calls = [("POST", "/flush_cache"), ("GET", "/get_server_info"), ("GET", "/metrics")]
+    calls = [("POST", "/flush_cache"), ("GET", "/get_server_info"), ("GET", "/server_info"),
+             ("GET", "/metrics"), ("GET", "/v1/loads"), ("GET", "/get_load")]
     with make_client(engine, api_key=ALICE_KEY, admin_api_key=ADMIN_KEY) as c:
         for method, path in calls:
             assert "admin key" in err_of(c.request(method, path, headers=alice), 403)["message"]

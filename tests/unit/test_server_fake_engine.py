@@ -197,7 +197,11 @@ def test_lifespan_starts_engine_and_info_routes(engine):
         assert info["model_path"] == "fake" and info["is_generation"] is True   # no path
         assert info["tokenizer_path"] == "fake"
         assert info["chat_template"] is None and info["chat_template_name"] is None
-        assert c.get("/get_server_info").json() == {"num_running_reqs": 0}
+        info = c.get("/get_server_info").json()        # the engine's, plus the gateway's fields
+        assert info == {"num_running_reqs": 0, "dp_size": 1, "pp_size": 1, "is_embedding": False,
+                        "disaggregation_mode": "null", "context_length": engine.context_len,
+                        "served_model_name": "fake"}
+        assert c.get("/server_info").json() == info
         assert c.post("/flush_cache").status_code == 200
         text = c.get("/metrics").text
         assert 'radixserve:prompt_tokens_total{model_name="fake"} 12.0' in text

@@ -26,14 +26,23 @@ is never older than its children and leaf-LRU order is subtree-LRU order.
 Pages. With page_size > 1 the tree works in whole pages: match_prefix matches a multiple of
 page_size tokens; insert publishes only the leading whole pages of its key and, because insert
 takes ownership of ALL given slots, frees the slots of the trailing partial page itself.
+
+KV events (--kv-events-config, cache/kv_events.py). With a publisher, each node also keeps
+`blocks`: (end offset on its edge, hash) of every event block (block_size tokens from the root)
+whose last position lies on its edge. insert announces the blocks ending on its new leaf
+(BlockStored, chained from the last block on the matched path), evict the blocks of the leaves it
+frees (BlockRemoved), reset AllBlocksCleared (also sent once at construction: a new tree is
+empty); a split moves each block to the half holding its end and announces nothing. Each public
+call queues at most one batch and never waits (kv_events.ZmqEventPublisher.publish).
 """
 from __future__ import annotations
 
 import heapq
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from radixserve.cache import kv_events as kv_events_module
 from radixserve.cache.base import MatchResult, PrefixCache
 from radixserve.cache.kv_pool import KVPool
 
@@ -42,7 +51,7 @@ class RadixNode:
     """One trie node. The root has an empty key and value and is never evicted or locked."""
 
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "direct_locks",
-                 "last_access_time", "node_id", "removed")
+                 "last_access_time", "node_id", "removed", "blocks")
 
     def __init__(self, key: List[int], value: torch.Tensor, parent: Optional["RadixNode"],
                  node_id: int, last_access_time: int):
@@ -55,6 +64,7 @@ class RadixNode:
         self.last_access_time = last_access_time
         self.node_id = node_id
         self.removed = False                # set once evicted or dropped by reset
+        self.blocks: Optional[List[Tuple[int, int]]] = None   # KV events: (end offset, hash)
 
     def __repr__(self) -> str:
         return (f"RadixNode(id={self.node_id}, len={len(self.key)}, lock_ref={self.lock_ref}, "
@@ -73,14 +83,47 @@ def _common_prefix_len(a: Sequence[int], a_start: int, a_end: int, b: Sequence[i
 class RadixCache(PrefixCache):
     """Prefix cache with token (or page) precision sharing; see the module docstring."""
 
-    def __init__(self, kv_pool: KVPool, page_size: int = 1):
+    def __init__(self, kv_pool: KVPool, page_size: int = 1, kv_events: Any = None,
+                 kv_event_block_size: Optional[int] = None):
+        """kv_events: None, or a publisher (`publish(list of kv_events.*Event) -> bool`, e.g.
+        kv_events.ZmqEventPublisher) told of every block stored and removed, in blocks of
+        kv_event_block_size tokens (a multiple of page_size; default: page_size, 16 when that
+        is 1)."""
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.kv_pool = kv_pool
         self.page_size = page_size
         self._next_node_id = 0
         self._clock = 0
+        self.kv_events = kv_events
+        self.kv_event_block_size = kv_event_block_size or (
+            page_size if page_size > 1 else kv_events_module.DEFAULT_BLOCK_SIZE)
+        if self.kv_event_block_size % page_size:
+            # siblings can share a page's first tokens, so a block must end on a page boundary
+            raise ValueError(f"the KV event block size ({self.kv_event_block_size}) must be a "
+                             f"multiple of the page size ({page_size})")
+        device = getattr(kv_pool, "device", None)
+        self._medium = kv_events_module.MEDIUM_GPU if getattr(device, "type", "cpu") == "cuda" \
+            else kv_events_module.MEDIUM_CPU
         self._init_tree()
+        if self.kv_events is not None:
+            self.kv_events.publish([kv_events_module.AllBlocksClearedEvent()])
+
+    @classmethod
+    def from_server_args(cls, kv_pool: KVPool, server_args: Any) -> "RadixCache":
+        """The server's cache: --page-size, and with --kv-events-config a started publisher
+        (raises ValueError naming the flag when its sockets cannot be opened)."""
+        page_size = getattr(server_args, "page_size", 1)
+        publisher, config = kv_events_module.open_publisher(
+            getattr(server_args, "kv_events_config", None))
+        block_size = config.resolved_block_size(page_size) if config is not None else None
+        return cls(kv_pool, page_size=page_size, kv_events=publisher,
+                   kv_event_block_size=block_size)
+
+    def close(self) -> None:
+        """Stop the KV event publisher, if any (it sends what is queued first)."""
+        if self.kv_events is not None and hasattr(self.kv_events, "close"):
+            self.kv_events.close()
 
     # ------------------------------------------------------------------ state
 
@@ -159,6 +202,9 @@ class RadixCache(PrefixCache):
         child.parent = upper
         child.key = child.key[split_len:]
         child.value = child.value[split_len:]
+        if child.blocks:        # each event block stays with the half holding its last position
+            upper.blocks = [(end, h) for end, h in child.blocks if end <= split_len]
+            child.blocks = [(end - split_len, h) for end, h in child.blocks if end > split_len]
         self._num_nodes += 1
         return upper
 
@@ -206,6 +252,7 @@ class RadixCache(PrefixCache):
         node = self.root
         self._touch(node, t)
         pos = 0
+        last_block: Optional[int] = None    # hash of the last event block on the matched path
         while pos < n:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -214,6 +261,8 @@ class RadixCache(PrefixCache):
             ends_mid_edge = common < len(child.key)
             if ends_mid_edge:
                 child = self._split(child, common)
+            if child.blocks:
+                last_block = child.blocks[-1][1]
             given = indices[pos:pos + common]
             duplicate = given != child.value
             if bool(duplicate.any()):
@@ -230,7 +279,27 @@ class RadixCache(PrefixCache):
             self._evictable_size += n - pos
             self._refresh_leaf_state(leaf)
             self._refresh_leaf_state(node)
+            if self.kv_events is not None:
+                self._publish_stored(leaf, key, pos, n, last_block)
         return pos
+
+    def _publish_stored(self, leaf: RadixNode, key: List[int], start: int, end: int,
+                        parent: Optional[int]) -> None:
+        """The leaf holds key[start:end]: hash the event blocks ending on it (chained from
+        `parent`, the last block before them) and announce them in one BlockStored."""
+        b = self.kv_event_block_size
+        first_end = (start // b + 1) * b
+        if first_end > end:
+            return
+        blocks, hashes, h = [], [], parent
+        for block_end in range(first_end, end + 1, b):
+            h = kv_events_module.chain_hash(h, key[block_end - b:block_end])
+            blocks.append((block_end - start, h))
+            hashes.append(h)
+        leaf.blocks = blocks
+        self.kv_events.publish([kv_events_module.stored_event(
+            parent, hashes, key[first_end - b:first_end - b + b * len(hashes)], b,
+            self._medium)])
 
     def inc_lock_ref(self, node: RadixNode) -> None:
         if node is self.root:
@@ -264,11 +333,14 @@ class RadixCache(PrefixCache):
         """Free unlocked leaves, least recently used first, until num_tokens slots are freed or
         nothing evictable remains. A parent left childless and unlocked becomes evictable."""
         freed = 0
+        removed: List[int] = []
         while freed < num_tokens and self._heap:
             entry = heapq.heappop(self._heap)
             if not self._entry_is_live(entry):
                 continue
             node = entry[2]
+            if node.blocks:
+                removed.extend(h for _, h in node.blocks)
             self.kv_pool.free(node.value)
             freed += len(node.value)
             self._evictable_size -= len(node.value)
@@ -279,6 +351,8 @@ class RadixCache(PrefixCache):
             node.parent = None
             self._num_nodes -= 1
             self._refresh_leaf_state(parent)
+        if removed and self.kv_events is not None:
+            self.kv_events.publish([kv_events_module.BlockRemovedEvent(removed, self._medium)])
         return freed
 
     def evictable_size(self) -> int:
@@ -309,6 +383,27 @@ class RadixCache(PrefixCache):
             node.removed = True
         self.kv_pool.free(owned)
         self._init_tree()
+        if self.kv_events is not None:
+            self.kv_events.publish([kv_events_module.AllBlocksClearedEvent()])
+
+    def event_blocks(self) -> Dict[int, Tuple[Optional[int], Tuple[int, ...]]]:
+        """{hash: (parent hash, keys of the block)} of every event block the tree holds, from
+        the tree itself (the state a subscriber that saw every batch rebuilds; for tests)."""
+        b = self.kv_event_block_size
+        out: Dict[int, Tuple[Optional[int], Tuple[int, ...]]] = {}
+        stack: List[Tuple[RadixNode, List[int], Optional[int]]] = [(self.root, [], None)]
+        while stack:
+            node, prefix, last = stack.pop()
+            for child in node.children.values():
+                path = prefix + child.key
+                h = last
+                for block_end in range(len(prefix) // b * b + b, len(path) + 1, b):
+                    keys = tuple(path[block_end - b:block_end])
+                    h_new = kv_events_module.chain_hash(h, keys)
+                    out[h_new] = (h, keys)
+                    h = h_new
+                stack.append((child, path, h))
+        return out
 
     # ------------------------------------------------------------- checking
 
@@ -364,3 +459,33 @@ class RadixCache(PrefixCache):
                 "slot out of range (or the padding slot 0)"
             free = self.kv_pool.free_slots()
             assert not bool(torch.isin(owned, free).any()), "a slot is both free and in the tree"
+        if self.kv_events is not None:
+            self._check_event_blocks()
+
+    def _check_event_blocks(self) -> None:
+        """Each node's `blocks` are exactly the event blocks ending on its edge, with the hash
+        chained from the root (what subscribers were told)."""
+        b = self.kv_event_block_size
+        stack: List[Tuple[RadixNode, int, Optional[int]]] = [(self.root, 0, None)]
+        while stack:
+            node, depth, last = stack.pop()
+            for child in node.children.values():
+                end = depth + len(child.key)
+                want, h = [], last
+                for block_end in range(depth // b * b + b, end + 1, b):
+                    keys = self._path_keys(child, block_end - depth - b, block_end - depth)
+                    h = kv_events_module.chain_hash(h, keys)
+                    want.append((block_end - depth, h))
+                assert (child.blocks or []) == want, f"event blocks of {child} out of date"
+                stack.append((child, end, h))
+
+    def _path_keys(self, node: RadixNode, lo: int, hi: int) -> List[int]:
+        """Keys at offsets [lo, hi) relative to the start of node's edge (lo may be negative:
+        positions on its ancestors' edges)."""
+        keys = list(node.key[max(lo, 0):hi])
+        while lo < 0:
+            node = node.parent
+            take = node.key[max(len(node.key) + lo, 0):]
+            keys = list(take) + keys
+            lo += len(node.key)
+        return keys

@@ -188,6 +188,9 @@ class AsyncEngine:
         self._task = None
         self._thread_cpu.forget()
         self.executor.shutdown()
+        close = getattr(self.scheduler.cache, "close", None)
+        if close is not None:       # the radix cache's KV-event publisher (--kv-events-config)
+            close()
         gc.unfreeze()      # this engine's start-up objects may be collected again
         if self._gc_thresholds is not None:
             gc.set_threshold(*self._gc_thresholds)

@@ -170,7 +170,37 @@ class RuntimeEndpoint(Backend):
         self.api_key = api_key
         self.chat_template_name = chat_template_name
         self.timeout = timeout
+        self._split_batches = False      # the server refused a batched /generate (a gateway)
         _ = self.model_info              # fail now, not mid-program, for a wrong URL or key
+
+    def _generate(self, body: dict) -> Any:
+        """As Backend._generate; a batch (a list of prompts) that the server refuses with 422
+        goes as one request per prompt, concurrently, answers in order, and so do later
+        batches. SGLang's model gateway (smg, `radixserve serve --dp-size N`) reads /generate
+        into a struct with one prompt per request and answers 422 to a list; radixserve and
+        SGLang servers never answer 422."""
+        key = "text" if "text" in body else "input_ids"
+        prompts = body.get(key)
+        batch = isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], int)
+        if batch and not self._split_batches:
+            try:
+                return super()._generate(body)
+            except BackendError as e:
+                if e.status != 422:
+                    raise
+                self._split_batches = True
+        if not batch or not self._split_batches:
+            return super()._generate(body)
+        from concurrent.futures import ThreadPoolExecutor
+        rids = body.get("rid")
+        singles = []
+        for i, prompt in enumerate(prompts):
+            one = {k: v for k, v in body.items() if k not in (key, "rid")}   # scalars only:
+            one[key] = prompt                                   # Backend batches no others
+            one["rid"] = rids[i] if isinstance(rids, list) else _new_rid()
+            singles.append(one)
+        with ThreadPoolExecutor(max_workers=min(len(singles), 16)) as pool:
+            return list(pool.map(lambda b: self._post("/generate", b), singles))
 
     def _request(self, path: str, body: Optional[dict]):
         headers = {"Accept": "application/json"}

@@ -91,6 +91,11 @@ def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
         route("/health_generate", native_api.health_generate, ["GET"]),
         route("/get_model_info", native_api.get_model_info, ["GET"]),
         route("/get_server_info", native_api.get_server_info, ["GET"]),
+        # the worker surface of SGLang's model gateway (native_api's docstring): its names
+        route("/model_info", native_api.get_model_info, ["GET"]),
+        route("/server_info", native_api.get_server_info, ["GET"]),
+        route("/v1/loads", native_api.get_loads, ["GET"]),
+        route("/get_load", native_api.get_load, ["GET"]),
         route("/flush_cache", native_api.flush_cache, ["POST"]),
         route("/abort_request", native_api.abort_request, ["POST"]),
         route("/metrics", native_api.metrics, ["GET"]),

@@ -20,6 +20,27 @@ tests build several apps in one process):
 
 Every series carries the label model_name (the served model name). The prefix comes from
 --metrics-prefix (default "radixserve:"; "sglang:" gives SGLang's exact names).
+
+--metrics-prefix vllm: is for stacks that hard-code vLLM's names (vllm/v1/metrics/loggers.py,
+PrometheusStatLogger; every series labelled model_name and engine="0", as vLLM's one engine
+core): the gauges vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc
+(a fraction: slots held by requests / pool, as vLLM's 1 - free blocks / blocks, where cached
+but unreferenced blocks count as free) and its pre-0.10 name vllm:gpu_cache_usage_perc; the
+counters vllm:prompt_tokens_total, vllm:generation_tokens_total,
+vllm:prefix_cache_queries_total (prompt tokens looked up) and vllm:prefix_cache_hits_total
+(found), vllm:prompt_tokens_cached_total, the pre-0.10 vllm:gpu_prefix_cache_queries_total /
+vllm:gpu_prefix_cache_hits_total, vllm:num_preemptions_total (retractions, for memory or
+fairness); the info gauge vllm:cache_config_info{block_size, num_gpu_blocks,
+enable_prefix_caching, engine} = 1; and with --enable-metrics the histograms
+vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+vllm:request_time_per_output_token_seconds, vllm:e2e_request_latency_seconds,
+vllm:request_queue_time_seconds and the counter vllm:request_success_total{finished_reason}.
+Everything else (and every engine counter and gauge above, under our names too, so radixserve
+dashboards keep working) is served under radixserve:.
+
+KV events (--kv-events-config, cache/kv_events.py) add <prefix>kv_events_published_batches_total
+and <prefix>kv_events_dropped_batches_total (batches dropped because the publisher's bounded
+queue was full; radixserve: under vllm:) while a publisher runs.
 """
 from __future__ import annotations
 
@@ -28,7 +49,7 @@ import re
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from radixserve.engine.io import GenerateOutput, GenerateReqInput
@@ -36,6 +57,8 @@ from radixserve.engine.io import GenerateOutput, GenerateReqInput
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "radixserve:"
+VLLM_PREFIX = "vllm:"
+VLLM_ENGINE = "0"       # vLLM's `engine` label: the engine core's index (radixserve has one)
 _PREFIX_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
 # Bucket upper bounds, in seconds. They reach down to what one H200 step takes and up to what a
@@ -113,6 +136,43 @@ _RESERVED = frozenset([n for names, _ in (*_COUNTERS.values(), *_GAUGES.values()
 _ALWAYS = (*_COUNTERS, *_GAUGES)
 
 
+# vLLM's names (without the prefix) for our engine.metrics() keys, under --metrics-prefix vllm:
+_VLLM_GAUGES: Dict[str, Tuple[Tuple[str, str], ...]] = {
+    "num_running_reqs": (("num_requests_running",
+                          "Number of requests in model execution batches."),),
+    "num_waiting_reqs": (("num_requests_waiting", "Number of requests waiting to be processed."),),
+    "token_usage": (("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+                    ("gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage. "
+                     "DEPRECATED in vLLM 0.9: use vllm:kv_cache_usage_perc instead.")),
+}
+_VLLM_COUNTERS: Dict[str, Tuple[Tuple[str, str], ...]] = {
+    "prompt_tokens": (("prompt_tokens_total", "Number of prefill tokens processed."),
+                      ("prefix_cache_queries_total",
+                       "Prefix cache queries, in terms of number of queried tokens."),
+                      ("gpu_prefix_cache_queries_total",
+                       "GPU prefix cache queries, in terms of number of queried tokens. "
+                       "DEPRECATED in vLLM 0.9: use vllm:prefix_cache_queries instead.")),
+    "cached_tokens": (("prefix_cache_hits_total",
+                       "Prefix cache hits, in terms of number of cached tokens."),
+                      ("prompt_tokens_cached_total",
+                       "Number of cached prompt tokens (local + external)."),
+                      ("gpu_prefix_cache_hits_total",
+                       "GPU prefix cache hits, in terms of number of cached tokens. "
+                       "DEPRECATED in vLLM 0.9: use vllm:prefix_cache_hits instead.")),
+    "generation_tokens": (("generation_tokens_total", "Number of generation tokens processed."),),
+    "num_preemptions": (("num_preemptions_total",
+                         "Cumulative number of preemption from the engine."),),
+}
+# our histogram name -> vLLM's
+_VLLM_HISTOGRAMS = {
+    "time_to_first_token_seconds": "time_to_first_token_seconds",
+    "inter_token_latency_seconds": "inter_token_latency_seconds",
+    "time_per_output_token_seconds": "request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds": "e2e_request_latency_seconds",
+    "queue_time_seconds": "request_queue_time_seconds",
+}
+
+
 def check_prefix(prefix: str) -> str:
     """The prefix, if every metric name built from it is a valid Prometheus name."""
     if not _PREFIX_RE.match(prefix or ""):
@@ -122,14 +182,22 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def kv_event_publisher(engine) -> Any:
+    """The engine's KV event publisher (cache/kv_events.ZmqEventPublisher), None without one."""
+    cache = getattr(getattr(engine, "scheduler", None), "cache", None)
+    return getattr(cache, "kv_events", None)
+
+
 class EngineCollector:
     """Reads engine.metrics() at scrape time (a dict of numbers; missing keys read as 0).
     Known keys are exposed under the names above, unknown numeric keys as `<prefix><key>`
-    (a counter if the key ends in `_total`, else a gauge)."""
+    (a counter if the key ends in `_total`, else a gauge). With vllm=True, vLLM's names too
+    (_VLLM_GAUGES, _VLLM_COUNTERS, vllm:cache_config_info)."""
 
-    def __init__(self, engine, prefix: str):
+    def __init__(self, engine, prefix: str, vllm: bool = False):
         self.engine = engine
         self.prefix = prefix
+        self.vllm = vllm
 
     def collect(self):
         model = self.engine.served_model_name
@@ -137,6 +205,19 @@ class EngineCollector:
                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
         for key in _ALWAYS:
             values.setdefault(key, 0)
+        if self.vllm:
+            yield from self._vllm_families(model, values)
+        publisher = kv_event_publisher(self.engine)
+        if publisher is not None and hasattr(publisher, "stats"):
+            stats = publisher.stats()
+            for key, doc in (("kv_events_published_batches",
+                              "KV event batches sent on the ZMQ PUB socket"),
+                             ("kv_events_dropped_batches",
+                              "KV event batches dropped because the publisher's queue was full "
+                              "(the next batch then starts with AllBlocksCleared)")):
+                f = CounterMetricFamily(self.prefix + key + "_total", doc, labels=["model_name"])
+                f.add_metric([model], float(stats.get(key, 0)))
+                yield f
 
         def family(kind, name, doc, value):
             f = kind(self.prefix + name, doc, labels=["model_name"])
@@ -168,6 +249,27 @@ class EngineCollector:
                      "rate(cache_hit_tokens_total) / rate(cache_query_tokens_total))",
                      hit / queried if queried else 0.0)
 
+    def _vllm_families(self, model: str, values: Dict[str, float]):
+        labels = [model, VLLM_ENGINE]
+        vals = dict(values)
+        vals["num_preemptions"] = (vals.get("num_retractions", 0)
+                                   + vals.get("num_fair_retractions", 0))
+        for table, kind in ((_VLLM_GAUGES, GaugeMetricFamily),
+                            (_VLLM_COUNTERS, CounterMetricFamily)):
+            for key, names in table.items():
+                for name, doc in names:
+                    f = kind(VLLM_PREFIX + name, doc, labels=["model_name", "engine"])
+                    f.add_metric(labels, float(vals.get(key, 0)))
+                    yield f
+        args = getattr(self.engine, "server_args", None)
+        page = max(int(getattr(args, "page_size", 1) or 1), 1)
+        info = GaugeMetricFamily(
+            VLLM_PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"])
+        info.add_metric([str(page), str(int(vals.get("max_total_tokens", 0)) // page),
+                         str(not getattr(args, "disable_radix_cache", False)), VLLM_ENGINE], 1.0)
+        yield info
+
 
 class RequestMetrics:
     """Per-sequence observation: latency histograms (when `histograms`) and one log line per
@@ -179,10 +281,20 @@ class RequestMetrics:
         self.histograms = histograms
         self.log_requests = log_requests
         self.ttft = self.itl = self.tpot = self.e2e = self.queue_time = None
+        self.request_success = None     # vLLM's request_success counter, under vllm: only
+        vllm = prefix == VLLM_PREFIX
         if histograms:
             def hist(name, doc, buckets):
+                if vllm:    # vLLM's name and labels
+                    return Histogram(VLLM_PREFIX + _VLLM_HISTOGRAMS[name], doc,
+                                     labelnames=["model_name", "engine"], buckets=buckets,
+                                     registry=registry).labels(model_name, VLLM_ENGINE)
                 return Histogram(prefix + name, doc, labelnames=["model_name"], buckets=buckets,
                                  registry=registry).labels(model_name)
+            if vllm:
+                self.request_success = Counter(
+                    VLLM_PREFIX + "request_success", "Count of successfully processed requests.",
+                    labelnames=["model_name", "engine", "finished_reason"], registry=registry)
             self.ttft = hist("time_to_first_token_seconds",
                              "Time from the server handing a sequence to the engine to its first "
                              "output", TTFT_BUCKETS)
@@ -263,6 +375,9 @@ class SequenceTracker:
         m = self.owner
         e2e = now - self.start
         ttft = None if self.first is None else self.first - self.start
+        if m.request_success is not None and reason is not None:
+            m.request_success.labels(m.model_name, VLLM_ENGINE,
+                                     str(reason.get("type"))).inc()
         if m.histograms and reason is not None:
             m.e2e.observe(e2e)
             if ttft is not None and self.completion_tokens > 1:
@@ -298,7 +413,10 @@ class MetricsRegistry(CollectorRegistry):
         args = engine.server_args
         prefix = check_prefix(getattr(args, "metrics_prefix", DEFAULT_PREFIX))
         self.prefix = prefix
-        self.register(EngineCollector(engine, prefix))
+        vllm = prefix == VLLM_PREFIX
+        # under vllm: what vLLM names comes under its names, the rest (and all of it again)
+        # under radixserve:, so that no made-up name enters vLLM's namespace
+        self.register(EngineCollector(engine, DEFAULT_PREFIX if vllm else prefix, vllm=vllm))
         self.requests = RequestMetrics(self, prefix, engine.served_model_name,
                                        histograms=bool(getattr(args, "enable_metrics", False)),
                                        log_requests=bool(getattr(args, "log_requests", False)))

@@ -1,11 +1,26 @@
-"""Native (SGLang-style) routes: /generate, /health, /health_generate, /get_model_info,
-/get_server_info, /flush_cache, /abort_request, /metrics."""
+"""Native (SGLang-style) routes: /generate, /health, /health_generate, /get_model_info (and its
+alias /model_info), /get_server_info (alias /server_info), /v1/loads and /get_load, /flush_cache,
+/abort_request, /metrics.
+
+The worker surface a gateway in front of several servers reads (SGLang's model gateway, `smg`;
+`radixserve serve --dp-size N` runs one, radixserve/replicas.py), as its source reads it
+(smg-project/smg, model_gateway/src): registration probes `/health` (2xx, no key), then
+`/v1/models` (`owned_by`; ours is not an engine it knows) and `/version` (vLLM's; we have none,
+404) and `/server_info` (200: the worker is SGLang-compatible), then reads `/server_info` and
+`/model_info` (falling back to `/get_server_info` / `/get_model_info` on 404) into typed structs
+(workflow/steps/local/discover_metadata.rs: ServerInfo, ModelInfo; one field of the wrong type
+drops the whole struct); its load monitor polls `/v1/loads?include=core,disagg,queues,memory`
+(worker/monitor.rs; WorkerLoadResponse in crates/protocols/src/worker.rs: a string timestamp,
+integer counts), falling back to `/metrics` gauges for SGLang workers; health checks poll
+`/health` (worker/worker.rs)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import AsyncIterator, List, Optional
 
 from prometheus_client import generate_latest
@@ -130,8 +145,11 @@ async def _generate_events(engine, job: NativeJob,
 # --------------------------------------------------------------------------- health and info
 
 async def health(request: Request, engine) -> Response:
-    """200 with an empty body while the engine's loop task is alive; never waits on the model."""
-    return Response(status_code=200 if engine.is_healthy() else 503)
+    """200 with an empty body while the engine's loop task is alive, 503 once it died or while
+    the server drains for shutdown (so a gateway's health check or a readiness probe stops
+    sending it new requests, which it would refuse with 503); never waits on the model."""
+    ok = engine.is_healthy() and getattr(engine, "_draining", False) is not True
+    return Response(status_code=200 if ok else 503)
 
 
 async def health_generate(request: Request, engine) -> Response:
@@ -151,6 +169,7 @@ async def health_generate(request: Request, engine) -> Response:
 
 
 async def get_model_info(request: Request, engine) -> Response:
+    """/get_model_info and its alias /model_info (the name SGLang's model gateway asks first)."""
     return JSONResponse(model_info(engine))
 
 
@@ -167,6 +186,11 @@ def model_info(engine) -> dict:
         "served_model_name": engine.served_model_name,
         "is_generation": True,
         "architecture": engine.model_config.architecture,
+        # SGLang's names, as the model gateway reads them (discover_metadata.rs, ModelInfo)
+        "architectures": [engine.model_config.architecture],
+        "model_type": (getattr(engine.model_config, "hf_config", None) or {}).get("model_type"),
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
         "context_len": engine.context_len,
         "vocab_size": engine.model_config.vocab_size,
         # what a frontend-language client (radixserve.lang.RuntimeEndpoint) renders roles with
@@ -186,10 +210,115 @@ def chat_template_info(tokenizer) -> dict:
 
 
 async def get_server_info(request: Request, engine) -> Response:
-    """engine.server_info() without secrets and, unless --expose-server-info, without
-    filesystem paths (security.redact_server_info)."""
+    """/get_server_info and its alias /server_info: server_info_body without secrets and,
+    unless --expose-server-info, without filesystem paths (security.redact_server_info)."""
     expose = request.app.state.door_policy.expose_server_info
-    return JSONResponse(redact_server_info(engine.server_info(), expose_paths=expose))
+    return JSONResponse(redact_server_info(server_info_body(engine), expose_paths=expose))
+
+
+def server_info_body(engine) -> dict:
+    """engine.server_info() in the shape SGLang's model gateway deserializes (ServerInfo of
+    discover_metadata.rs, where a field of another type drops the whole answer): the model's
+    shape moves from "model" (which the gateway reads as a string alias of model_id) to
+    "model_config"; dp_size is this server's own (1: each replica of --dp-size is a server of
+    one); context_length is the effective context; pp_size 1, is_embedding false,
+    disaggregation_mode "null" as SGLang reports them."""
+    info = dict(engine.server_info())
+    if isinstance(info.get("model"), dict):
+        info["model_config"] = info.pop("model")
+    info.update(dp_size=1, pp_size=1, is_embedding=False, disaggregation_mode="null",
+                context_length=engine.context_len, served_model_name=engine.served_model_name)
+    return info
+
+
+# --------------------------------------------------------------------------- loads
+
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+
+
+def load_snapshot(engine, include=("all",)) -> dict:
+    """This server's one scheduler as one DP rank of SGLang's /v1/loads (GetLoadsReqOutput):
+    integer counts, ratios as floats. num_waiting_uncached_tokens is the engine's
+    `num_waiting_uncached_tokens` metric when it reports one, else 0 (the gateway then
+    estimates the queue from num_waiting_reqs). `queues` is added for include "queues"/"all";
+    memory, spec, lora and disagg are left out (the gateway reads them as absent)."""
+    m = engine.metrics()
+
+    def num(key, default=0):
+        v = m.get(key, default)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+    running, waiting = int(num("num_running_reqs")), int(num("num_waiting_reqs"))
+    used, capacity = int(num("num_used_tokens")), int(num("max_total_tokens"))
+    prompt, cached = num("prompt_tokens"), num("cached_tokens")
+    sched = getattr(engine, "scheduler", None)
+    max_running = getattr(sched, "max_running_requests", None) \
+        or engine.server_args.max_running_requests or 0
+    snap = {
+        "dp_rank": 0, "timestamp": time.time(),
+        "num_running_reqs": running, "num_waiting_reqs": waiting,
+        "num_total_reqs": running + waiting,
+        "num_waiting_uncached_tokens": int(num("num_waiting_uncached_tokens")),
+        "num_used_tokens": used, "num_total_tokens": used, "max_total_num_tokens": capacity,
+        "token_usage": float(num("token_usage", used / capacity if capacity else 0.0)),
+        "gen_throughput": float(num("gen_throughput")),
+        "cache_hit_rate": float(cached / prompt) if prompt else 0.0,
+        "utilization": float(num("gpu_busy_fraction")),
+        "max_running_requests": int(max_running),
+    }
+    if "queues" in include or "all" in include:
+        snap["queues"] = {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0}
+    return snap
+
+
+def _load_query(request: Request):
+    """(include sections, dp_rank or None) of a /v1/loads query; ApiError 400 for bad ones."""
+    raw = request.query_params.get("include")
+    include = [s.strip() for s in raw.split(",") if s.strip()] if raw else ["all"]
+    bad = sorted(set(include) - set(LOAD_SECTIONS))
+    if bad:
+        raise bad_request(f"include: unknown section(s) {', '.join(bad)}; valid: "
+                          f"{', '.join(LOAD_SECTIONS)}", param="include")
+    rank = request.query_params.get("dp_rank")
+    if rank is not None and not rank.strip().lstrip("-").isdigit():
+        raise bad_request(f"dp_rank must be an integer, not {rank[:40]!r}", param="dp_rank")
+    fmt = request.query_params.get("format", "json")
+    if fmt != "json":
+        raise bad_request(f"format must be json, not {fmt[:40]!r}", param="format")
+    return include, (int(rank) if rank is not None else None)
+
+
+async def get_loads(request: Request, engine) -> Response:
+    """GET /v1/loads (SGLang's): {timestamp (ISO 8601), version, dp_rank_count, loads: [one
+    snapshot per DP rank: this server is rank 0], aggregate}. ?include=core,queues,...
+    (SGLang's sections; unknown ones are a 400) and ?dp_rank=N (another rank: no loads)."""
+    from radixserve.version import __version__
+    include, rank = _load_query(request)
+    loads = [] if rank not in (None, 0) else [load_snapshot(engine, include)]
+    agg = {"total_running_reqs": sum(x["num_running_reqs"] for x in loads),
+           "total_waiting_reqs": sum(x["num_waiting_reqs"] for x in loads),
+           "total_reqs": sum(x["num_total_reqs"] for x in loads),
+           "avg_token_usage": (sum(x["token_usage"] for x in loads) / len(loads)) if loads else 0.0,
+           "avg_throughput": (sum(x["gen_throughput"] for x in loads) / len(loads)) if loads
+           else 0.0,
+           "avg_utilization": (sum(x["utilization"] for x in loads) / len(loads)) if loads
+           else 0.0}
+    return JSONResponse({"timestamp": datetime.now(timezone.utc).isoformat(),
+                         "version": __version__, "dp_rank_count": len(loads), "loads": loads,
+                         "aggregate": agg})
+
+
+async def get_load(request: Request, engine) -> Response:
+    """GET /get_load: SGLang's older load route (deprecated there for /v1/loads), in its shape:
+    a list with one entry per DP rank, {dp_rank, num_reqs (running + waiting),
+    num_waiting_reqs, num_tokens (KV tokens in use), num_pending_tokens (0: no pending
+    prefill is counted), ts_tic}."""
+    s = load_snapshot(engine, ("core",))
+    return JSONResponse([{"dp_rank": 0, "num_reqs": s["num_total_reqs"],
+                          "num_waiting_reqs": s["num_waiting_reqs"],
+                          "num_tokens": s["num_total_tokens"],
+                          "num_pending_tokens": s["num_total_tokens"] - s["num_used_tokens"],
+                          "ts_tic": time.perf_counter()}])
 
 
 async def flush_cache(request: Request, engine) -> Response:

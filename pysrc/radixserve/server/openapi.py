@@ -276,6 +276,29 @@ def _paths() -> Dict[str, dict]:
                     "content": {JSON: {"schema": _ref(ErrorResponse)}}}}),
         "/get_model_info": _get("model facts", {"200": _json(obj, "model path, context length, ...")}),
         "/get_server_info": _get("server facts", {"200": _json(obj, "server arguments and state")}),
+        "/model_info": _get("model facts (alias of /get_model_info, SGLang's model gateway's "
+                            "name)", {"200": _json(obj, "model path, context length, ...")}),
+        "/server_info": _get("server facts (alias of /get_server_info)",
+                             {"200": _json(obj, "server arguments and state")}),
+        "/v1/loads": {"get": {
+            "summary": "SGLang's load report: running and waiting requests, KV tokens in use, "
+                       "one entry per DP rank (this server is rank 0)",
+            "parameters": [
+                {"name": "include", "in": "query", "required": False,
+                 "schema": {"type": "string"},
+                 "description": "comma list of core, memory, spec, lora, disagg, queues, all"},
+                {"name": "dp_rank", "in": "query", "required": False,
+                 "schema": {"type": "integer"}},
+                {"name": "format", "in": "query", "required": False,
+                 "schema": {"type": "string", "enum": ["json"]}}],
+            "responses": {"200": _json(obj, "{timestamp, version, dp_rank_count, loads, "
+                                            "aggregate}"),
+                          "400": _error("an unknown section, or a dp_rank that is not an "
+                                        "integer")}}},
+        "/get_load": _get("SGLang's older load report: [{dp_rank, num_reqs, num_waiting_reqs, "
+                          "num_tokens, num_pending_tokens, ts_tic}]",
+                          {"200": _json({"type": "array", "items": obj}, "one entry per DP "
+                                                                         "rank")}),
         "/flush_cache": {"post": {"summary": "empty the radix cache", "responses": {
             "200": {"description": "flushed", "content": {"text/plain": {"schema": {"type": "string"}}}},
             "400": _error("requests are running; retry when idle")}}},

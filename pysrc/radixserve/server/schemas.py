@@ -768,6 +768,14 @@ class GenerateRequest(_Closed):
     return_hidden_states: Optional[_off("is not supported: hidden states are not returned")] = None
     custom_logit_processor: Optional[_refused("is not supported: logit processors do not run "
                                               "here (logit_bias in sampling_params does)")] = None
+    # fields SGLang's model gateway (smg) writes into every /generate it forwards, at its
+    # defaults (crates/protocols/src/generate.rs): accepted and ignored, or off
+    model: Optional[Name] = None              # ignored: one model is served
+    log_metrics: Optional[bool] = None        # ignored
+    no_logs: Optional[bool] = None            # ignored: request bodies are never logged
+    background: Optional[_off("is not supported: /generate answers in the foreground")] = None
+    return_bytes: Optional[_off("is not supported: no image generation")] = None
+    return_entropy: Optional[_off("is not supported: entropy is not returned")] = None
 
 
 class AbortRequest(_Closed):

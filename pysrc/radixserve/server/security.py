@@ -23,8 +23,8 @@ rules the routes apply (JSON bodies, request ownership, what /get_server_info ma
    of them; otherwise 401. Keys are held as SHA-256 digests only and the token a request sends
    is looked up by its digest, so the lookup time says nothing about any key. With an admin
    key (`--admin-api-key` or RADIXSERVE_ADMIN_API_KEY), the server-wide routes (ADMIN_PATHS:
-   /flush_cache drops every client's cache, /get_server_info shows the deployment,
-   /metrics every client's traffic) take only that key: a client key gets 403, no or a wrong
+   /flush_cache drops every client's cache, /get_server_info and /server_info show the
+   deployment, /metrics, /v1/loads and /get_load every client's traffic) take only that key: a client key gets 403, no or a wrong
    key 401; the admin key also works on every other route (as the client "admin"). Without an
    admin key those routes are like the others.
 4. **Body size.** A Content-Length above `--max-request-bytes` gets 413 before a byte of the
@@ -77,7 +77,10 @@ from radixserve.server.jsonio import JSONInputError, error_response, loads_reque
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})          # reachable without the API key
-ADMIN_PATHS = frozenset({"/flush_cache", "/get_server_info", "/metrics"})   # --admin-api-key's
+# --admin-api-key's: the server-wide routes (/server_info is /get_server_info's alias; the
+# load routes show every client's traffic, like /metrics)
+ADMIN_PATHS = frozenset({"/flush_cache", "/get_server_info", "/server_info", "/metrics",
+                         "/v1/loads", "/get_load"})
 ADMIN_IDENTITY = "admin"
 LOOPBACK_NAMES = ("localhost", ".localhost")  # RFC 6761: browsers resolve them to loopback
 _IDENTITY_KEY = "radixserve.client_identity"  # the scope entry Door fills for the routes

@@ -67,7 +67,7 @@ def make_prefix_cache(server_args: ServerArgs, kv_pool: KVPool) -> PrefixCache:
             logger.warning("radix cache unavailable (%s); falling back to ChunkCache (no prefix "
                            "sharing)", e)
         else:
-            return RadixCache(kv_pool, page_size=server_args.page_size)
+            return RadixCache.from_server_args(kv_pool, server_args)  # + --kv-events-config
     return ChunkCache(kv_pool, page_size=server_args.page_size)
 
 
