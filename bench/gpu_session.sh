@@ -265,11 +265,12 @@ for stage in "$@"; do
             | grep -E "^(Succ|Failed|Bench|Total|Output|Median|Mean|Server|Floor|Duration|error)" \
             | sed "s/^/[$name $w] /"
           if [ $first = 1 ] && [ -f .sgl/bench_serving.py ]; then
-            HF_HUB_OFFLINE=1 python3 .sgl/bench_serving.py --backend sglang --port 30124 \
+            HF_HUB_OFFLINE=1 python3 .sgl/bench_serving.py --backend sglang --host 127.0.0.1 --port 30124 \
               --dataset-name random --dataset-path .sgl/sharegpt_small.json --tokenize-prompt \
               --tokenizer $P --model $P --random-input-len 1024 --random-output-len 1024 \
               --random-range-ratio $r --num-prompts 200 --request-rate 16 --disable-tqdm \
               --output-file "$OUT/sglang-client-$name-$w.jsonl" 2>&1 \
+              | tee "$OUT/sglang-client-$name-$w.txt" \
               | grep -E "^(Succ|Bench|Total|Output|Median|Mean)" | sed "s/^/[$name $w sglang-client] /"
           fi
         done

@@ -198,8 +198,12 @@ def test_loopback_server_answers_only_loopback_names_by_default(engine):
                 err_of(c.post("/flush_cache", headers={"host": bad}), 421)
             assert engine.seen == []
             for ok in ("localhost", "localhost:30000", "LOCALHOST.", "app.localhost:8080",
-                       "127.0.0.1:30000", "127.0.0.2", "[::1]:30000", "[::ffff:127.0.0.1]"):
+                       "127.0.0.1:30000", "127.0.0.2", "[::1]:30000", "[::ffff:127.0.0.1]",
+                       "0.0.0.0:30000", "[::]:30000"):     # SGLang's bench client: 0.0.0.0
                 assert c.get("/v1/models", headers={"host": ok}).status_code == 200, ok
+            # ... but a page that names 0.0.0.0 carries its own Origin: 403
+            err_of(c.post("/flush_cache", headers={"host": "0.0.0.0:30000",
+                                                    "origin": "http://attacker.test"}), 403)
     with make_client(engine, allowed_hosts="proxy.example") as c:   # behind a proxy: its name
         assert c.get("/v1/models", headers={"host": "proxy.example"}).status_code == 200
         assert c.get("/v1/models", headers={"host": "10.1.2.3"}).status_code == 200

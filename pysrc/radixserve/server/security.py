@@ -8,7 +8,10 @@ rules the routes apply (JSON bodies, request ownership, what /get_server_info ma
    list is `--allowed-hosts` when given (`*` = any host, `.example.com` = it and its
    subdomains; IP addresses always pass then). Without it a loopback server answers only
    loopback names and addresses (`localhost`, `*.localhost`, which browsers resolve to
-   loopback themselves, 127.0.0.0/8, ::1), and a server listening beyond loopback `localhost`,
+   loopback themselves, 127.0.0.0/8, ::1) and the unspecified addresses 0.0.0.0 and ::, which
+   reach only this machine (SGLang's bench_serving.py connects to 0.0.0.0 by default; a page
+   that names 0.0.0.0 is still refused by the Origin check below), and a server listening
+   beyond loopback `localhost`,
    this machine's host name and any IP address. A request without Host (HTTP/1.0; browsers
    always send one) passes. A proxy in front that forwards its own Host needs that name in
    `--allowed-hosts`.
@@ -165,7 +168,8 @@ class DoorPolicy:
             ip = None
         if ip is not None:
             mapped = getattr(ip, "ipv4_mapped", None)
-            return self.any_ip_host or ip.is_loopback or bool(mapped and mapped.is_loopback)
+            return (self.any_ip_host or ip.is_loopback or ip.is_unspecified
+                    or bool(mapped and mapped.is_loopback))
         if self.allowed_hosts is None:
             return True
         for pattern in self.allowed_hosts:
