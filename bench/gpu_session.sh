@@ -308,7 +308,7 @@ for stage in "$@"; do
         --sub "  if (cut_above || cut_below) return false;" "  if (cut_above || cut_below) { if (threadIdx.x == 0) atomicAdd(&g_diag[3], 1u); return false; }" \
         --sub "    if (id < 0) return false;" "    if (id < 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[4], 1u); return false; }\n    if (threadIdx.x == 0) atomicAdd(&g_diag[6], 1u);" \
         --sub "  if (L == 0) return false;" "  if (L == 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[5], 1u); return false; }\n  if (threadIdx.x == 0) atomicAdd(&g_diag[6], 1u);" \
-        --sub "  if (!hist_on) pass1<" "  if (cfg.hist_row && !hist_on && threadIdx.x == 0) atomicAdd(&g_diag[0], 1u);\n  if (!hist_on) pass1<"
+        --sub "  if (!hist_on) pass1(" "  if (hist_row && !hist_on && tid == 0) atomicAdd(&g_diag[0], 1u);\n  if (!hist_on) pass1("
       bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/ssweep.txt"
       bash bench/variants/run.sh $D sample_sweep.cu -DDIAG 2>&1 | tee -a "$OUT/ssweep.txt" ;;
     sdiag)

@@ -1053,48 +1053,18 @@ __device__ __noinline__ int32_t thread_order_draw(SampleShared& sm, const T* __r
   return sm.seg_pick;
 }
 
-// ----------------------------------------------------------------------------- the kernel's phases
-//
-// bitmask_sample_kernel is the sequence of the phases below, one CTA per row. Each is
-// __forceinline__, with the arithmetic, the barriers and the shared memory of the one-body
-// kernel it was split from (42f8a81; sm_90a: 64 registers either way, ptxas's spills within a
-// few registers of it); "block-uniform" as for the helpers above; shared memory is
-// SampleShared's, the fields named in each phase's comment.
-//   row_config            the row's parameters -> RowConfig (registers)
-//   init_row_shared       the candidate buffer's counters, the two-pass bins
-//   pass1 (pass1_tile)    the one pass every row takes -> Pass1State per thread, the candidate
-//                         buffer (append_candidates, settle_candidates), the two-pass bins
-//   recollect_candidates  buffer rows whose guarded appends overflowed collect again
-//   reduce_row_stats      -> sm.row_*: logsumexp, first allowed argmax, Z; sm.z_recompute
-//   sum_z_again           Z again (temperature 1, allowed max far below the raw max)
-//   the draw (sampled rows with an allowed token), each phase only where none before drew:
-//     plain_draw            temperature only: the thread-order draw on pass 1's masses
-//     buffer_draw           top-k rows, and top_p / min_p rows whose kept set the buffer holds
-//     window_draw           the two-pass top-p (above)
-//     threshold_search, streaming_draw   the streaming path
-//     fallback_draw         the block-synchronised draw
-//   write_out             id and logprob
+// ----------------------------------------------------------------------------- the kernel
 
-// The row's parameters and the paths they select (block-uniform, registers).
-struct RowConfig {
-  bool greedy;       // temperature <= 0: the first allowed argmax
-  bool t1;           // temperature 1: one exp per element serves the logsumexp and Z
-  float inv_t;       // 1 / temperature (temperature clamped to 1e-6)
-  int64_t k_eff;     // top-k, 0: off
-  float top_p, min_p;
-  bool use_p, use_minp;
-  bool spec;         // top_p / min_p without top-k: the buffer path tried first, k = k_buf
-  int64_t k_buf;     // the buffer path keeps this many (k_eff, or kSpecK / kSpecKMinP)
-  bool buffer_path;  // pass 1 collects candidates (buffer_draw)
-  bool plain;        // temperature only (plain_draw)
-  bool hist_row;     // pass 1 bins the allowed tokens (window_draw)
-  int loose_limit;   // the buffer size past which a loose settle selects (settle_candidates)
-};
-
-// Phase: reads the row's temperature, top_k, top_p and min_p (global) -> RowConfig. No shared
-// memory.
-__device__ __forceinline__ RowConfig row_config(const SampleParams& p, int64_t row_id) {
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  SampleShared& sm = *reinterpret_cast<SampleShared*>(smem_raw);
+  const int64_t row_id = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const T* __restrict__ row = static_cast<const T*>(p.logits) + row_id * p.logits_stride;
+  const int32_t* mask_row = p.bitmask ? p.bitmask + row_id * p.bitmask_stride : nullptr;
   const int64_t vocab = p.vocab;
+
   const float temp = p.temperature[row_id];
   const bool greedy = !(temp > 0.f);
   const float inv_t = 1.f / fmaxf(temp, 1e-6f);
@@ -1120,16 +1090,7 @@ __device__ __forceinline__ RowConfig row_config(const SampleParams& p, int64_t r
   // Spec top_p rows also bin their allowed tokens in pass 1, for the two-pass draw should the
   // buffer miss the nucleus (window_draw); anchor: the first tile's allowed max.
   const bool hist_row = spec && use_p && !(min_p > 1.f) && vocab <= (int64_t)kMaxTiles * kTile;
-  const int loose_limit =
-      max(kBufCap - kTile, min(kLooseFactor * (int)k_buf, kBufCap - 2 * (int)k_buf));
-  return RowConfig{greedy, t1,    inv_t,       k_eff, top_p,    min_p,       use_p,
-                   use_minp, spec, k_buf, buffer_path, plain, hist_row, loose_limit};
-}
 
-// Phase: thread 0 empties the candidate buffer (sm.count, sm.overflow, sm.theta); a hist_row
-// row zeroes the two-pass bins (sm.bins). Ends with a barrier.
-__device__ __forceinline__ void init_row_shared(SampleShared& sm, bool hist_row) {
-  const int tid = threadIdx.x;
   if (tid == 0) {
     sm.count = 0;
     sm.overflow = 0;
@@ -1138,556 +1099,241 @@ __device__ __forceinline__ void init_row_shared(SampleShared& sm, bool hist_row)
   if (hist_row)
     for (int i = tid; i < kHistBins; i += kThreads) sm.bins[i] = 0u;
   __syncthreads();
-}
 
-// Pass 1's per-thread state (registers), reduced over the block by reduce_row_stats.
-struct Pass1State {
-  float m_raw = -INFINITY, s_raw = 0.f;  // raw logits, all tokens
-  float best_v = -INFINITY;              // allowed max (first argmax)
+  // ---------------------------------------------------------------- pass 1
+  float m_raw = -INFINITY, s_raw = 0.f;     // raw logits, all tokens
+  float best_v = -INFINITY;                 // allowed max (first argmax)
   int32_t best_i = INT32_MAX;
-  float s_y = 0.f;                       // sum exp(x/t - best_v/t) over allowed (t1: x - m_raw)
-  uint64_t theta = 0;                    // buffer rows: the candidate threshold key (0: unset)
+  float s_y = 0.f;                          // sum exp(x/t - best_v/t) over allowed
+  uint64_t theta = 0;
   // Top-k candidates. Rows with top_k <= kFreeRunTopK run pass 1 without block barriers once
   // theta is initialised from the first tile (free_run): warps append with one atomic each,
   // and a warp whose candidates would not fit raises sm.overflow instead of writing; then the
-  // candidates are collected again (recollect_candidates) with the block-synchronised append
-  // (rare: the first tile's theta keeps about k candidates per tile). Other top-k rows settle
-  // after every tile (settle_candidates); they too may overflow and collect again.
+  // candidates are collected again below with the block-synchronised append (rare: the first
+  // tile's theta keeps about k candidates per tile). Other top-k rows settle after every tile
+  // (below); they too may overflow and collect again.
   bool free_run = false;
-};
-
-// Appends this thread's allowed elements of the tile whose value is >= theta's value: a
-// superset of the keys >= theta (ties on the value), which the exact selects trim. Pass 1 is
-// issue-bound, so this is lean: one compare per element, and only a warp with a candidate
-// goes on (append_bits: sm.val / idx / count, sm.overflow). guard (free-running): see
-// append_bits.
-template <typename T, bool VEC>
-__device__ __forceinline__ void append_candidates(SampleShared& sm, const T* __restrict__ row,
-                                                  uint64_t theta, const float (&x)[kElems],
-                                                  uint32_t allow, int64_t base, bool guard) {
-  const float theta_f = key_value(theta);
-  uint32_t mine = 0;
+  // Appends this thread's allowed elements of the tile whose value is >= theta's value: a
+  // superset of the keys >= theta (ties on the value), which the exact selects trim. Pass 1 is
+  // issue-bound, so this is lean: one compare per element, and only a warp with a candidate
+  // goes on (append_bits). guard (free-running): see append_bits.
+  auto append = [&](const float (&x)[kElems], uint32_t allow, int64_t base, bool guard) {
+    const float theta_f = key_value(theta);
+    uint32_t mine = 0;
 #pragma unroll
-  for (int j = 0; j < kElems; ++j) mine |= (x[j] >= theta_f ? 1u : 0u) << j;
-  append_bits<T, VEC>(sm, row, mine & allow, base, guard);
-}
-
-// Block-synchronised, after a tile: raise theta to the k-th largest key and compact once the
-// buffer holds more than `limit` candidates. strict (limit kBufCap - kTile; also while theta
-// is unset): the next tile cannot overflow. Loose (loose_limit: kLooseFactor k, at most
-// kBufCap - 2 k): fewer selects for large k (strict selects after every tile at k = 1000), and
-// a tile that would overflow raises sm.overflow through the guarded append instead; from then
-// on nothing is selected (the buffer misses candidates) and the row collects again, strictly,
-// after pass 1. Shared: sm.count, sm.overflow, and select_kth / compact_candidates's.
-__device__ __forceinline__ void settle_candidates(SampleShared& sm, uint64_t& theta, int64_t k_buf,
-                                                  int loose_limit, bool strict) {
-  __syncthreads();
-  const int n = sm.count;
-  const bool overflowed = sm.overflow != 0;
-  __syncthreads();  // every thread has read count before the next tile appends
-  const int limit = (strict || theta == 0) ? kBufCap - kTile : loose_limit;
-  if (!overflowed && n > limit && n > k_buf) {
-    theta = select_kth(sm, n, (int)k_buf);
-    compact_candidates(sm, n, theta);
-  }
-}
-
-// One tile of pass 1 (x, allow at `base`), into st: the online (max, sum exp) of the raw
-// logits, the first allowed argmax, the online sum of the allowed exp(x/t - running max/t)
-// (at t = 1 the logsumexp's exp, see kZGapMax). kHist: the two-pass top-p bins (sm.bins,
-// anchored at the first tile's allowed max, sm.anchor; hist_on: whether the row bins, set at
-// the first tile). Buffer rows: theta from the first tile (sm.val / idx[0, kThreads) and
-// select_kth's), then the candidates appended (and settled unless free-running). Returns
-// whether the stream goes on (a top_p row that does not bin goes on without kHist).
-template <typename T, bool VEC, bool kHist>
-__device__ __forceinline__ bool pass1_tile(SampleShared& sm, const T* __restrict__ row,
-                                           const RowConfig& cfg, Pass1State& st, bool& hist_on,
-                                           const float (&x)[kElems], uint32_t allow, int64_t base) {
-  const int tid = threadIdx.x;
-  float vm = -INFINITY, bm = -INFINITY;
-  int jb = -1;
-#pragma unroll
-  for (int j = 0; j < kElems; ++j) {
-    vm = fmaxf(vm, x[j]);
-    if (((allow >> j) & 1u) && x[j] > bm) {
-      bm = x[j];
-      jb = j;
-    }
-  }
-  if (vm > st.m_raw) {
-    const float c = __expf(st.m_raw - vm);
-    st.s_raw *= c;
-    if (cfg.t1) st.s_y *= c;
-    st.m_raw = vm;
-  }
-  if (st.m_raw != -INFINITY) {
-    if (cfg.t1) {
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) {
-        const float e = __expf(x[j] - st.m_raw);
-        st.s_raw += e;
-        st.s_y += ((allow >> j) & 1u) ? e : 0.f;
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) st.s_raw += __expf(x[j] - st.m_raw);
-    }
-  }
-  if (bm > st.best_v) {
-    if (!cfg.greedy && !cfg.t1) st.s_y *= __expf((st.best_v - bm) * cfg.inv_t);
-    st.best_v = bm;
-    st.best_i = (int32_t)elem_index<VEC>(base, jb);
-  }
-  if (!cfg.greedy && !cfg.t1 && st.best_v != -INFINITY) {
-    const float my = st.best_v * cfg.inv_t;
-#pragma unroll
-    for (int j = 0; j < kElems; ++j)
-      if ((allow >> j) & 1u) st.s_y += __expf(x[j] * cfg.inv_t - my);
-  }
-  if constexpr (kHist) {
-    // the anchor lives in shared memory (pass 1 is short of registers), read after the
-    // first tile's __syncthreads_count below
-    float a;
-    if (base == 0) {
-      a = block_max(bm, sm.f_scratch);
-      if (tid == 0) sm.anchor = a;
-      hist_on = a > -INFINITY && a < INFINITY;   // pass 2's bin_floor needs a finite anchor
-    } else {
-      a = sm.anchor;
-    }
-    const float sc = kBinsPerNat * cfg.inv_t;
-    // bins are monotone in x: a thread whose allowed max falls under the span skips the
-    // tile. Unrolled over the registers, every element binned and counted under a
-    // predicate: measured against a compare-first loop over the few elements in the span
-    // (values again from L1), which cost a flat row 86 us here instead of ~19.
-    if (hist_on && hist_bin(bm, a, sc) < kHistBins - 1) {
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) {
-        const int b = hist_bin(x[j], a, sc);
-        if (((allow >> j) & 1u) && b < kHistBins - 1) atomicAdd(&sm.bins[b], 1u);
-      }
-    }
-  }
-  if (cfg.buffer_path && base == 0 && cfg.k_buf <= kThreads) {
-    // First tile: theta starts at the k-th largest of the threads' best keys (the k elements
-    // behind them are >= it, so theta stays <= the row's k-th largest key); the tile then
-    // appends about k candidates instead of all kTile, and the select over kTile keys it
-    // used to trigger becomes one over kThreads keys. Threads without a finite allowed
-    // element offer the smallest key; with fewer than k such threads theta stays 0.
-    if (__syncthreads_count(jb >= 0) >= cfg.k_buf) {
-      sm.val[tid] = jb >= 0 ? bm : -INFINITY;
-      sm.idx[tid] = jb >= 0 ? (int32_t)elem_index<VEC>(base, jb) : INT32_MAX;
-      st.theta = select_kth(sm, kThreads, (int)cfg.k_buf);  // starts and ends with a barrier
-      st.free_run = cfg.k_buf <= kFreeRunTopK;
-    }
-  }
-  if (cfg.buffer_path) {
-    append_candidates<T, VEC>(sm, row, st.theta, x, allow, base, true);
-    if (!st.free_run) settle_candidates(sm, st.theta, cfg.k_buf, cfg.loose_limit, false);
-  }
-  return !kHist || hist_on;
-}
-
-// Phase: pass 1 from the tile at `begin` (pass1_tile per tile), compiled twice: with the
-// two-pass top-p bins (kHist) and without, so that rows without them keep pass 1's registers.
-template <typename T, bool VEC, bool kHist>
-__device__ __forceinline__ void pass1(SampleShared& sm, const T* __restrict__ row,
-                                      const int32_t* __restrict__ mask_row, int64_t vocab,
-                                      const RowConfig& cfg, Pass1State& st, bool& hist_on,
-                                      int64_t begin) {
-  stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
-    return pass1_tile<T, VEC, kHist>(sm, row, cfg, st, hist_on, x, allow, base);
-  }, begin);
-}
-
-// Phase (buffer rows), after pass 1: once every append landed (a barrier), a row whose guarded
-// append raised sm.overflow collects its candidates again from the start (sm.count reset),
-// block-synchronised and settled strictly after every tile. theta is still a lower bound of
-// the row's k-th largest key (set from complete buffers). Block-uniform.
-template <typename T, bool VEC>
-__device__ __forceinline__ void recollect_candidates(SampleShared& sm, const T* __restrict__ row,
-                                                     const int32_t* __restrict__ mask_row,
-                                                     int64_t vocab, const RowConfig& cfg,
-                                                     uint64_t& theta) {
-  __syncthreads();  // every append landed, sm.overflow final
-  if (sm.overflow) {
-    __syncthreads();  // every thread read the flag
-    if (threadIdx.x == 0) {
-      sm.count = 0;
-      sm.overflow = 0;
-    }
-    for (int64_t base = 0; base < vocab; base += kTile) {
-      __syncthreads();
-      float x[kElems];
-      uint32_t allow;
-      load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
-      append_candidates<T, VEC>(sm, row, theta, x, allow, base, false);
-      settle_candidates(sm, theta, cfg.k_buf, cfg.loose_limit, true);
-    }
-  }
-}
-
-// Phase: the row statistics from every thread's pass-1 state (st, consumed): warp shuffles, the
-// warps' results in sm.red_*, thread 0's combine into sm.row_m_raw / row_s_raw (the raw
-// logits' logsumexp), sm.row_best_v / row_best_i (the first allowed argmax; INT32_MAX: none
-// allowed), sm.row_z (Z relative to M / t) and sm.z_recompute (see kZGapMax). own_ref: the
-// thread's s_y reference (its m_raw at temperature 1, else its best_v / t). Ends with a
-// barrier; the sm.row_* values are block-uniform after it.
-__device__ __forceinline__ void reduce_row_stats(SampleShared& sm, const RowConfig& cfg,
-                                                 Pass1State st, float own_ref) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // s_y is relative to sy_ref: the thread's m_raw at temperature 1, else its best_v / t
-  float sy_ref = own_ref;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, st.m_raw, off);
-    const float s2 = __shfl_xor_sync(0xffffffffu, st.s_raw, off);
-    lse_combine(st.m_raw, st.s_raw, m2, s2);
-    const float bv2 = __shfl_xor_sync(0xffffffffu, st.best_v, off);
-    const int32_t bi2 = __shfl_xor_sync(0xffffffffu, st.best_i, off);
-    const float r2 = __shfl_xor_sync(0xffffffffu, sy_ref, off);
-    const float y2 = __shfl_xor_sync(0xffffffffu, st.s_y, off);
-    if (!cfg.greedy) lse_combine(sy_ref, st.s_y, r2, y2);
-    if (bv2 > st.best_v || (bv2 == st.best_v && bi2 < st.best_i)) {
-      st.best_v = bv2;
-      st.best_i = bi2;
-    }
-  }
-  if (lane == 0) {
-    sm.red_m[warp] = st.m_raw;
-    sm.red_s[warp] = st.s_raw;
-    sm.red_bv[warp] = st.best_v;
-    sm.red_bi[warp] = st.best_i;
-    sm.red_m2[warp] = sy_ref;
-    sm.red_s2[warp] = st.s_y;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    float m = -INFINITY, s = 0.f, my = -INFINITY, sy = 0.f, bv = -INFINITY;
-    int32_t bi = INT32_MAX;
-    for (int w = 0; w < kWarps; ++w) {
-      lse_combine(m, s, sm.red_m[w], sm.red_s[w]);
-      if (!cfg.greedy) lse_combine(my, sy, sm.red_m2[w], sm.red_s2[w]);
-      if (sm.red_bv[w] > bv || (sm.red_bv[w] == bv && sm.red_bi[w] < bi)) {
-        bv = sm.red_bv[w];
-        bi = sm.red_bi[w];
-      }
-    }
-    // Z relative to the row max M/t (my == bv * inv_t up to the per-thread rounding, or
-    // the raw max m >= M at temperature 1)
-    sm.z_recompute = cfg.t1 && bv != -INFINITY && !(my - bv <= kZGapMax);
-    if (!cfg.greedy && bv != -INFINITY) sy *= __expf(my - bv * cfg.inv_t);
-    sm.row_m_raw = m;
-    sm.row_s_raw = s;
-    sm.row_best_v = bv;
-    sm.row_best_i = bi;
-    sm.row_z = sy;
-  }
-  __syncthreads();
-}
-
-// One streaming pass: the block-wide sum over the row of f(x, allowed) (block_sum:
-// sm.f_scratch). Block-uniform.
-template <typename T, bool VEC, typename F>
-__device__ __forceinline__ float row_sum(SampleShared& sm, const T* __restrict__ row,
-                                         const int32_t* __restrict__ mask_row, int64_t vocab, F f) {
-  float acc = 0.f;
-  stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
-#pragma unroll
-    for (int j = 0; j < kElems; ++j) acc += f(x[j], (allow >> j) & 1u);
-    return true;
-  });
-  return block_sum<float>(acc, sm.f_scratch);
-}
-
-// Phase (sm.z_recompute rows): temperature 1 and the allowed max M far below the raw max:
-// allowed terms that underflowed relative to m may matter relative to M. Returns Z = sum
-// exp(x - M) over allowed, summed again (row_sum). Block-uniform.
-template <typename T, bool VEC>
-__device__ __forceinline__ float sum_z_again(SampleShared& sm, const T* __restrict__ row,
-                                             const int32_t* __restrict__ mask_row, int64_t vocab,
-                                             float M) {
-  return row_sum<T, VEC>(sm, row, mask_row, vocab,
-                         [&](float xv, uint32_t allowed) { return allowed ? __expf(xv - M) : 0.f; });
-}
-
-// Phase (plain rows: temperature only, Z not summed again): the draw without a second pass.
-// w: this thread's pass-1 mass of its allowed elements (own_s, relative to own_ref) relative to
-// M / t; thread_order_draw places u * (sum of w) (its shared memory: sm.f_scratch, sm.seg_*).
-// Returns the id, -1 where it drew none (the fallback draws). Block-uniform.
-template <typename T, bool VEC>
-__device__ __forceinline__ int32_t plain_draw(SampleShared& sm, const T* __restrict__ row,
-                                              const int32_t* __restrict__ mask_row, int64_t vocab,
-                                              float own_ref, float own_s, float inv_t, float My,
-                                              double u) {
-  const float w = (own_s > 0.f && own_ref > -INFINITY) ? own_s * __expf(own_ref - My) : 0.f;
-  return thread_order_draw<T, VEC>(sm, row, mask_row, vocab, w, KeptRule{inv_t, My, 0.f, 0u, false}, u);
-}
-
-// Phase (buffer rows): the top-k path, all in shared memory. The candidates sm.val / idx[0,
-// sm.count) are selected down to k_buf, ranked into sm.val / idx[kTopKCap + rank] and scanned
-// in rank order (spec_n, spec_mass: how many and their mass, for window_draw). Where the kept
-// set lies in the buffer (top-k rows; spec rows where it is covered) it is the ranks' prefix
-// that top_p / min_p keep, and chosen is drawn from it at u * mass(kept). Returns whether it
-// drew. Block-uniform.
-__device__ __forceinline__ bool buffer_draw(SampleShared& sm, const RowConfig& cfg, float Z, float My,
-                                            double u, int64_t& chosen, int& spec_n, float& spec_mass) {
-  int n = sm.count;
-  if (n > cfg.k_buf) {
-    const uint64_t th = select_kth(sm, n, (int)cfg.k_buf);
-    n = compact_candidates(sm, n, th);
-  }
-  rank_candidates(sm, n);
-  spec_n = n;
-  const RankPair rp = scan_ranked(sm, n, cfg.inv_t, My);
-  spec_mass = rp.total;
-  const float p_mass = cfg.top_p * Z;
-  // spec: the buffer holds the kept set when the row has fewer than k_buf allowed tokens,
-  // or the next token (rank n) would not be kept (uniform: block-wide values only)
-  const bool covered = !cfg.spec || n < cfg.k_buf || (cfg.use_p && !(rp.total < p_mass)) ||
-                       (cfg.use_minp && !(__expf(sm.val[kTopKCap + n - 1] * cfg.inv_t - My) >= cfg.min_p));
-  if (!covered) return false;
-  auto keep = [&](int r, float excl, float e) {
-    if (r >= n) return false;
-    if (r == 0) return true;
-    return (!cfg.use_p || excl < p_mass) && (!cfg.use_minp || e >= cfg.min_p);
+    for (int j = 0; j < kElems; ++j) mine |= (x[j] >= theta_f ? 1u : 0u) << j;
+    append_bits<T, VEC>(sm, row, mine & allow, base, guard);
   };
-  const bool k0 = keep(rp.r0, rp.excl0, rp.e0), k1 = keep(rp.r1, rp.excl1, rp.e1);
-  float kept_mass;
-  const int L = kept_prefix(sm, rp, k0, k1, kept_mass);
-  chosen = sm.idx[kTopKCap + pick_rank(sm, rp, k0, k1, L, u * (double)kept_mass)];
-  return true;
-}
-
-// Phase (streaming rows with top-p or a top-k): the threshold search over the 32-bit ordered
-// float keys (see the top of the file), kPivots pivots a pass, one streaming pass each.
-// Returns lo: the kept tokens are the allowed ones with key > lo. Shared: sm.idx / val[0,
-// kWarps * kPivots) (the warps' counts and masses), sm.lo / hi / stop / count / scan_carry.
-// Block-uniform. It takes the row's parameters as values, not the RowConfig: through the
-// reference, the compiler (which simplifies a function before inlining it) unswitched the
-// pivot choice's loop on k_eff and use_p, ~60 PTX instructions more than the one-body kernel.
-template <typename T, bool VEC>
-__device__ __forceinline__ uint32_t threshold_search(SampleShared& sm, const T* __restrict__ row,
-                                                     const int32_t* __restrict__ mask_row,
-                                                     int64_t vocab, int64_t k_eff, bool use_p,
-                                                     float top_p, float inv_t, float M, float My,
-                                                     float Z) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  uint32_t lo = 0;
-  uint32_t hi = ordered_key(M);
-  int cnt_hi = 0;       // tokens with key > hi
-  float mass_hi = 0.f;  // their mass
-  if (k_eff == 0) {
-    // top-p only: tokens 104 temperatures below the max have e == 0 and never enter it
-    const float lo_v = M - 104.f / inv_t;
-    if (lo_v > -INFINITY) lo = ordered_key(lo_v);
-    if (lo >= hi) lo = hi - 1;
-  }
-  const float p_mass = top_p * Z;
-  for (int pass = 0; pass < 40 && hi - lo > 1; ++pass) {
-    uint32_t piv[kPivots];
-#pragma unroll
-    for (int j = 0; j < kPivots; ++j)
-      piv[j] = lo + (uint32_t)(((uint64_t)(hi - lo) * (uint64_t)j) / kPivots);
-    int cnt[kPivots];
-    float mass[kPivots];
-#pragma unroll
-    for (int j = 0; j < kPivots; ++j) {
-      cnt[j] = 0;
-      mass[j] = 0.f;
+  // Block-synchronised, after a tile: raise theta to the k-th largest key and compact once the
+  // buffer holds more than `limit` candidates. strict (limit kBufCap - kTile; also while theta
+  // is unset): the next tile cannot overflow. Loose (kLooseFactor k, at most kBufCap - 2 k):
+  // fewer selects for large k (strict selects after every tile at k = 1000), and a tile that
+  // would overflow raises sm.overflow through the guarded append instead; from then on nothing
+  // is selected (the buffer misses candidates) and the row collects again, strictly, after
+  // pass 1.
+  const int loose_limit =
+      max(kBufCap - kTile, min(kLooseFactor * (int)k_buf, kBufCap - 2 * (int)k_buf));
+  auto settle = [&](bool strict) {
+    __syncthreads();
+    const int n = sm.count;
+    const bool overflowed = sm.overflow != 0;
+    __syncthreads();  // every thread has read count before the next tile appends
+    const int limit = (strict || theta == 0) ? kBufCap - kTile : loose_limit;
+    if (!overflowed && n > limit && n > k_buf) {
+      theta = select_kth(sm, n, (int)k_buf);
+      compact_candidates(sm, n, theta);
     }
-    stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
+  };
+  // Pass 1 from the tile at `begin`, compiled twice: with the two-pass top-p bins (kHist) and
+  // without, so that rows without them keep pass 1's registers. A top_p row (hist_row) bins
+  // (hist_on) once its first tile gave the anchor; with no finite allowed token there, the rest
+  // of the row runs without.
+  bool hist_on = false;
+  auto pass1 = [&](auto hist_tag, int64_t begin) {
+    constexpr bool kHist = decltype(hist_tag)::value;
+    stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
+      float vm = -INFINITY, bm = -INFINITY;
+      int jb = -1;
 #pragma unroll
       for (int j = 0; j < kElems; ++j) {
-        const uint32_t key = ordered_key(x[j]);
-        if (((allow >> j) & 1u) && key > lo && key <= hi) {
-          const float e = __expf(x[j] * inv_t - My);
+        vm = fmaxf(vm, x[j]);
+        if (((allow >> j) & 1u) && x[j] > bm) {
+          bm = x[j];
+          jb = j;
+        }
+      }
+      if (vm > m_raw) {
+        const float c = __expf(m_raw - vm);
+        s_raw *= c;
+        if (t1) s_y *= c;
+        m_raw = vm;
+      }
+      if (m_raw != -INFINITY) {
+        if (t1) {
 #pragma unroll
-          for (int q = 0; q < kPivots; ++q) {
-            const bool gt = key > piv[q];
-            cnt[q] += gt ? 1 : 0;
-            mass[q] += gt ? e : 0.f;
+          for (int j = 0; j < kElems; ++j) {
+            const float e = __expf(x[j] - m_raw);
+            s_raw += e;
+            s_y += ((allow >> j) & 1u) ? e : 0.f;
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kElems; ++j) s_raw += __expf(x[j] - m_raw);
+        }
+      }
+      if (bm > best_v) {
+        if (!greedy && !t1) s_y *= __expf((best_v - bm) * inv_t);
+        best_v = bm;
+        best_i = (int32_t)elem_index<VEC>(base, jb);
+      }
+      if (!greedy && !t1 && best_v != -INFINITY) {
+        const float my = best_v * inv_t;
+#pragma unroll
+        for (int j = 0; j < kElems; ++j)
+          if ((allow >> j) & 1u) s_y += __expf(x[j] * inv_t - my);
+      }
+      if constexpr (kHist) {
+        // the anchor lives in shared memory (pass 1 is short of registers), read after the
+        // first tile's __syncthreads_count below
+        float a;
+        if (base == 0) {
+          a = block_max(bm, sm.f_scratch);
+          if (tid == 0) sm.anchor = a;
+          hist_on = a > -INFINITY && a < INFINITY;   // pass 2's bin_floor needs a finite anchor
+        } else {
+          a = sm.anchor;
+        }
+        const float sc = kBinsPerNat * inv_t;
+        // bins are monotone in x: a thread whose allowed max falls under the span skips the
+        // tile. Unrolled over the registers, every element binned and counted under a
+        // predicate: measured against a compare-first loop over the few elements in the span
+        // (values again from L1), which cost a flat row 86 us here instead of ~19.
+        if (hist_on && hist_bin(bm, a, sc) < kHistBins - 1) {
+#pragma unroll
+          for (int j = 0; j < kElems; ++j) {
+            const int b = hist_bin(x[j], a, sc);
+            if (((allow >> j) & 1u) && b < kHistBins - 1) atomicAdd(&sm.bins[b], 1u);
           }
         }
       }
-      return true;
-    });
-    // block reduction of the 2 * kPivots accumulators (scratch: the candidate arrays)
-#pragma unroll
-    for (int q = 0; q < kPivots; ++q) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        cnt[q] += __shfl_xor_sync(0xffffffffu, cnt[q], off);
-        mass[q] += __shfl_xor_sync(0xffffffffu, mass[q], off);
-      }
-    }
-    __syncthreads();
-    if (lane == 0) {
-#pragma unroll
-      for (int q = 0; q < kPivots; ++q) {
-        sm.idx[warp * kPivots + q] = cnt[q];
-        sm.val[warp * kPivots + q] = mass[q];
-      }
-    }
-    __syncthreads();
-    if (tid == 0) {
-      int c[kPivots + 1];
-      float ms[kPivots + 1];
-      for (int q = 0; q < kPivots; ++q) {
-        c[q] = 0;
-        ms[q] = 0.f;
-        for (int w = 0; w < kWarps; ++w) {
-          c[q] += sm.idx[w * kPivots + q];
-          ms[q] += sm.val[w * kPivots + q];
+      if (buffer_path && base == 0 && k_buf <= kThreads) {
+        // First tile: theta starts at the k-th largest of the threads' best keys (the k elements
+        // behind them are >= it, so theta stays <= the row's k-th largest key); the tile then
+        // appends about k candidates instead of all kTile, and the select over kTile keys it
+        // used to trigger becomes one over kThreads keys. Threads without a finite allowed
+        // element offer the smallest key; with fewer than k such threads theta stays 0.
+        if (__syncthreads_count(jb >= 0) >= k_buf) {
+          sm.val[tid] = jb >= 0 ? bm : -INFINITY;
+          sm.idx[tid] = jb >= 0 ? (int32_t)elem_index<VEC>(base, jb) : INT32_MAX;
+          theta = select_kth(sm, kThreads, (int)k_buf);  // starts and ends with a barrier
+          free_run = k_buf <= kFreeRunTopK;
         }
       }
-      c[kPivots] = 0;
-      ms[kPivots] = 0.f;
-      // keep'(c) = fewer than k tokens above it and their mass below top_p * Z;
-      // monotone in c: find the first pivot where it holds.
-      int J = kPivots;  // kPivots: only hi itself
-      for (int q = 0; q < kPivots; ++q) {
-        const int cg = cnt_hi + c[q];
-        const float mg = mass_hi + ms[q];
-        if ((k_eff == 0 || cg < k_eff) && (!use_p || mg < p_mass)) {
-          J = q;
-          break;
-        }
+      if (buffer_path) {
+        append(x, allow, base, true);
+        if (!free_run) settle(false);
       }
-      int stop = 0;
-      uint32_t nlo = lo, nhi = hi;
-      int inside;
-      if (J == 0) {
-        stop = 1;  // keep'(lo) already holds: everything above lo is kept
-        inside = 0;
-      } else {
-        nlo = piv[J - 1];
-        nhi = J < kPivots ? piv[J] : hi;
-        inside = c[J - 1] - c[J];
-        cnt_hi += c[J];
-        mass_hi += ms[J];
+      return !kHist || hist_on;  // a top_p row that does not bin goes on without kHist
+    }, begin);
+  };
+  if (hist_row) pass1(std::true_type{}, 0);
+  if (!hist_on) pass1(std::false_type{}, hist_row ? kTile : 0);
+  if (buffer_path) {
+    __syncthreads();  // every append landed, sm.overflow final
+    if (sm.overflow) {
+      // theta is still a lower bound of the row's k-th largest key (set from complete buffers)
+      __syncthreads();  // every thread read the flag
+      if (tid == 0) {
+        sm.count = 0;
+        sm.overflow = 0;
       }
-      if (inside <= 1) stop = 1;
-      sm.lo = nlo;
-      sm.hi = nhi;
-      sm.stop = stop;
-      sm.count = cnt_hi;
-      sm.scan_carry = mass_hi;
+      for (int64_t base = 0; base < vocab; base += kTile) {
+        __syncthreads();
+        float x[kElems];
+        uint32_t allow;
+        load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
+        append(x, allow, base, false);
+        settle(true);
+      }
     }
-    __syncthreads();
-    lo = sm.lo;
-    hi = sm.hi;
-    cnt_hi = sm.count;
-    mass_hi = sm.scan_carry;
-    const int stop = sm.stop;
-    __syncthreads();
-    if (stop) break;
   }
-  return lo;
-}
-
-// Phase (streaming rows with a search or min-p): each thread's mass of its kept elements (rule;
-// one pass without block barriers), then the draw in thread order (thread_order_draw: sm.f_scratch,
-// sm.seg_*): with min-p alone the row's second and last pass. Returns the id, -1 where it drew
-// none (the fallback draws). Block-uniform.
-template <typename T, bool VEC>
-__device__ __forceinline__ int32_t streaming_draw(SampleShared& sm, const T* __restrict__ row,
-                                                  const int32_t* __restrict__ mask_row,
-                                                  int64_t vocab, KeptRule rule, double u) {
-  auto kept_e = [&](float xv, uint32_t allowed) -> float { return rule.weight(xv, allowed); };
-  float w = 0.f;
-  stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
-#pragma unroll
-    for (int j = 0; j < kElems; ++j) w += kept_e(x[j], (allow >> j) & 1u);
-    return true;
-  });
-  return thread_order_draw<T, VEC>(sm, row, mask_row, vocab, w, rule, u);
-}
-
-// Phase (rows no phase before drew: rounding left the thread-order draw without a token, or a
-// plain row at temperature 1 whose Z was summed again, see kZGapMax): the block-synchronised
-// draw. The mass of the kept set (streaming rows: the tokens their search kept above
-// stream_lo, a pass; plain rows: Z), then prefix sums over tiles (claim_in_tile: sm.f_scratch,
-// sm.chosen) until the running mass passes u * mass. Returns the id, -1 where nothing is kept.
-// Block-uniform.
-template <typename T, bool VEC>
-__device__ __forceinline__ int32_t fallback_draw(SampleShared& sm, const T* __restrict__ row,
-                                                 const int32_t* __restrict__ mask_row, int64_t vocab,
-                                                 const RowConfig& cfg, float My, float Z,
-                                                 uint32_t stream_lo, double u) {
-  const bool need_search = cfg.k_eff > 0 || cfg.use_p;
-  const KeptRule rule{cfg.inv_t, My, cfg.min_p, stream_lo, cfg.use_minp};
-  auto kept_e = [&](float xv, uint32_t allowed) -> float { return rule.weight(xv, allowed); };
-  // mass of the kept set
-  const float S = (need_search || cfg.use_minp) ? row_sum<T, VEC>(sm, row, mask_row, vocab, kept_e) : Z;
-  const double target = u * (double)S;
-  // sampling pass: prefix sums over tiles until the running mass passes target. Thread
-  // intervals [carry + excl, carry + incl) tile the line exactly, so one thread claims.
-  if (threadIdx.x == 0) sm.chosen = INT32_MAX;
-  __syncthreads();
-  double carry = 0.0;
-  int32_t last_kept = -1;
-  stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
-    float e[kElems];
-#pragma unroll
-    for (int j = 0; j < kElems; ++j) e[j] = kept_e(x[j], (allow >> j) & 1u);
-    carry += (double)claim_in_tile<VEC>(sm, e, base, carry, target, last_kept);
-    return sm.chosen == INT32_MAX;   // stop once a thread claimed the draw
-  });
-  // target beyond the scanned mass (rounding): the last kept token
-  return sm.chosen != INT32_MAX ? sm.chosen : block_last_kept(sm, last_kept);
-}
-
-// Phase: thread 0 writes the id and its logprob, x[id] - logsumexp of the raw logits
-// (sm.row_m_raw / row_s_raw; x[id] read from the row again).
-template <typename T>
-__device__ __forceinline__ void write_out(const SampleParams& p, int64_t row_id,
-                                          const T* __restrict__ row, const SampleShared& sm,
-                                          int64_t chosen) {
-  if (threadIdx.x == 0) {
-    p.out_ids[row_id] = chosen;
-    const float lse = sm.row_m_raw + logf(sm.row_s_raw);
-    p.out_logprobs[row_id] = load_f(row + chosen) - lse;
-  }
-}
-
-// ----------------------------------------------------------------------------- the kernel
-
-template <typename T, bool VEC>
-__global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  SampleShared& sm = *reinterpret_cast<SampleShared*>(smem_raw);
-  const int64_t row_id = blockIdx.x;
-  const T* __restrict__ row = static_cast<const T*>(p.logits) + row_id * p.logits_stride;
-  const int32_t* mask_row = p.bitmask ? p.bitmask + row_id * p.bitmask_stride : nullptr;
-  const int64_t vocab = p.vocab;
-
-  const RowConfig cfg = row_config(p, row_id);
-  init_row_shared(sm, cfg.hist_row);
-
-  // ---------------------------------------------------------------- pass 1
-  // A top_p row (hist_row) bins (hist_on) once its first tile gave the anchor; with no finite
-  // allowed token there, the rest of the row runs without.
-  Pass1State st;
-  bool hist_on = false;
-  if (cfg.hist_row) pass1<T, VEC, true>(sm, row, mask_row, vocab, cfg, st, hist_on, 0);
-  if (!hist_on) pass1<T, VEC, false>(sm, row, mask_row, vocab, cfg, st, hist_on, cfg.hist_row ? kTile : 0);
-  if (cfg.buffer_path) recollect_candidates<T, VEC>(sm, row, mask_row, vocab, cfg, st.theta);
 
   // ---------------------------------------------------------------- row statistics
   // the thread's own (reference, sum of allowed e) before the reduction: the plain draw's w
-  const float own_ref = cfg.t1 ? st.m_raw : (st.best_v == -INFINITY ? -INFINITY : st.best_v * cfg.inv_t);
-  const float own_s = st.s_y;
-  reduce_row_stats(sm, cfg, st, own_ref);
+  const float own_ref = t1 ? m_raw : (best_v == -INFINITY ? -INFINITY : best_v * inv_t);
+  const float own_s = s_y;
+  {
+    // s_y is relative to sy_ref: the thread's m_raw at temperature 1, else its best_v / t
+    float sy_ref = own_ref;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m_raw, off);
+      const float s2 = __shfl_xor_sync(0xffffffffu, s_raw, off);
+      lse_combine(m_raw, s_raw, m2, s2);
+      const float bv2 = __shfl_xor_sync(0xffffffffu, best_v, off);
+      const int32_t bi2 = __shfl_xor_sync(0xffffffffu, best_i, off);
+      const float r2 = __shfl_xor_sync(0xffffffffu, sy_ref, off);
+      const float y2 = __shfl_xor_sync(0xffffffffu, s_y, off);
+      if (!greedy) lse_combine(sy_ref, s_y, r2, y2);
+      if (bv2 > best_v || (bv2 == best_v && bi2 < best_i)) {
+        best_v = bv2;
+        best_i = bi2;
+      }
+    }
+    if (lane == 0) {
+      sm.red_m[warp] = m_raw;
+      sm.red_s[warp] = s_raw;
+      sm.red_bv[warp] = best_v;
+      sm.red_bi[warp] = best_i;
+      sm.red_m2[warp] = sy_ref;
+      sm.red_s2[warp] = s_y;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float m = -INFINITY, s = 0.f, my = -INFINITY, sy = 0.f, bv = -INFINITY;
+      int32_t bi = INT32_MAX;
+      for (int w = 0; w < kWarps; ++w) {
+        lse_combine(m, s, sm.red_m[w], sm.red_s[w]);
+        if (!greedy) lse_combine(my, sy, sm.red_m2[w], sm.red_s2[w]);
+        if (sm.red_bv[w] > bv || (sm.red_bv[w] == bv && sm.red_bi[w] < bi)) {
+          bv = sm.red_bv[w];
+          bi = sm.red_bi[w];
+        }
+      }
+      // Z relative to the row max M/t (my == bv * inv_t up to the per-thread rounding, or
+      // the raw max m >= M at temperature 1)
+      sm.z_recompute = t1 && bv != -INFINITY && !(my - bv <= kZGapMax);
+      if (!greedy && bv != -INFINITY) sy *= __expf(my - bv * inv_t);
+      sm.row_m_raw = m;
+      sm.row_s_raw = s;
+      sm.row_best_v = bv;
+      sm.row_best_i = bi;
+      sm.row_z = sy;
+    }
+    __syncthreads();
+  }
   const float M = sm.row_best_v;  // max allowed logit
-  const float My = M * cfg.inv_t;
+  const float My = M * inv_t;
+  // one streaming pass: the block-wide sum over the row of f(x, allowed)
+  auto row_sum = [&](auto f) {
+    float acc = 0.f;
+    stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) acc += f(x[j], (allow >> j) & 1u);
+      return true;
+    });
+    return block_sum<float>(acc, sm.f_scratch);
+  };
   float Z = sm.row_z;
-  if (sm.z_recompute) Z = sum_z_again<T, VEC>(sm, row, mask_row, vocab, M);
+  if (sm.z_recompute) {
+    // temperature 1 and the allowed max far below the raw max: allowed terms that underflowed
+    // relative to m may matter relative to M. Sum Z = sum exp(x - M) over allowed again.
+    Z = row_sum([&](float xv, uint32_t allowed) { return allowed ? __expf(xv - M) : 0.f; });
+  }
   int64_t chosen = sm.row_best_i == INT32_MAX ? 0 : sm.row_best_i;  // greedy / fallback
   const bool any_allowed = sm.row_best_i != INT32_MAX;
 
-  // ---------------------------------------------------------------- the draw
-  if (!cfg.greedy && any_allowed) {
+  if (!greedy && any_allowed) {
     const double u = uniform_from(p.seeds[row_id], p.offsets[row_id]);
     bool drawn = false;
     int spec_n = 0;          // the buffer's ranked tokens and their mass (the two-pass top-p
@@ -1695,33 +1341,179 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
     // plain rows first (own_ref / own_s are dead in the buffer path's selects), the id
     // returned rather than written through a reference: see Measured, top_k 1000 rows ran 1-2%
     // slower with the draw placed after the buffer path, and still 1% with the reference
-    const bool plain = cfg.plain;  // (gpu_session.sh's sfinal edits the line below)
     if (plain && !sm.z_recompute) {
-      const int32_t id = plain_draw<T, VEC>(sm, row, mask_row, vocab, own_ref, own_s, cfg.inv_t, My, u);
+      // ------------------------------------------------ plain sampling: no second pass
+      const float w = (own_s > 0.f && own_ref > -INFINITY) ? own_s * __expf(own_ref - My) : 0.f;
+      const int32_t id = thread_order_draw<T, VEC>(sm, row, mask_row, vocab, w,
+                                                   KeptRule{inv_t, My, 0.f, 0u, false}, u);
       if (id >= 0) {
         chosen = id;
         drawn = true;
       }
     }
-    if (cfg.buffer_path) {
-      if (buffer_draw(sm, cfg, Z, My, u, chosen, spec_n, spec_mass)) drawn = true;
+    if (buffer_path) {
+      // ------------------------------------------------ top-k path, all in shared memory
+      int n = sm.count;
+      if (n > k_buf) {
+        const uint64_t th = select_kth(sm, n, (int)k_buf);
+        n = compact_candidates(sm, n, th);
+      }
+      rank_candidates(sm, n);
+      spec_n = n;
+      const RankPair rp = scan_ranked(sm, n, inv_t, My);
+      spec_mass = rp.total;
+      const float p_mass = top_p * Z;
+      // spec: the buffer holds the kept set when the row has fewer than k_buf allowed tokens,
+      // or the next token (rank n) would not be kept (uniform: block-wide values only)
+      const bool covered = !spec || n < k_buf || (use_p && !(rp.total < p_mass)) ||
+                           (use_minp && !(__expf(sm.val[kTopKCap + n - 1] * inv_t - My) >= min_p));
+      if (covered) {
+        auto keep = [&](int r, float excl, float e) {
+          if (r >= n) return false;
+          if (r == 0) return true;
+          return (!use_p || excl < p_mass) && (!use_minp || e >= min_p);
+        };
+        const bool k0 = keep(rp.r0, rp.excl0, rp.e0), k1 = keep(rp.r1, rp.excl1, rp.e1);
+        float kept_mass;
+        const int L = kept_prefix(sm, rp, k0, k1, kept_mass);
+        chosen = sm.idx[kTopKCap + pick_rank(sm, rp, k0, k1, L, u * (double)kept_mass)];
+        drawn = true;
+      }
     }
     if (!drawn && hist_on && spec_n > 0 && M > -INFINITY) {
-      // two-pass top-p (flat rows)
-      const TopPRow r{sm.anchor, cfg.inv_t, My, cfg.top_p * Z, cfg.min_p, cfg.use_minp, spec_n, spec_mass, u};
+      // ------------------------------------------------ two-pass top-p (flat rows)
+      const TopPRow r{sm.anchor, inv_t, My, top_p * Z, min_p, use_minp, spec_n, spec_mass, u};
       drawn = window_draw<T, VEC>(sm, row, mask_row, vocab, r, chosen);
     }
     uint32_t stream_lo = 0;   // the streaming search's threshold key, for the fallback below
     if (!drawn) {
-      // the streaming path: the threshold search where top-p or a top-k cuts, then the
-      // thread-order draw over the kept tokens
-      const bool need_search = cfg.k_eff > 0 || cfg.use_p;
-      if (need_search)
-        stream_lo = threshold_search<T, VEC>(sm, row, mask_row, vocab, cfg.k_eff, cfg.use_p, cfg.top_p,
-                                             cfg.inv_t, M, My, Z);
-      if (need_search || cfg.use_minp) {
-        const KeptRule rule{cfg.inv_t, My, cfg.min_p, stream_lo, cfg.use_minp};
-        const int32_t id = streaming_draw<T, VEC>(sm, row, mask_row, vocab, rule, u);
+      // ------------------------------------------------ streaming path
+      uint32_t lo = 0;
+      const bool need_search = k_eff > 0 || use_p;
+      if (need_search) {
+        uint32_t hi = ordered_key(M);
+        int cnt_hi = 0;       // tokens with key > hi
+        float mass_hi = 0.f;  // their mass
+        if (k_eff == 0) {
+          // top-p only: tokens 104 temperatures below the max have e == 0 and never enter it
+          const float lo_v = M - 104.f / inv_t;
+          if (lo_v > -INFINITY) lo = ordered_key(lo_v);
+          if (lo >= hi) lo = hi - 1;
+        }
+        const float p_mass = top_p * Z;
+        for (int pass = 0; pass < 40 && hi - lo > 1; ++pass) {
+          uint32_t piv[kPivots];
+#pragma unroll
+          for (int j = 0; j < kPivots; ++j)
+            piv[j] = lo + (uint32_t)(((uint64_t)(hi - lo) * (uint64_t)j) / kPivots);
+          int cnt[kPivots];
+          float mass[kPivots];
+#pragma unroll
+          for (int j = 0; j < kPivots; ++j) {
+            cnt[j] = 0;
+            mass[j] = 0.f;
+          }
+          stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
+#pragma unroll
+            for (int j = 0; j < kElems; ++j) {
+              const uint32_t key = ordered_key(x[j]);
+              if (((allow >> j) & 1u) && key > lo && key <= hi) {
+                const float e = __expf(x[j] * inv_t - My);
+#pragma unroll
+                for (int q = 0; q < kPivots; ++q) {
+                  const bool gt = key > piv[q];
+                  cnt[q] += gt ? 1 : 0;
+                  mass[q] += gt ? e : 0.f;
+                }
+              }
+            }
+            return true;
+          });
+          // block reduction of the 2 * kPivots accumulators (scratch: the candidate arrays)
+#pragma unroll
+          for (int q = 0; q < kPivots; ++q) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) {
+              cnt[q] += __shfl_xor_sync(0xffffffffu, cnt[q], off);
+              mass[q] += __shfl_xor_sync(0xffffffffu, mass[q], off);
+            }
+          }
+          __syncthreads();
+          if (lane == 0) {
+#pragma unroll
+            for (int q = 0; q < kPivots; ++q) {
+              sm.idx[warp * kPivots + q] = cnt[q];
+              sm.val[warp * kPivots + q] = mass[q];
+            }
+          }
+          __syncthreads();
+          if (tid == 0) {
+            int c[kPivots + 1];
+            float ms[kPivots + 1];
+            for (int q = 0; q < kPivots; ++q) {
+              c[q] = 0;
+              ms[q] = 0.f;
+              for (int w = 0; w < kWarps; ++w) {
+                c[q] += sm.idx[w * kPivots + q];
+                ms[q] += sm.val[w * kPivots + q];
+              }
+            }
+            c[kPivots] = 0;
+            ms[kPivots] = 0.f;
+            // keep'(c) = fewer than k tokens above it and their mass below top_p * Z;
+            // monotone in c: find the first pivot where it holds.
+            int J = kPivots;  // kPivots: only hi itself
+            for (int q = 0; q < kPivots; ++q) {
+              const int cg = cnt_hi + c[q];
+              const float mg = mass_hi + ms[q];
+              if ((k_eff == 0 || cg < k_eff) && (!use_p || mg < p_mass)) {
+                J = q;
+                break;
+              }
+            }
+            int stop = 0;
+            uint32_t nlo = lo, nhi = hi;
+            int inside;
+            if (J == 0) {
+              stop = 1;  // keep'(lo) already holds: everything above lo is kept
+              inside = 0;
+            } else {
+              nlo = piv[J - 1];
+              nhi = J < kPivots ? piv[J] : hi;
+              inside = c[J - 1] - c[J];
+              cnt_hi += c[J];
+              mass_hi += ms[J];
+            }
+            if (inside <= 1) stop = 1;
+            sm.lo = nlo;
+            sm.hi = nhi;
+            sm.stop = stop;
+            sm.count = cnt_hi;
+            sm.scan_carry = mass_hi;
+          }
+          __syncthreads();
+          lo = sm.lo;
+          hi = sm.hi;
+          cnt_hi = sm.count;
+          mass_hi = sm.scan_carry;
+          const int stop = sm.stop;
+          __syncthreads();
+          if (stop) break;
+        }
+      }
+      stream_lo = lo;
+      const KeptRule rule{inv_t, My, min_p, lo, use_minp};
+      auto kept_e = [&](float xv, uint32_t allowed) -> float { return rule.weight(xv, allowed); };
+      if (need_search || use_minp) {
+        // each thread's mass of its kept elements (one pass, no block barriers), then the
+        // draw in thread order: with min-p alone the row's second and last pass
+        float w = 0.f;
+        stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
+#pragma unroll
+          for (int j = 0; j < kElems; ++j) w += kept_e(x[j], (allow >> j) & 1u);
+          return true;
+        });
+        const int32_t id = thread_order_draw<T, VEC>(sm, row, mask_row, vocab, w, rule, u);
         if (id >= 0) {
           chosen = id;
           drawn = true;
@@ -1729,12 +1521,40 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       }
     }
     if (!drawn) {
-      const int32_t found = fallback_draw<T, VEC>(sm, row, mask_row, vocab, cfg, My, Z, stream_lo, u);
+      // ------------------------------------------------ block-synchronised draw (fallback)
+      // rounding left the thread-order draw without a token, or a plain row at temperature 1
+      // whose Z was summed again (kZGapMax): the mass of the kept set, then prefix sums over
+      // tiles until the running mass passes u * mass
+      const bool need_search = k_eff > 0 || use_p;
+      const KeptRule rule{inv_t, My, min_p, stream_lo, use_minp};
+      auto kept_e = [&](float xv, uint32_t allowed) -> float { return rule.weight(xv, allowed); };
+      // mass of the kept set
+      const float S = (need_search || use_minp) ? row_sum(kept_e) : Z;
+      const double target = u * (double)S;
+      // sampling pass: prefix sums over tiles until the running mass passes target. Thread
+      // intervals [carry + excl, carry + incl) tile the line exactly, so one thread claims.
+      if (tid == 0) sm.chosen = INT32_MAX;
+      __syncthreads();
+      double carry = 0.0;
+      int32_t last_kept = -1;
+      stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
+        float e[kElems];
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) e[j] = kept_e(x[j], (allow >> j) & 1u);
+        carry += (double)claim_in_tile<VEC>(sm, e, base, carry, target, last_kept);
+        return sm.chosen == INT32_MAX;   // stop once a thread claimed the draw
+      });
+      // target beyond the scanned mass (rounding): the last kept token
+      const int32_t found = sm.chosen != INT32_MAX ? sm.chosen : block_last_kept(sm, last_kept);
       if (found >= 0) chosen = found;
     }
   }
 
-  write_out<T>(p, row_id, row, sm, chosen);
+  if (tid == 0) {
+    p.out_ids[row_id] = chosen;
+    const float lse = sm.row_m_raw + logf(sm.row_s_raw);
+    p.out_logprobs[row_id] = load_f(row + chosen) - lse;
+  }
 }
 
 inline size_t sample_smem_bytes() { return sizeof(SampleShared); }
