@@ -53,20 +53,24 @@ def test_one_rank_nccl_eager_and_in_a_graph():
         nccl.destroy(comm)
 
 
-def _greedy(path, model, prompts, graphs: bool):
+def _greedy(path, model, prompts, graphs: bool, tp_size=None, dtype="bfloat16",
+            new_tokens=16, chunk=32):
+    """(scheduler, greedy ids of prompts) through the scheduler on CUDA; model None: loaded
+    from path with tp_size ranks."""
     from radixserve.config import ModelConfig, ServerArgs
     from radixserve.engine.req import Req
     from radixserve.engine.scheduler import Scheduler
     from radixserve.model.runner import ModelRunner
     from radixserve.sampling.params import SamplingParams
 
-    sa = ServerArgs(model_path=path, device="cuda", dtype="bfloat16", max_total_tokens=2048,
-                    max_running_requests=8, context_length=256, chunked_prefill_size=32,
-                    tp_size=getattr(model, "tp_size", 1), disable_cuda_graph=not graphs)
+    sa = ServerArgs(model_path=path, device="cuda", dtype=dtype, max_total_tokens=2048,
+                    max_running_requests=8, context_length=256, chunked_prefill_size=chunk,
+                    tp_size=tp_size or getattr(model, "tp_size", 1),
+                    disable_cuda_graph=not graphs)
     sched = Scheduler(sa, ModelRunner(sa, ModelConfig.from_path(path), path, context_len=256,
                                       model=model))
-    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=16, temperature=0.0,
-                                             ignore_eos=True), 16)
+    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=new_tokens, temperature=0.0,
+                                             ignore_eos=True), new_tokens)
             for i, p in enumerate(prompts)]
     for r in reqs:
         sched.add_request(r)
@@ -135,37 +139,18 @@ def test_tp2_scheduler_greedy_equals_tp1(tmp_path_factory, arch):
     """The scheduler end to end (radix cache, chunked prefill) in float32 on GPUs 0 and 1:
     greedy ids under --tp-size 2 equal --tp-size 1's; the KV pool is sharded over both GPUs."""
     from radixserve.cache.kv_pool import ShardedKVPool
-    from radixserve.config import ModelConfig, ServerArgs
-    from radixserve.engine.req import Req
-    from radixserve.engine.scheduler import Scheduler
-    from radixserve.model.runner import ModelRunner
-    from radixserve.sampling.params import SamplingParams
 
     path = _tiny(tmp_path_factory, arch)
-    config = ModelConfig.from_path(path)
     gen = torch.Generator().manual_seed(5)
     shared = torch.randint(3, 90, (40,), generator=gen).tolist()
     prompts = [shared + torch.randint(3, 90, (k,), generator=gen).tolist() for k in (10, 3, 7)]
     outs = {}
     for tp in (1, 2):
-        sa = ServerArgs(model_path=path, device="cuda", dtype="float32", tp_size=tp,
-                        max_total_tokens=1024, max_running_requests=4, context_length=256,
-                        chunked_prefill_size=24, disable_cuda_graph=True)
-        sched = Scheduler(sa, ModelRunner(sa, config, path, context_len=256))
+        sched, outs[tp] = _greedy(path, None, prompts, graphs=False, tp_size=tp,
+                                  dtype="float32", new_tokens=12, chunk=24)
         if tp == 2:
             assert isinstance(sched.runner.kv_pool, ShardedKVPool)
             assert [s.device.index for s in sched.runner.kv_pool.shards] == [0, 1]
-        reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0,
-                                                 ignore_eos=True), 12)
-                for i, p in enumerate(prompts)]
-        for r in reqs:
-            sched.add_request(r)
-        steps = 0
-        while sched.has_work():
-            sched.step()
-            steps += 1
-            assert steps < 500
-        outs[tp] = [r.output_ids for r in reqs]
     assert outs[2] == outs[1]
 
 

@@ -417,11 +417,11 @@ def test_full_queue_drops_counts_and_resyncs_without_blocking():
     pub = ke.ZmqEventPublisher(ke.KVEventsConfig(publisher="zmq", max_queue_size=2))  # not started
     cache = RadixCache(make_pool(32), page_size=1, kv_events=pub, kv_event_block_size=2)
     assert pub.queued_batches == 1                   # the new tree's AllBlocksCleared
-    t0 = time.monotonic()
+    # the publisher is not started, so nothing drains the queue: a blocking put would hang
+    # here instead of dropping
     cache.insert([1, 2, 3, 4], cache.kv_pool.alloc(4))
     cache.insert([5, 6], cache.kv_pool.alloc(2))     # the queue is full: dropped, not waited
     cache.insert([7, 8], cache.kv_pool.alloc(2))
-    assert time.monotonic() - t0 < 0.5
     assert (pub.queued_batches, pub.dropped_batches) == (2, 2)
     assert pub.stats()["kv_events_dropped_batches"] == 2
     pub._queue.get_nowait()                          # the publisher thread takes one

@@ -173,6 +173,14 @@ class CudaGraphRunner:
         seq_lens [bs] (KV length after the step, <= context_len), out_cache_loc [bs] int64;
         max_seq_len: the largest of seq_lens, known on the host (None: the bucket's full-context
         graph). Writes the batch's K/V, table entries and nothing of any other request."""
+        key = self._stage(bs, rows, seq_lens, out_cache_loc, max_seq_len)
+        self.graphs[key].replay()
+        return self.logits[key][:bs]
+
+    def _stage(self, bs: int, rows: torch.Tensor, seq_lens: torch.Tensor,
+               out_cache_loc: torch.Tensor, max_seq_len: Optional[int]) -> Tuple[int, int]:
+        """Copy the batch into the static inputs, pad rows bs..bucket-1 with the padding row;
+        the (bucket, capacity) of the graph to replay."""
         bucket = self.bucket_for(bs)
         key = (bucket, capacity_for(self.capacities[bucket], max_seq_len))
         self.rows[:bs].copy_(rows)
@@ -182,8 +190,7 @@ class CudaGraphRunner:
             self.rows[bs:bucket].fill_(self.runner.padding_row)
             self.seq_lens[bs:bucket].fill_(1)
             self.out_cache_loc[bs:bucket].zero_()          # the padding slot
-        self.graphs[key].replay()
-        return self.logits[key][:bs]
+        return key
 
 
 class TPCudaGraphRunner(CudaGraphRunner):
@@ -275,15 +282,7 @@ class TPCudaGraphRunner(CudaGraphRunner):
     def replay(self, bs: int, rows: torch.Tensor, seq_lens: torch.Tensor,
                out_cache_loc: torch.Tensor, max_seq_len: Optional[int] = None) -> torch.Tensor:
         """As CudaGraphRunner.replay: logits [bs, vocab] float32 on GPU 0."""
-        bucket = self.bucket_for(bs)
-        key = (bucket, capacity_for(self.capacities[bucket], max_seq_len))
-        self.rows[:bs].copy_(rows)
-        self.seq_lens[:bs].copy_(seq_lens)
-        self.out_cache_loc[:bs].copy_(out_cache_loc)
-        if bucket > bs:
-            self.rows[bs:bucket].fill_(self.runner.padding_row)
-            self.seq_lens[bs:bucket].fill_(1)
-            self.out_cache_loc[bs:bucket].zero_()          # the padding slot
+        key = self._stage(bs, rows, seq_lens, out_cache_loc, max_seq_len)
         graphs = self.rank_graphs[key]
         graphs[0].replay()                                  # rank 0: the caller's stream
         for r in range(1, len(graphs)):
