@@ -5,7 +5,11 @@ language (gen and select: its batched scoring request is split for the gateway),
 gateway checks them and forwards the caller's to the replica), the prefix cache (cache_aware
 sends a repeated prompt back to the replica holding it), and a replica killed with SIGKILL:
 requests keep being answered meanwhile and the replica is back in service within its restart
-time. The full multi-tenant and kill runs (4 replicas) are bench/dp_gateway.py."""
+time. The full multi-tenant and kill runs (4 replicas) are bench/dp_gateway.py.
+
+Opt-in (RADIXSERVE_ACCEPTANCE=1): its two replica processes and the gateway, on top of each
+pytest worker's own e2e server, pushed `make test` past a 2-core, 23 GB machine's memory once
+(the kernel killed a worker), so the default run leaves it out."""
 from __future__ import annotations
 
 import os
@@ -19,6 +23,9 @@ import uuid
 import httpx
 import pytest
 
+if os.environ.get("RADIXSERVE_ACCEPTANCE") != "1":
+    pytest.skip("two replicas + the gateway: opt-in, set RADIXSERVE_ACCEPTANCE=1",
+                allow_module_level=True)
 pytest.importorskip("smg", reason="the gateway (smg) is not installed: "
                                   "pip install 'radixserve[router]'")
 
