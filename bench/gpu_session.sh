@@ -48,7 +48,9 @@ build_ext() {
 }
 # the GPU tests (not the slow ones), the log in $1; the last $2 lines printed
 gpu_tests() {
-  python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu 2>&1 | tee "$1" | tail -"$2"
+  # (GPU_TESTS_ARGS: more pytest arguments, e.g. --ignore of a file that stage oneshot runs)
+  python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu ${GPU_TESTS_ARGS:-} 2>&1 \
+    | tee "$1" | tail -"$2"
 }
 for stage in "$@"; do
   echo "=== stage $stage" | tee -a "$OUT/log.txt"
@@ -92,6 +94,12 @@ for stage in "$@"; do
       fi ;;
     tests)
       gpu_tests "$OUT/gpu_tests.txt" 15 ;;
+    oneshot)
+      # the one-shot all-reduce's tests on their own clock: a rank left waiting must not eat the
+      # call
+      timeout "${ONESHOT_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_oneshot_allreduce_cuda.py 2>&1 | tee "$OUT/oneshot-tests.txt" | tail -8
+      echo "oneshot rc ${PIPESTATUS[0]}" ;;
     grammar)
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_constrained_cuda.py \
         tests/gpu/test_overlap_cuda.py tests/gpu/test_sampling.py 2>&1 | tee "$OUT/gpu_grammar_tests.txt" | tail -15 ;;
@@ -276,6 +284,32 @@ for stage in "$@"; do
         done
         kill $pid; wait $pid 2>/dev/null; first=0
       done ;;
+    abbuild)
+      # radixserve._C of the carried older tree .ab_base/ (`git archive REV | tar -x -C .ab_base`),
+      # built in the background (log: $OUT/ab-build.txt); stage ab waits for it
+      (cd .ab_base && RADIXSERVE_CUDA=1 RADIXSERVE_CUDA_ARCHS=90a MAX_JOBS=16 python3 setup.py \
+        build_ext --inplace > "$OUT/ab-build.txt" 2>&1) &
+      AB_BUILD=$! ;;
+    ab)
+      # same-run A/B of the working tree (head) against .ab_base/ (base), Llama-3.1-8B shape,
+      # dummy weights: decode steps at batch 1 and 64 (overlap loop, CUDA graphs), then SGLang's
+      # published serving config (200 prompts at 16 req/s, random 1024/1024, range ratio 0), each
+      # tree with its own Python and _C, head and base alternating; ~6 min
+      [ -n "${AB_BUILD:-}" ] && wait "$AB_BUILD"
+      tail -2 "$OUT/ab-build.txt" 2>/dev/null
+      ab_py() { if [ "$1" = base ]; then echo "/tmp/site:$PWD/.ab_base/pysrc"; else echo "$PYTHONPATH"; fi; }
+      for t in ${AB_ORDER:-head base}; do
+        PYTHONPATH=$(ab_py $t) timeout 200 python3 bench/decode_steps.py --preset llama-3.1-8b \
+          --batch-sizes 1,64 --modes overlap --out "$OUT/ab-decode-$t.json" 2>&1 \
+          | grep -E "ms/step|floor|Error|error" | sed "s/^/[$t decode] /"
+      done
+      for t in ${AB_ORDER:-head base}; do
+        PYTHONPATH=$(ab_py $t) timeout 240 python3 bench/serving.py --preset llama-3.1-8b --launch \
+          --dataset random --random-input-len 1024 --random-output-len 1024 --num-prompts 200 \
+          --request-rate 16 --no-plots --disable-tqdm --server-log-dir "$OUT/ab-serving-logs-$t" \
+          --output-file "$OUT/ab-serving-$t.json" 2>&1 \
+          | grep -E "^(Succ|Failed|Output|Median ITL|Duration|Floor|error)" | sed "s/^/[$t serving] /"
+      done ;;
     soak)
       # the CPU soak of issue 10 on the device's 16 cores (the model on the CPU, as CI would)
       python3 bench/soak.py --num-requests "${SOAK_REQUESTS:-10000}" \
@@ -292,6 +326,13 @@ for stage in "$@"; do
         mkdir -p $V/var_base/radixserve && cp .ssweep-base/sampling.cuh $V/var_base/radixserve/
       else
         python3 bench/variants/make_variant.py $V base sampling.cuh --rev "${SSWEEP_BASE:-HEAD}"
+      fi
+      if [ -f .ssweep-tree/sampling.cuh ]; then
+        # a branch's header carried as the tree (.ssweep-tree/sampling.cuh); the nohist and diag
+        # variants below edit the working tree's header, so they are left out
+        mkdir -p $V/var_tree/radixserve && cp .ssweep-tree/sampling.cuh $V/var_tree/radixserve/
+        bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/ssweep.txt"
+        continue
       fi
       python3 bench/variants/make_variant.py $V tree sampling.cuh
       python3 bench/variants/make_variant.py $V nohist sampling.cuh --sub \
