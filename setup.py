@@ -164,6 +164,8 @@ setup(
     description="LLM serving runtime: radix-tree KV reuse, structured output, hand-written CUDA",
     package_dir={"": "pysrc"},
     packages=find_packages("pysrc"),
+    # the dashboard's page (server/dashboard.py, --enable-dashboard)
+    package_data={"radixserve.server": ["static/*.html"]},
     python_requires=">=3.10",
     install_requires=[
         TORCH_REQUIREMENT,
@@ -188,8 +190,8 @@ setup(
         "accelerate",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "openai", "httpx",
-                 "aiohttp", "matplotlib", "schemathesis", "jsonschema", "nvidia-cuda-cuobjdump",
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "openai", "anthropic",
+                 "httpx", "aiohttp", "matplotlib", "schemathesis", "jsonschema", "nvidia-cuda-cuobjdump",
                  "pyelftools", "smg>=1.13,<2"],
         # `radixserve serve --dp-size N`: SGLang's model gateway (Shepherd Model Gateway) in
         # front of the replicas (radixserve/replicas.py)

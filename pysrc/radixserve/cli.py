@@ -5,6 +5,8 @@
     radixserve convert --gguf FILE --out DIR                       (GGUF -> HF-style directory)
     radixserve bench serving|offline|presets|plots [ARGS...]   (the benchmarks: radixserve.bench)
     radixserve env                  (versions, GPU, CUDA kernels' state, cache path: bug reports)
+    radixserve advise --url URL [--api-key KEY]    (the prefix-cache advisor's report of a
+                                           server started with --enable-dashboard)
 
 `python -m radixserve` is this CLI; `python -m radixserve.launch_server [flags]` is `serve`.
 """
@@ -127,6 +129,47 @@ def run_bench(argv: List[str]) -> int:
     return bench_main(argv)
 
 
+def run_advise(ns: argparse.Namespace) -> int:
+    """GET <url>/dashboard/advice and print it (cache/advisor.format_report, or the JSON).
+    0, or 1 with the reason on stderr when the server cannot be reached or refuses."""
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from radixserve import knobs
+    from radixserve.cache.advisor import format_report
+
+    query = {k: v for k, v in (("last", ns.last), ("min_members", ns.min_members),
+                               ("min_tail", ns.min_tail)) if v is not None}
+    url = ns.url.rstrip("/") + "/dashboard/advice"
+    if query:
+        url += "?" + urllib.parse.urlencode(query)
+    key = ns.api_key if ns.api_key is not None else knobs.value("RADIXSERVE_API_KEY")
+    headers = {"Accept": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=ns.timeout) as r:
+            report = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        hint = (" (is the server started with --enable-dashboard?)" if e.code == 404 else
+                " (pass --api-key, or set RADIXSERVE_API_KEY)" if e.code == 401 else "")
+        print(f"radixserve advise: error: {url}: {e.code} {message}{hint}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        print(f"radixserve advise: error: cannot read {url}: {getattr(e, 'reason', e)}",
+              file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2, ensure_ascii=False) if ns.json else format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="radixserve", description=__doc__.splitlines()[0])
     add_version_flag(parser)
@@ -142,6 +185,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "(`radixserve bench --help` lists them)", add_help=False)
     sub.add_parser("env", help="print versions, GPUs, the CUDA kernels' state and the default "
                    "model's cache path (for bug reports)")
+    advise = sub.add_parser(
+        "advise", help="the prefix-cache advisor's report of a running server (one started "
+        "with --enable-dashboard): families of recent prompts that share a start, diverge in a "
+        "short span and share a long text again, ranked by the prompt tokens moving that span "
+        "after the shared text would save", formatter_class=HelpFormatter)
+    advise.add_argument("--url", required=True, default=argparse.SUPPRESS,
+                        help="the server's base URL, e.g. http://127.0.0.1:30000")
+    advise.add_argument("--api-key", default=None, metavar="KEY",
+                        help="Bearer key (the admin key when the server has one); default: "
+                        "$RADIXSERVE_API_KEY, else none")
+    advise.add_argument("--last", type=int, default=None, metavar="N",
+                        help="only the last N recent prompts (the server keeps 256); default: all")
+    advise.add_argument("--min-members", type=int, default=None, metavar="N",
+                        help="prompts a family needs; default: the server's (3)")
+    advise.add_argument("--min-tail", type=int, default=None, metavar="TOKENS",
+                        help="tokens the shared text after the span needs; default: the "
+                        "server's (16)")
+    advise.add_argument("--json", action="store_true", help="print the report as JSON")
+    advise.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="seconds to wait for the server")
     return parser
 
 
@@ -157,6 +220,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if ns.command == "env":
         from radixserve.env_report import main as run_env
         return run_env()
+    if ns.command == "advise":
+        return run_advise(ns)
     return run_convert(ns)
 
 

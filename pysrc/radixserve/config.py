@@ -248,6 +248,10 @@ def _lower(value: str) -> str:
     return value.lower()
 
 
+# --tool-call-parser's values (parsers/tool_calls.FORMATS, SGLang's and vLLM's names)
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "llama3_json", "qwen3_coder", "mistral",
+                     "pythonic")
+
 # --quantization's values (radixserve.quant.fp8.QUANTIZATION_METHODS, SGLang's names)
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")
 
@@ -317,7 +321,10 @@ class ServerArgs:
         "hermes", "how the model writes tool calls (the chat routes' tools): hermes (= qwen25): "
         "<tool_call>{\"name\", \"arguments\"}</tool_call> blocks (Hermes, Qwen2.5, Qwen3, "
         "SmolLM2); llama3 (= llama3_json): bare {\"name\", \"parameters\"} objects joined by "
-        "\"; \" (Llama 3.1-3.3)", choices=("hermes", "qwen25", "llama3", "llama3_json"))
+        "\"; \" (Llama 3.1-3.3); qwen3_coder: <tool_call><function=NAME><parameter=ARG>VALUE"
+        "</parameter></function></tool_call> (Qwen3-Coder, Qwen3.5); mistral: [TOOL_CALLS] "
+        "[{\"name\", \"arguments\"}] or [TOOL_CALLS]NAME[ARGS]{...} (Mistral); pythonic: "
+        "[name(arg=literal, ...)] (Llama 3.2, Llama 4)", choices=TOOL_CALL_PARSERS)
     # server
     host: str = _flag("127.0.0.1", "address the HTTP server binds (0.0.0.0: every interface)",
                       metavar="ADDR", group="server")
@@ -467,6 +474,16 @@ class ServerArgs:
         "model_name and engine) and the rest as radixserve:)", metavar="PREFIX")
     log_requests: bool = _flag(
         False, "one INFO line per finished request: rid, token counts, timings, finish reason")
+    enable_dashboard: bool = _flag(
+        False, "serve /dashboard, a page of the prefix cache over the last minutes (hit rate, "
+        "KV pool use, requests, throughput, the step timeline, the radix tree's largest "
+        "subtrees), its data as JSON (/dashboard/data) and the prefix-cache advisor "
+        "(/dashboard/advice, `radixserve advise`); behind the API key (with --admin-api-key, "
+        "that key only); keeps the token ids of the last 256 prompts in memory")
+    dashboard_show_text: bool = _flag(
+        True, "the dashboard shows decoded prompt text (the tree's prefixes, the advisor's "
+        "spans), which shows every client's prompts to whoever may open it; "
+        "--no-dashboard-show-text: token counts and positions only (default: on)")
     kv_events_config: Optional[str] = _flag(
         None, "publish the prefix cache's KV events (BlockStored, BlockRemoved, AllBlocksCleared) "
         "over ZMQ in vLLM's KVEventBatch msgpack format, for KV-aware routers (llm-d, Dynamo): "
@@ -615,9 +632,16 @@ class ServerArgs:
                                  f"{self.dp_size * self.tp_size} GPUs (one replica per "
                                  f"{'GPU' if self.tp_size == 1 else f'{self.tp_size} GPUs'}); "
                                  f"this host has {have}")
+        if self.enable_dashboard and self.dp_size > 1:
+            raise ValueError("--enable-dashboard shows one server's cache: with --dp-size "
+                             f"{self.dp_size} the gateway in front does not route /dashboard; "
+                             "drop one of the two flags")
         if self.router_policy not in ("cache_aware", "round_robin", "power_of_two", "random"):
             raise ValueError(f"--router-policy must be cache_aware, round_robin, power_of_two or "
                              f"random, not {self.router_policy!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"not {self.tool_call_parser!r}")
         if self.grammar_backend != "xgrammar":
             raise ValueError(f"--grammar-backend must be xgrammar, not {self.grammar_backend!r}")
         if self.stream_interval < 1:
@@ -691,8 +715,9 @@ class ServerArgs:
             flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
             kw: Dict[str, Any] = {"dest": f.name, "default": f.default,
                                   "help": meta["help"].replace("%", "%%")}
-            if f.type in ("bool", bool):
-                group.add_argument(*flags, action="store_true", **kw)
+            if f.type in ("bool", bool):     # on by default: --no-<flag> turns it off
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction if f.default
+                                   else "store_true", **kw)
                 continue
             hidden = meta.get("hidden", False)
             if meta.get("repeat"):

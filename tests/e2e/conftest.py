@@ -1,6 +1,7 @@
 """End-to-end fixtures: ONE real server per test session (`python -m radixserve.launch_server`
 with the default model on a free loopback port, its output in a log file), shared by every e2e
 test, stopped at teardown."""
+import contextlib
 import os
 import re
 import signal
@@ -28,17 +29,19 @@ def _tail(path: str, n: int = 40) -> str:
         return "".join(f.readlines()[-n:])
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    """The running server: .url, .model (served name), .log (path of its output),
-    .metric(name) (a value from /metrics), .wait_idle() (nothing running or queued)."""
+@contextlib.contextmanager
+def launched_server(log_dir, args, env=None, headers=None):
+    """`python -m radixserve.launch_server` on a free loopback port with args (this checkout's
+    pysrc first on PYTHONPATH; env: extra environment variables), its output in
+    log_dir/server.log; yields SimpleNamespace(url, port, model (served name, read with
+    headers), log, proc) once /health answers 200, and stops it (SIGTERM, then kill) after."""
     port = _free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
-    env = dict(os.environ)
+    log_path = str(log_dir / "server.log")
+    env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "pysrc")] +
                                         ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1",
-           "--port", str(port), "--debug-integrity"]
+           "--port", str(port), *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
@@ -54,11 +57,10 @@ def server(tmp_path_factory):
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(f"the server did not become healthy in {STARTUP_TIMEOUT_S} s:\n{_tail(log_path)}")
-            time.sleep(0.5)
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        yield SimpleNamespace(url=url, model=model, log=log_path, proc=proc,
-                              metric=lambda name: metric(url, name),
-                              wait_idle=lambda timeout_s=60.0: wait_idle(url, timeout_s))
+            time.sleep(0.3)
+        model = httpx.get(url + "/v1/models", headers=headers or {},
+                          timeout=10).json()["data"][0]["id"]
+        yield SimpleNamespace(url=url, port=port, model=model, log=log_path, proc=proc)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -67,6 +69,17 @@ def server(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The running server: .url, .model (served name), .log (path of its output),
+    .metric(name) (a value from /metrics), .wait_idle() (nothing running or queued)."""
+    with launched_server(tmp_path_factory.mktemp("server"), ["--debug-integrity"]) as srv:
+        url = srv.url
+        srv.metric = lambda name: metric(url, name)
+        srv.wait_idle = lambda timeout_s=60.0: wait_idle(url, timeout_s)
+        yield srv
 
 
 @pytest.fixture(scope="session")

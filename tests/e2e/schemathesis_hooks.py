@@ -43,6 +43,8 @@ def cap_body(path: str, body) -> None:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             del prompt[MAX_FUZZ_PROMPTS:]
+    elif path == "/v1/messages":            # max_tokens is required there (a 400 without it)
+        _cap(body, ("max_tokens",))
     elif path == "/v1/responses":
         _cap(body, ("max_output_tokens",))
         if body.get("max_output_tokens") is None:

@@ -8,14 +8,11 @@ routes, /get_server_info and /get_model_info without paths."""
 import json
 import os
 import select
-import signal
 import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+from conftest import launched_server
 
 pytestmark = pytest.mark.slow
 
@@ -29,44 +26,14 @@ STARTUP_TIMEOUT_S = 600
 
 @pytest.fixture(scope="module")
 def door(tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     tmp = tmp_path_factory.mktemp("door")
-    log_path = str(tmp / "server.log")
     (tmp / "keys").write_text(f"# the door test's clients\n{ALICE} alice\n{BOB} bob\n")
-    env = dict(os.environ, RADIXSERVE_API_KEY=KEY)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "pysrc")] +
-                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
-           "--load-format", "dummy", "--max-total-tokens", "2048", "--allowed-origins", ORIGIN,
-           "--max-request-bytes", str(LIMIT), "--api-key-file", str(tmp / "keys"),
-           "--admin-api-key", ADMIN]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                with open(log_path) as f:
-                    pytest.fail(f"the server exited with {proc.returncode}:\n{f.read()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            time.sleep(0.3)
-        yield url, port, log_path
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    args = ["--load-format", "dummy", "--max-total-tokens", "2048", "--allowed-origins", ORIGIN,
+            "--max-request-bytes", str(LIMIT), "--api-key-file", str(tmp / "keys"),
+            "--admin-api-key", ADMIN]
+    with launched_server(tmp, args, env={"RADIXSERVE_API_KEY": KEY},
+                         headers={"Authorization": f"Bearer {KEY}"}) as srv:
+        yield srv.url, srv.port, srv.log
 
 
 @pytest.fixture(scope="module")

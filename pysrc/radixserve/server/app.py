@@ -25,14 +25,19 @@ from starlette.routing import Route
 
 from radixserve.config import ServerArgs
 from radixserve.errors import ApiError
-from radixserve.server import native_api, openai_api, openapi, responses_api, score_api
+from radixserve.server import (anthropic_api, anthropic_render, anthropic_schemas, native_api,
+                               openai_api, openapi, responses_api, score_api, tokenize_api)
+from radixserve.server import dashboard as dashboard_module
 from radixserve.server.jsonio import error_response
-from radixserve.server.security import (ClientView, Door, DoorPolicy, RequestOwners, client_identity,
-                                        is_loopback_bind)
+from radixserve.server.security import (ClientView, Door, DoorPolicy, ErrorRenderer, RequestOwners,
+                                        client_identity, is_loopback_bind)
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request, object], Awaitable[Response]]
+
+# paths whose every error (the door's, the guard's, 404 / 405) takes another shape than OpenAI's
+ERROR_SHAPES = {path: anthropic_render.error_response for path in anthropic_schemas.PATHS}
 
 # Seconds uvicorn gives open connections to close once the engine has drained (SIGTERM). The
 # whole shutdown takes --shutdown-timeout plus this (plus well under a second of the engine's
@@ -42,19 +47,22 @@ CONNECTION_CLOSE_S = 5
 KUBERNETES_DEFAULT_GRACE_S = 30
 
 
-def _guarded(handler: Handler, engine) -> Callable[[Request], Awaitable[Response]]:
+def _guarded(handler: Handler, engine,
+             errors: ErrorRenderer = error_response) -> Callable[[Request], Awaitable[Response]]:
+    """`handler` behind the guard; `errors` renders its error bodies (the Anthropic routes'
+    shape differs from OpenAI's)."""
     async def endpoint(request: Request) -> Response:
         try:
             view = ClientView(engine, client_identity(request), request.app.state.request_owners)
             return await handler(request, view)
         except ApiError as e:
-            return error_response(e)
+            return errors(e, None)
         except RecursionError:   # a structure deep enough to exhaust the stack came from the client
             logger.warning("RecursionError in %s %s", request.method, request.url.path, exc_info=True)
-            return error_response(ApiError("the request is nested too deeply to process; flatten it", 400))
+            return errors(ApiError("the request is nested too deeply to process; flatten it", 400), None)
         except Exception as e:  # noqa: BLE001 - nothing a client sends may take the server down
             logger.exception("unhandled error in %s %s", request.method, request.url.path)
-            return error_response(ApiError(f"internal server error: {type(e).__name__}: {e}", 500))
+            return errors(ApiError(f"internal server error: {type(e).__name__}: {e}", 500), None)
     endpoint.__name__ = handler.__name__
     return endpoint
 
@@ -66,7 +74,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         msg = f"method {request.method} is not allowed on {request.url.path}"
     else:
         msg = str(exc.detail)
-    return error_response(ApiError(msg, exc.status_code), headers=exc.headers)   # 405: Allow
+    render = ERROR_SHAPES.get(request.url.path, error_response)
+    return render(ApiError(msg, exc.status_code), exc.headers)   # 405: Allow
 
 
 def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
@@ -76,7 +85,8 @@ def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
         policy = DoorPolicy.from_server_args(engine.server_args)
 
     def route(path, handler, methods):
-        return Route(path, _guarded(handler, engine), methods=methods)
+        return Route(path, _guarded(handler, engine, ERROR_SHAPES.get(path, error_response)),
+                     methods=methods)
 
     routes = [
         route("/v1/chat/completions", openai_api.chat_completions, ["POST"]),
@@ -87,6 +97,10 @@ def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
         route("/v1/models/{model_id:path}", openai_api.retrieve_model, ["GET"]),
         route("/generate", native_api.generate, ["POST"]),
         route("/v1/score", score_api.score, ["POST"]),
+        route("/v1/messages", anthropic_api.messages, ["POST"]),
+        route("/v1/messages/count_tokens", anthropic_api.count_tokens, ["POST"]),
+        route("/tokenize", tokenize_api.tokenize, ["POST"]),
+        route("/detokenize", tokenize_api.detokenize, ["POST"]),
         route("/health", native_api.health, ["GET"]),
         route("/health_generate", native_api.health_generate, ["GET"]),
         route("/get_model_info", native_api.get_model_info, ["GET"]),
@@ -101,23 +115,37 @@ def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
         route("/metrics", native_api.metrics, ["GET"]),
         route("/openapi.json", openapi.openapi_json, ["GET"]),
     ]
+    # --enable-dashboard: the cache dashboard and advisor (server/dashboard.py); 404s without
+    dashboard = None
+    if getattr(engine.server_args, "enable_dashboard", False):
+        dashboard = dashboard_module.Dashboard(
+            engine, show_text=getattr(engine.server_args, "dashboard_show_text", True))
+        routes += [route(path, handler, ["GET"]) for path, handler in dashboard_module.ROUTES]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         engine.start()
         logger.info("engine started in %s", type(asyncio.get_running_loop()).__module__)
+        if dashboard is not None:
+            dashboard.start()
         try:
             yield
         finally:
+            if dashboard is not None:
+                await dashboard.stop()
             await engine.shutdown()
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
-                    middleware=[Middleware(Door, policy=policy)])
+                    middleware=[Middleware(Door, policy=policy, errors=ERROR_SHAPES)])
     app.state.engine = engine
     app.state.door_policy = policy
     app.state.request_owners = RequestOwners()
     app.state.response_store = responses_api.ResponseStore()     # stored /v1/responses
     app.state.metrics_registry = native_api.metrics_registry(engine)
+    app.state.dashboard = dashboard                               # None without the flag
+    if dashboard is not None:                 # its own CPU seconds on /metrics
+        app.state.metrics_registry.register(dashboard_module.CpuCollector(
+            dashboard, app.state.metrics_registry.prefix))
     return app
 
 

@@ -219,7 +219,7 @@ async def _render_chat(engine, req: R.ChatRequest, tools: "_Tools") -> List[int]
 async def render_messages(engine, messages: List[dict], add_generation_prompt: bool = True,
                           template_tools: Optional[list] = None, param: str = "messages",
                           template_kwargs: Optional[dict] = None,
-                          must_fit: bool = True) -> List[int]:
+                          must_fit: bool = True, add_special_tokens: bool = False) -> List[int]:
     """Chat messages as prompt ids: the template renders them on a worker thread (a
     template's cost need not follow the input's size), bounded by render_limits: past the time
     limit the client gets a 400 (naming `param`) while the render stops at its next check
@@ -227,7 +227,9 @@ async def render_messages(engine, messages: List[dict], add_generation_prompt: b
     special tokens: the template has them), so a rendered prompt too long for the context is
     refused before it is encoded unless `must_fit` is false (truncate_prompt_tokens will cut
     it). template_kwargs: the template's extra variables (chat_template_kwargs, names checked
-    by schemas.ChatTemplateKwargs). Also used by /v1/responses."""
+    by schemas.ChatTemplateKwargs). add_special_tokens: the tokenizer's special tokens (BOS...)
+    on top of the template's (vLLM's /tokenize option; the chat route never asks). Also used by
+    /v1/responses, /v1/messages and /tokenize."""
     limits = render_limits(engine)
     work = asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
                              add_generation_prompt=add_generation_prompt,
@@ -241,7 +243,8 @@ async def render_messages(engine, messages: List[dict], add_generation_prompt: b
                           param=param) from None
     except ValueError as e:
         raise bad_request(f"{param} cannot be rendered: {e}", param=param) from None
-    return await encode_prompt(engine, text, param, add_special_tokens=False, must_fit=must_fit)
+    return await encode_prompt(engine, text, param, add_special_tokens=add_special_tokens,
+                               must_fit=must_fit)
 
 
 @dataclasses.dataclass
@@ -260,7 +263,8 @@ class _Tools:
 def _chat_tools(engine, body: dict, req: R.ChatRequest) -> _Tools:
     """Validate tools / tool_choice; the tool grammar goes into req.sampling."""
     functions, choice = T.check_tools(req.tools, body.get("tool_choice"))
-    fmt = T.get_format(getattr(engine.server_args, "tool_call_parser", None))
+    fmt = T.get_format(getattr(engine.server_args, "tool_call_parser", None)) \
+        .bind(functions, engine.tokenizer)
     grammar = fmt.grammar(functions, choice, parallel=req.parallel_tool_calls)
     if grammar is not None:
         if req.sampling.grammar_key is not None:
@@ -269,6 +273,8 @@ def _chat_tools(engine, body: dict, req: R.ChatRequest) -> _Tools:
                               param="tool_choice")
         req.sampling = req.sampling.with_grammar("structural_tag", grammar)
     used = functions if choice != "none" else []
+    if used and fmt.keep_special_tokens:     # the format's markers are special tokens (Mistral)
+        req.sampling = dataclasses.replace(req.sampling, skip_special_tokens=False)
     knows = engine.tokenizer.template_handles_tools
     return _Tools(used, fmt, T.messages_for_template(req.messages, used, knows, fmt),
                   req.tools if (knows and used) else None)
@@ -318,8 +324,9 @@ class _ChoiceText:
     """One streamed choice's text: the model's text deltas -> (reasoning, content) pieces to
     send now. With a reasoning parser the <think> block goes to reasoning (held until it ends
     when stream_reasoning is false); with tools, the calls (in the --tool-call-parser format)
-    are cut out of the content and parsed at the end. finish() -> (reasoning, content, tool
-    calls) held back."""
+    are cut out of the content and read as they come: tool_deltas() -> their delta.tool_calls
+    entries so far (a call whose delta was taken stays a call). finish() -> (reasoning,
+    content, tool calls) held back (every call, whole)."""
 
     def __init__(self, parser: Optional[str], stream_reasoning: bool,
                  tools: Optional[T.ToolFormat]):
@@ -334,6 +341,16 @@ class _ChoiceText:
             return "", self._content(text)
         reasoning, content = self._split.feed(text)
         return self._reasoning(reasoning, self._split.reasoning_done), self._content(content)
+
+    def tool_deltas(self) -> List[dict]:
+        """The calls' stream deltas (delta.tool_calls entries) since the last call."""
+        return self._tools.take_deltas() if self._tools is not None else []
+
+    @property
+    def called(self) -> bool:
+        """Whether the output made a whole call (finish_reason tool_calls, as when not
+        streamed; a call cut off and sent in part does not count)."""
+        return self._tools is not None and self._tools.whole > 0
 
     def finish(self) -> Tuple[str, str, List[dict]]:
         reasoning, content = self._split.finish() if self._split is not None else ("", "")
@@ -432,18 +449,18 @@ class _Chat(_Route):
         ids = list(out.output_ids_delta) if ex.return_token_ids else []
         finish = O.finish_reason_str(out.finish_reason) if out.finished else None
         if out.finished:
-            more_reasoning, rest, calls = self.texts[i].finish()
+            more_reasoning, rest, _ = self.texts[i].finish()
             reasoning, text = reasoning + more_reasoning, text + rest
-            # one chunk per parsed call: delta.tool_calls[{index, id, type, function}] (whole
-            # arguments in one delta, which the openai client accumulates like partial ones)
-            for k, call in enumerate(calls):
-                yield self._chunk(i, {"tool_calls": [{"index": k, **call}]})
-            finish = "tool_calls" if calls else finish
-        if not (reasoning or text or logprobs or ids or out.finished):
+            finish = "tool_calls" if self.texts[i].called else finish
+        # delta.tool_calls: each call's id and name first, then its arguments JSON in pieces
+        calls = self.texts[i].tool_deltas()
+        if not (reasoning or text or logprobs or ids or calls or out.finished):
             return
         delta = {"reasoning_content": reasoning} if reasoning else {}
         if text:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
         extra = {"matched_stop": O.matched_stop(out.finish_reason)} if out.finished else {}
         if ex.return_token_ids:
             extra["token_ids"] = ids

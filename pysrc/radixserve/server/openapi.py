@@ -18,8 +18,10 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.server import anthropic_schemas as AS
 from radixserve.server import responses_schemas as RS
 from radixserve.server import schemas as S
+from radixserve.server import tokenize_schemas as TS
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.security import ADMIN_PATHS
 from radixserve.version import __version__
@@ -176,15 +178,16 @@ def _error(description: str) -> dict:
     return _json(_ref(ErrorResponse), description)
 
 
-def _door_errors(api_key: bool) -> Dict[str, dict]:
+def _door_errors(api_key: bool, error=_error) -> Dict[str, dict]:
+    """The door's errors (error(description): the path's error response)."""
     errors = {
-        "400": _error("invalid request"),
-        "403": _error("cross-origin request from an origin not in --allowed-origins"),
-        "413": _error("request body larger than --max-request-bytes"),
-        "421": _error("Host header not in --allowed-hosts"),
+        "400": error("invalid request"),
+        "403": error("cross-origin request from an origin not in --allowed-origins"),
+        "413": error("request body larger than --max-request-bytes"),
+        "421": error("Host header not in --allowed-hosts"),
     }
     if api_key:
-        errors["401"] = _error("missing or wrong API key")
+        errors["401"] = error("missing or wrong API key")
     return errors
 
 
@@ -250,6 +253,8 @@ def _paths() -> Dict[str, dict]:
                                              _ref(TextCompletion), TextCompletionChunk,
                                              has_model=True),
         **_responses_paths(),
+        **AS.openapi_paths(_ref),
+        **TS.openapi_paths(_ref, _error),
         "/generate": _generation_route(
             "SGLang native generation", S.GenerateRequest,
             {"anyOf": [_ref(GenerateResult), {"type": "array", "items": _ref(GenerateResult)}]},
@@ -317,7 +322,9 @@ def _paths() -> Dict[str, dict]:
 def component_schemas() -> Dict[str, Any]:
     """The JSON schemas of every request and response model, keyed by model name."""
     _, top = models_json_schema([(m, "validation") for m in
-                                 S.REQUEST_MODELS + RS.REQUEST_MODELS + RESPONSE_MODELS],
+                                 S.REQUEST_MODELS + RS.REQUEST_MODELS + AS.REQUEST_MODELS
+                                 + TS.REQUEST_MODELS + RESPONSE_MODELS + AS.RESPONSE_MODELS
+                                 + TS.RESPONSE_MODELS],
                                 ref_template=REF)
     return top["$defs"]
 
@@ -327,9 +334,10 @@ def openapi_document(api_key: bool, version: str = "0", admin_key: bool = False)
     `admin_key`: the server-wide routes (security.ADMIN_PATHS) take only the admin key."""
     paths = _paths()
     door = _door_errors(api_key)
+    anthropic_door = _door_errors(api_key, lambda description: AS.error_doc(_ref, description))
     for path, item in paths.items():
         for op in item.values():
-            op["responses"] = {**door, **op["responses"]}
+            op["responses"] = {**(anthropic_door if path in AS.PATHS else door), **op["responses"]}
             if api_key and path == "/health":
                 op["security"] = []
                 op["responses"].pop("401", None)

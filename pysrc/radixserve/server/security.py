@@ -23,8 +23,9 @@ rules the routes apply (JSON bodies, request ownership, what /get_server_info ma
    sets the CORS headers of responses. Without `--allowed-origins` there is no CORS at all.
 3. **API keys.** With client keys (`--api-key`, any number of times, `--api-key-file`, or
    RADIXSERVE_API_KEY), every route but `/health` needs `Authorization: Bearer <key>` with one
-   of them; otherwise 401. Keys are held as SHA-256 digests only and the token a request sends
-   is looked up by its digest, so the lookup time says nothing about any key. With an admin
+   of them (or, without an Authorization header, `x-api-key: <key>`, which Anthropic's
+   clients send); otherwise 401. Keys are held as SHA-256 digests only and the token a request
+   sends is looked up by its digest, so the lookup time says nothing about any key. With an admin
    key (`--admin-api-key` or RADIXSERVE_ADMIN_API_KEY), the server-wide routes (ADMIN_PATHS:
    /flush_cache drops every client's cache, /get_server_info and /server_info show the
    deployment, /metrics, /v1/loads and /get_load every client's traffic) take only that key: a client key gets 403, no or a wrong
@@ -66,12 +67,13 @@ import logging
 import re
 import socket
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, List, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixserve.errors import ApiError, bad_request
@@ -202,12 +204,20 @@ class RequestTooLarge(ApiError):
                          "(or start the server with a larger --max-request-bytes)", 413)
 
 
-class Door:
-    """ASGI middleware applying a DoorPolicy to every HTTP request (module docstring)."""
+# renders a refusal (the error, extra headers) as a response: jsonio.error_response by default
+ErrorRenderer = Callable[[ApiError, Optional[dict]], Response]
 
-    def __init__(self, app: ASGIApp, policy: DoorPolicy):
+
+class Door:
+    """ASGI middleware applying a DoorPolicy to every HTTP request (module docstring).
+    `errors`: path -> the renderer of that path's refusals, for routes whose clients expect
+    another error shape (the Anthropic routes); every other path gets jsonio.error_response."""
+
+    def __init__(self, app: ASGIApp, policy: DoorPolicy,
+                 errors: Optional[Mapping[str, ErrorRenderer]] = None):
         self.policy = policy
-        inner: ASGIApp = _Lock(app, policy)
+        self.errors: Mapping[str, ErrorRenderer] = dict(errors or {})
+        inner: ASGIApp = _Lock(app, policy, self.errors)
         if policy.allowed_origins:
             inner = CORSMiddleware(inner, allow_origins=list(policy.allowed_origins),
                                    allow_methods=["GET", "POST"], allow_headers=["*"],
@@ -224,13 +234,14 @@ class Door:
             name = host_name(host)
             await _refuse(scope, receive, send, ApiError(
                 f"this server does not answer to the host name {name!r}; address it by an "
-                f"allowed name or start it with --allowed-hosts {name}", 421))
+                f"allowed name or start it with --allowed-hosts {name}", 421), errors=self.errors)
             return
         origin = headers.get("origin")
         if origin is not None and not self.policy.origin_listed(origin) and not _same_origin(origin, host):
             await _refuse(scope, receive, send, ApiError(
                 f"cross-origin requests from {origin[:200]!r} are not allowed; start the server "
-                f"with --allowed-origins {origin[:200]} to allow that origin", 403))
+                f"with --allowed-origins {origin[:200]} to allow that origin", 403),
+                errors=self.errors)
             return
         await self.inner(scope, receive, send)
 
@@ -249,9 +260,11 @@ class _Lock:
     """The API keys and the body-size limit (inside CORS, so preflights skip the key and error
     responses carry CORS headers for allowed origins)."""
 
-    def __init__(self, app: ASGIApp, policy: DoorPolicy):
+    def __init__(self, app: ASGIApp, policy: DoorPolicy,
+                 errors: Optional[Mapping[str, ErrorRenderer]] = None):
         self.app = app
         self.policy = policy
+        self.errors = errors or {}
 
     def _identify(self, scope: Scope, authorization: Optional[str]) -> Tuple[Optional[str], Optional[ApiError]]:
         """(the request's identity, or the error to answer instead): module docstring, step 3."""
@@ -282,10 +295,11 @@ class _Lock:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        identity, refusal = self._identify(scope, headers.get("authorization"))
+        identity, refusal = self._identify(scope, _credentials(headers))
         if refusal is not None:
             await _refuse(scope, receive, send, refusal,
-                          headers={"WWW-Authenticate": "Bearer"} if refusal.status == 401 else None)
+                          headers={"WWW-Authenticate": "Bearer"} if refusal.status == 401 else None,
+                          errors=self.errors)
             return
         scope[_IDENTITY_KEY] = identity
         limit = self.policy.max_request_bytes
@@ -293,10 +307,11 @@ class _Lock:
         if length is not None:
             if not length.strip().isdigit():
                 await _refuse(scope, receive, send,
-                              bad_request(f"Content-Length {length[:40]!r} is not a byte count"))
+                              bad_request(f"Content-Length {length[:40]!r} is not a byte count"),
+                              errors=self.errors)
                 return
             if int(length) > limit:
-                await _refuse(scope, receive, send, RequestTooLarge(limit))
+                await _refuse(scope, receive, send, RequestTooLarge(limit), errors=self.errors)
                 return
         received = 0
 
@@ -322,8 +337,16 @@ class _Lock:
         except RequestTooLarge as e:     # raised outside a route's guard (routes answer it themselves)
             if started:
                 raise
-            await error_response(e)(scope, receive, send)
+            await _refuse(scope, receive, send, e, errors=self.errors)
 
+
+def _credentials(headers: Headers) -> Optional[str]:
+    """The key a request sends, as an Authorization value: its Authorization header, else its
+    x-api-key header (Anthropic's clients) as a Bearer token; None without either."""
+    authorization = headers.get("authorization")
+    if authorization is None and headers.get("x-api-key"):
+        return "Bearer " + headers["x-api-key"]
+    return authorization
 
 
 def _token_digest(authorization: Optional[str]) -> Optional[bytes]:
@@ -342,16 +365,20 @@ def _unauthorized(authorization: Optional[str], admin_route: bool) -> ApiError:
     which = "the admin key (--admin-api-key)" if admin_route else \
         "a key the server was started with (--api-key, --api-key-file or RADIXSERVE_API_KEY)"
     if authorization is not None:
-        return ApiError(f"invalid API key; send {which} as 'Authorization: Bearer <key>'", 401)
+        return ApiError(f"invalid API key; send {which} as 'Authorization: Bearer <key>' "
+                        "(or 'x-api-key: <key>')", 401)
     return ApiError(f"this route needs an API key: send {which} as "
-                    "'Authorization: Bearer <key>'", 401)
+                    "'Authorization: Bearer <key>' (or 'x-api-key: <key>')", 401)
 
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, err: ApiError,
-                  headers: Optional[dict] = None) -> None:
-    """Answer `err` without reading the request body; the connection is not reused when a
-    body was left unread (the ASGI server closes it)."""
-    await error_response(err, headers)(scope, receive, send)
+                  headers: Optional[dict] = None,
+                  errors: Optional[Mapping[str, ErrorRenderer]] = None) -> None:
+    """Answer `err` (in the shape `errors` gives the path, else jsonio.error_response's)
+    without reading the request body; the connection is not reused when a body was left
+    unread (the ASGI server closes it)."""
+    render = (errors or {}).get(scope["path"], error_response)
+    await render(err, headers)(scope, receive, send)
 
 
 # --------------------------------------------------------------------------- for the routes

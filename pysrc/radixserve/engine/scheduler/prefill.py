@@ -227,6 +227,7 @@ class PrefillPlanner:
                 req.queue_time = time.perf_counter() - req.arrival_time
             self.stats.count("prompt_tokens", len(req.origin_input_ids))
             self.stats.count("cached_tokens", prefix_len)
+            self.stats.prompt_admitted(req, prefix_len)
 
     def _waits_for_batch_prefix(self, req: Req, others: List[Req], prefix_len: int) -> bool:
         """In-batch prefix sharing: if req's uncached part starts with IN_BATCH_SHARE_MIN tokens

@@ -2,13 +2,13 @@
 
 Counters (the /metrics totals), device time per step kind, and the decode log line's rates.
 Nothing here decides anything: the other parts record into it (count, step_processed,
-tokens_generated, decode_step, prefill_step) and Scheduler.metrics() reads it. Event-loop thread.
+tokens_generated, decode_step, prefill_step, prompt_admitted) and Scheduler.metrics() reads it. Event-loop thread.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict
+from typing import Any, Deque, Dict, Optional
 
 from radixserve.model.forward_batch import ForwardMode
 
@@ -43,6 +43,10 @@ class SchedulerStats:
         self._log_tokens = 0
         self._log_device_time = 0.0
         self._log_time = time.perf_counter()
+        # the dashboard's sample of recent prompts (server/dashboard.py sets a bounded deque;
+        # None: nothing is recorded): (prompt ids, cache-salt offset, cached tokens) appended
+        # at each request's first admission, the ids by reference (never copied)
+        self.recent_prompts: Optional[Deque[Any]] = None
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
@@ -62,6 +66,12 @@ class SchedulerStats:
         """n output tokens sampled (they count for the decode log line's throughput too)."""
         self.counters["generation_tokens"] += n
         self._log_tokens += n
+
+    def prompt_admitted(self, req: Any, cached: int) -> None:
+        """req was admitted for the first time with `cached` prompt tokens from the cache:
+        recorded in recent_prompts when the dashboard keeps one. O(1)."""
+        if self.recent_prompts is not None:
+            self.recent_prompts.append((req.origin_input_ids, req._salt_offset, cached))
 
     def prefill_step(self, new_seqs: int, new_tokens: int, cached: int, token_usage: float,
                      running: int, queued: int) -> None:
