@@ -310,6 +310,28 @@ for stage in "$@"; do
           --output-file "$OUT/ab-serving-$t.json" 2>&1 \
           | grep -E "^(Succ|Failed|Output|Median ITL|Duration|Floor|error)" | sed "s/^/[$t serving] /"
       done ;;
+    spec)
+      # issue 39: the speculation GPU tests; the verify-step cost at the Llama-3.1-8B shape
+      # (dummy weights, batch 1 and 4, k = 4); the copy workload on the default model's real
+      # weights when the GGUF is there (stage gguf), concurrency 1 and 4, on vs off
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_cuda.py 2>&1 \
+        | tee "$OUT/spec-tests.txt" | tail -5
+      timeout 300 python3 bench/spec_decode.py --preset llama-3.1-8b --batch-sizes 1,4 \
+        --out "$OUT/spec-cost-8b.json" 2>&1 | grep -E "^batch|Error|error" | tee "$OUT/spec.txt"
+      if [ -f "$GGUF" ]; then
+        for n in ${SPEC_DRAFT_TOKENS:-5 8}; do
+          echo "--num-draft-tokens $n" | tee -a "$OUT/spec.txt"
+          timeout 200 python3 bench/spec_decode.py --model-path "$GGUF" --device cuda \
+            --num-draft-tokens $n --out "$OUT/spec-copy-n$n.json" 2>&1 \
+            | grep -E "^spec|^concurrency|Error|error" | tee -a "$OUT/spec.txt"
+        done
+      fi
+      # the gate on SGLang's published serving config (random 1k/1k at 16 req/s): on vs off
+      [ -n "${SPEC_SERVING:-}" ] && python3 bench/serving.py --preset llama-3.1-8b --compare spec \
+        --dataset random --random-input-len 1024 --random-output-len 1024 --num-prompts 200 \
+        --request-rate 16 --no-plots --disable-tqdm --server-log-dir "$OUT/spec-serving-logs" \
+        --output-file "$OUT/spec-serving.json" 2>&1 \
+        | grep -E "^---|Output token|Succ|Failed|over_off" | tee -a "$OUT/spec.txt" ;;
     soak)
       # the CPU soak of issue 10 on the device's 16 cores (the model on the CPU, as CI would)
       python3 bench/soak.py --num-requests "${SOAK_REQUESTS:-10000}" \

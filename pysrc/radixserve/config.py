@@ -33,7 +33,8 @@ _ONE_DEVICE = "one server runs on one device, or with --tp-size N on N ranks (pi
               "expert and data parallelism are not implemented)"
 _ONE_HOST = "one server is one process on one machine"
 _LORA = "LoRA adapters are not supported"
-_SPECULATIVE = "speculative decoding is not implemented"
+_SPECULATIVE = ("speculative decoding with a draft model is not implemented (--speculative-"
+                "algorithm ngram drafts from the request's own text)")
 _NO_DOWNLOAD = "models are local directories or .gguf files (--model-path); nothing is downloaded"
 _HICACHE = "the prefix cache lives in the KV pool only (no host-memory tier)"
 _OWN_KERNELS = "attention and sampling are radixserve's own kernels (torch references on the CPU)"
@@ -114,11 +115,9 @@ REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     "--lora-target-modules": _LORA,
     "--lora-backend": _LORA,
     # speculative decoding
-    "--speculative-algorithm": _SPECULATIVE,
     "--speculative-draft-model-path": _SPECULATIVE,
     "--speculative-num-steps": _SPECULATIVE,
     "--speculative-eagle-topk": _SPECULATIVE,
-    "--speculative-num-draft-tokens": _SPECULATIVE,
     # serving and API
     "--config": "flags are read from the command line only (no YAML config file)",
     "--skip-server-warmup": _NO_WARMUP,
@@ -251,6 +250,21 @@ def _lower(value: str) -> str:
 # --tool-call-parser's values (parsers/tool_calls.FORMATS, SGLang's and vLLM's names)
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "llama3_json", "qwen3_coder", "mistral",
                      "pythonic")
+
+# --speculative-algorithm's values (SGLang's NGRAM and SUFFIX, any case)
+SPECULATIVE_ALGORITHMS = ("ngram", "suffix")
+# speculation runs only while at most this many requests decode (engine/scheduler/spec.py's
+# batch gate); the runner keeps SPEC_MAX_BATCH x (num_draft_tokens - 1) spare req_to_token rows
+# for the verify steps' draft positions (model/runner.py)
+SPEC_MAX_BATCH = 32
+
+
+def _speculative_algorithm(value: str) -> str:
+    if value.lower() not in SPECULATIVE_ALGORITHMS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from "
+                                         f"{', '.join(SPECULATIVE_ALGORITHMS)})")
+    return value.lower()
+
 
 # --quantization's values (radixserve.quant.fp8.QUANTIZATION_METHODS, SGLang's names)
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt")
@@ -431,6 +445,22 @@ class ServerArgs:
         30.0, "seconds a grammar may take to compile before its request fails", metavar="SECONDS")
     grammar_cache_size: int = _flag(
         256, "compiled grammars kept (LRU), keyed by (kind, spec)", metavar="N")
+    # speculative decoding without a draft model (engine/spec/, engine/scheduler/spec.py)
+    speculative_algorithm: Optional[str] = _flag(
+        None, "draft tokens without a draft model and verify them in one decode step: ngram "
+        "(prompt lookup: the tokens that followed the latest earlier occurrence of the "
+        "request's last n tokens) or suffix (ngram, or the radix tree's continuation of the "
+        "request's whole history where another sequence had it as prefix); outputs are unchanged, greedy or sampled (requests with a "
+        "grammar or penalties run unspeculated); speculation runs while at most 32 requests "
+        "decode, per request as its drafts get accepted; default: off", type=_speculative_algorithm,
+        metavar="{ngram,suffix}", group="speculative decoding")
+    speculative_num_draft_tokens: int = _flag(
+        8, "tokens a verify step computes per speculating request: its last token plus up to "
+        "this many minus one draft tokens (SGLang's meaning)", metavar="N")
+    speculative_ngram_min_match_window_size: int = _flag(
+        1, "shortest suffix (tokens) an ngram draft may match on", metavar="N")
+    speculative_ngram_max_match_window_size: int = _flag(
+        12, "longest suffix (tokens) an ngram draft tries to match first", metavar="N")
     # security (server/)
     api_key: Union[str, List[str], None] = _flag(
         None, "Bearer key required by every route but /health; give it several times for "
@@ -595,6 +625,13 @@ class ServerArgs:
         raise ValueError(f"--chat-template takes the path of a Jinja file or Jinja text; {value!r} "
                          f"is neither (SGLang's built-in template names are not supported yet)")
 
+    def spec_draft_rows(self) -> int:
+        """Draft positions a verify step may hold at most (0 without speculation): the
+        runner's spare req_to_token rows, one per draft position (model/runner.py)."""
+        if self.speculative_algorithm is None:
+            return 0
+        return SPEC_MAX_BATCH * (self.speculative_num_draft_tokens - 1)
+
     def check(self) -> None:
         """Raise ValueError naming the flag to change."""
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -675,6 +712,22 @@ class ServerArgs:
             raise ValueError("--grammar-cache-size must be >= 1")
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
+        if self.speculative_algorithm is not None:
+            if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+                raise ValueError(f"--speculative-algorithm must be one of "
+                                 f"{', '.join(SPECULATIVE_ALGORITHMS)}, not "
+                                 f"{self.speculative_algorithm!r}")
+            if self.tp_size > 1:
+                raise ValueError("--speculative-algorithm with --tp-size > 1 is not implemented "
+                                 "yet (a verify step's draft rows live on one device)")
+            if self.speculative_num_draft_tokens < 2:
+                raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token "
+                                 "plus at least one draft token)")
+            lo = self.speculative_ngram_min_match_window_size
+            hi = self.speculative_ngram_max_match_window_size
+            if lo < 1 or hi < lo:
+                raise ValueError(f"--speculative-ngram-min-match-window-size ({lo}) must be >= 1 "
+                                 f"and <= --speculative-ngram-max-match-window-size ({hi})")
         # security (server/)
         given = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
         if any(not k.strip() for k in given):

@@ -175,7 +175,7 @@ def test_each_refused_sglang_flag_exits_2_naming_it(capsys):
 
 
 def test_trust_remote_code_is_refused(capsys):
-    for common in ("--trust-remote-code", "--lora-paths", "--speculative-algorithm",
+    for common in ("--trust-remote-code", "--lora-paths", "--speculative-draft-model-path",
                    "--enable-dp-attention", "--nnodes", "--attention-backend"):
         assert common in REFUSED_SGLANG_FLAGS
     assert "trust_remote_code" not in {f.name for f in FIELDS}

@@ -288,6 +288,9 @@ COMPARE_SETS: Dict[str, List[Tuple[str, List[str]]]] = {
     "fp8": [("bf16", []),
             ("fp8", ["--quantization", "fp8"]),
             ("fp8-kv", ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"])],
+    # issue 39: n-gram speculation on a workload it cannot help (its gates must keep it off)
+    "spec": [("spec-off", []),
+             ("spec-ngram", ["--speculative-algorithm", "ngram"])],
 }
 # ... and the ratios reported: (name, this configuration, its peer)
 COMPARE_PAIRS: Dict[str, List[Tuple[str, str, str]]] = {
@@ -297,6 +300,7 @@ COMPARE_PAIRS: Dict[str, List[Tuple[str, str, str]]] = {
     "schedule": [("mixed_chunk_over_alternate", "mixed-chunk", "alternate"),
                  ("prefill_first_over_alternate", "prefill-first", "alternate")],
     "fp8": [("fp8_over_bf16", "fp8", "bf16"), ("fp8_kv_over_bf16", "fp8-kv", "bf16")],
+    "spec": [("spec_over_off", "spec-ngram", "spec-off")],
 }
 # kept for callers of the old module-level name
 COMPARE_CONFIGS = COMPARE_SETS["radix"]

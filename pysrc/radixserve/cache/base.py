@@ -15,7 +15,7 @@ Eviction frees only unlocked leaves, least recently used first.
 from __future__ import annotations
 
 import abc
-from typing import Any, List, NamedTuple
+from typing import Any, List, NamedTuple, Sequence
 
 import torch
 
@@ -67,6 +67,12 @@ class PrefixCache(abc.ABC):
 
     def check_integrity(self) -> None:
         """Raise AssertionError on an internal inconsistency (sizes, lock counts, ordering)."""
+
+    def continuation(self, key: Sequence[int], max_tokens: int) -> List[int]:
+        """Up to max_tokens token ids that follow key in a cached sequence whose prefix is all of
+        key ([] when none is cached: a cache without a tree). Read-only: touches, splits and
+        locks nothing (speculative decoding's suffix drafts, engine/scheduler/spec.py)."""
+        return []
 
     @property
     def supports_sharing(self) -> bool:

@@ -237,6 +237,35 @@ class RadixCache(PrefixCache):
             return MatchResult(torch.empty(0, dtype=torch.int64), node)
         return MatchResult(values[0] if len(values) == 1 else torch.cat(values), node)
 
+    def continuation(self, key: Sequence[int], max_tokens: int) -> List[int]:
+        """PrefixCache.continuation: walk key down the tree (every token, pages or not); from
+        where it ends, follow the rest of that edge, then at each node the most recently used
+        child, until max_tokens. O(len(key)) comparisons; changes nothing."""
+        node, pos, n = self.root, 0, len(key)
+        edge_off = 0                       # how far into node.key the walk is
+        while pos < n:
+            if edge_off == len(node.key):  # at node's end: the child that continues key
+                nxt = None
+                for child in node.children.values():
+                    if child.key and child.key[0] == key[pos]:
+                        nxt = child
+                        break
+                if nxt is None:
+                    return []
+                node, edge_off = nxt, 0
+            common = _common_prefix_len(key, pos, n, node.key[edge_off:])
+            if common == 0:
+                return []
+            pos += common
+            edge_off += common
+            if pos < n and edge_off < len(node.key):
+                return []                  # key leaves the tree inside this edge
+        out: List[int] = list(node.key[edge_off:edge_off + max_tokens])
+        while len(out) < max_tokens and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access_time)
+            out += node.key[:max_tokens - len(out)]
+        return out
+
     def insert(self, key: List[int], indices: torch.Tensor) -> int:
         """Publish key's KV. Takes ownership of every slot in indices: slots at positions the tree
         already holds with a different slot are freed to the pool, as are the slots of a trailing

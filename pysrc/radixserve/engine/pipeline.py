@@ -8,7 +8,9 @@ With overlap (the default) the host processes step N-1's results (stop checks, d
 streaming, admission) and builds step N+1 while the device runs step N. A step is scheduled
 over the one in flight only when the host state it needs is known without that step's
 results: after a decode step, when no retraction is needed (neither for memory,
-Scheduler.decode_memory_short, nor for fairness, Scheduler.fair_preempt_pending); after a
+Scheduler.decode_memory_short, nor for fairness, Scheduler.fair_preempt_pending) and no
+speculative verify step could be built (Scheduler.spec_wants_host: drafts need the tokens of the
+step in flight; a verify step is never scheduled over, see engine/scheduler/spec.py); after a
 prefill step whose requests all end their prompts there (no chunk to publish, no prompt
 logprobs), a step that prefills other waiting requests (Scheduler.can_prefill_over; its
 requests join the running batch when it is resolved, so no decode is scheduled over it).
@@ -115,8 +117,8 @@ class ThreadedExecutor:
 
 class StepPipeline:
     """scheduler: schedule(prefill_only=), can_prefill_over(batch), decode_memory_short(),
-    fair_preempt_pending(), grammar_bitmask(batch), process_batch_result(batch, out),
-    fail_batch(batch, error), looked up on it at every call. executor: a StepExecutor.
+    fair_preempt_pending(), spec_wants_host(), grammar_bitmask(batch),
+    process_batch_result(batch, out), fail_batch(batch, error), looked up on it at every call. executor: a StepExecutor.
     overlap: schedule over the step in flight where its inputs allow (module docstring)."""
 
     def __init__(self, scheduler: Any, executor: StepExecutor, overlap: bool):
@@ -181,9 +183,10 @@ class StepPipeline:
             return None
 
     def _can_schedule_over(self, batch) -> bool:
-        return (self.overlap and batch.mode is ForwardMode.DECODE
+        return (self.overlap and batch.mode is ForwardMode.DECODE and not batch.verifies
                 and not self.scheduler.decode_memory_short()
-                and not self.scheduler.fair_preempt_pending())
+                and not self.scheduler.fair_preempt_pending()
+                and not self.scheduler.spec_wants_host())
 
     async def drain(self) -> None:
         """Resolve the step in flight, if any (shutdown, tests)."""

@@ -130,6 +130,9 @@ class Req:
         self.grammar: Any = None
         self.epoch = 0
         self.num_jumped_tokens = 0                     # output tokens appended by jump-forward
+        # speculative decoding (--speculative-algorithm): the request's drafting state (an
+        # engine/scheduler/spec.ReqSpec), owned by the scheduler's SpecDecoder; None: never drafted
+        self.spec: Any = None
         self.arrival_time: Optional[float] = None      # perf_counter at add_request
         self.queue_time: Optional[float] = None        # arrival -> first admission, seconds
         self.queue_time_sent = False

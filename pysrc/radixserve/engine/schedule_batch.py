@@ -39,6 +39,9 @@ class ScheduleBatch:
     # per req, [extend_len] int64 CPU; None in a decode batch, whose slots are decode_slots
     new_slots: List[Optional[torch.Tensor]] = field(default_factory=list)
     decode_slots: Optional[torch.Tensor] = None                   # decode: all new slots, [B]
+    # speculative verify steps (engine/scheduler/spec.py): per req, the draft tokens that
+    # follow its last token this step ([] for none); None when the batch verifies nothing
+    drafts: Optional[List[List[int]]] = None
     step_input: Optional[StepInput] = None                        # set by Scheduler.schedule()
 
     def add(self, req: Req, start: int, length: int, slots: Optional[torch.Tensor], sample: bool,
@@ -54,6 +57,30 @@ class ScheduleBatch:
             req.num_output_scheduled += 1
         self.prompt_lp.append(prompt_lp)
         self.new_slots.append(slots)
+        if self.drafts is not None:
+            self.drafts.append([])
+
+    def add_verify(self, req: Req, draft: List[int], start: int) -> None:
+        """In a verify step (a DECODE batch with drafts, engine/scheduler/spec.py): req
+        computes its last token (at position start, read from the device as in any decode)
+        and its draft (positions start + 1 ..), its row already extended over them, and
+        samples at each of the len(draft) + 1 positions, output offsets offsets[i] ..
+        offsets[i] + len(draft). An empty draft is a plain decode row."""
+        if self.drafts is None:
+            self.drafts = [[] for _ in self.reqs]
+        self.add(req, start, len(draft) + 1, None, sample=True, from_device=True)
+        self.drafts[-1] = list(draft)
+
+    @property
+    def verifies(self) -> bool:
+        """Some row verifies a draft (a speculative verify step)."""
+        return self.drafts is not None
+
+    def num_samples(self, i: int) -> int:
+        """Sampling rows of reqs[i] this step: 0, 1, or len(draft) + 1 for a verify row."""
+        if not self.sample[i]:
+            return 0
+        return len(self.drafts[i]) + 1 if self.drafts is not None else 1
 
     def current(self, i: int) -> bool:
         """reqs[i] is still in the state this step was scheduled for (not finished, no jump)."""
@@ -75,25 +102,67 @@ class ScheduleBatch:
 
     # ------------------------------------------------------------------ StepInput
     def prepare(self, rows: ReqToTokenPool, eos_ids: Sequence[int], vocab_size: int,
-                decode_slots: Optional[torch.Tensor] = None) -> StepInput:
+                decode_slots: Optional[torch.Tensor] = None,
+                spec_row_base: Optional[int] = None) -> StepInput:
         """The StepInput of this batch. Loop thread; the host rows must be written already.
-        decode_slots: a decode batch's new slots as one tensor (saves a cat of B pieces)."""
+        decode_slots: a decode batch's new slots as one tensor (saves a cat of B pieces).
+        spec_row_base: the runner's first spare row (a verify step's draft positions run as
+        decode rows of their own there; see _verify_rows)."""
         pool_rows = [r.req_pool_idx for r in self.reqs]
         seq_lens = [s + n for s, n in zip(self.extend_starts, self.extend_lens)]
+        spec = None
+        if self.drafts is not None:
+            pool_rows, seq_lens, spec = self._verify_rows(spec_row_base)
         if decode_slots is not None:
             out_cache_loc = decode_slots
         else:
             out_cache_loc = (torch.cat(self.new_slots) if self.new_slots
                              else torch.empty(0, dtype=torch.int64))           # [num_tokens]
-        sample_rows = [row for row, s in zip(pool_rows, self.sample) if s]
-        step = StepInput(self.mode, self.batch_size, pool_rows, seq_lens, out_cache_loc,
+        if spec is not None:
+            sample_rows = list(pool_rows)          # a verify step samples at every row
+        else:
+            sample_rows = [row for row, s in zip(pool_rows, self.sample) if s]
+        step = StepInput(self.mode, len(pool_rows), pool_rows, seq_lens, out_cache_loc,
                          sample_rows, self.sampling_inputs(eos_ids, vocab_size))
+        if spec is not None:
+            step.spec_tokens, step.spec_counts, step.spec_sample, step.spec_src = spec
         pending = rows.take_pending()
         if pending is not None:
             step.table_rows, step.table_cols, step.table_slots = pending
         if self.mode is not ForwardMode.DECODE:
             self._extend_fields(step)
         return step
+
+    def _verify_rows(self, spec_row_base: Optional[int]):
+        """A verify step's decode rows: each request's own row at its last token, then one row
+        per draft token, numbered from spec_row_base up (the runner copies the request's slot
+        table into those rows and its draft tokens into their next_ids before the step). Row
+        t of a request of draft d has KV length start + t + 1 and input d[t - 1].
+        Returns (pool_rows [N], seq_lens [N], (spec_tokens [R], spec_counts [V],
+        spec_sample [V], spec_src [R]))."""
+        if spec_row_base is None:
+            raise ValueError("a verify step needs the runner's spare rows (spec_row_base)")
+        pool_rows: List[int] = []
+        seq_lens: List[int] = []
+        tokens: List[int] = []
+        counts: List[int] = []
+        firsts: List[int] = []
+        src: List[int] = []
+        spare = spec_row_base
+        for i, req in enumerate(self.reqs):
+            start, draft = self.extend_starts[i], self.drafts[i]
+            if draft:
+                counts.append(len(draft))
+                firsts.append(len(pool_rows))
+                tokens += draft
+            pool_rows.append(req.req_pool_idx)
+            seq_lens.append(start + 1)
+            for t in range(1, len(draft) + 1):
+                pool_rows.append(spare)
+                seq_lens.append(start + t + 1)
+                src.append(req.req_pool_idx)
+                spare += 1
+        return pool_rows, seq_lens, (tokens, counts, firsts, src)
 
     def _extend_fields(self, step: StepInput) -> None:
         input_ids: List[int] = []
@@ -130,6 +199,9 @@ class ScheduleBatch:
     def sampling_inputs(self, eos_ids: Sequence[int], vocab_size: int) -> SamplingInputs:
         """The per-row sampling inputs of the rows that sample, in batch order, each at the
         output offset taken by add() (sampling/batch.py builds them)."""
-        rows = [i for i, s in enumerate(self.sample) if s]
-        return SamplingInputs.from_requests([self.reqs[i] for i in rows],
-                                            [self.offsets[i] for i in rows], eos_ids, vocab_size)
+        reqs, offsets = [], []
+        for i, req in enumerate(self.reqs):
+            for j in range(self.num_samples(i)):      # a verify row samples offset .. offset + k
+                reqs.append(req)
+                offsets.append(self.offsets[i] + j)
+        return SamplingInputs.from_requests(reqs, offsets, eos_ids, vocab_size)

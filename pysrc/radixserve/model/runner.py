@@ -6,11 +6,14 @@ CPU: 0.10 of MemAvailable), capped at what max_running_requests * context_len co
 
 Device-side state, written only by steps, in step order (the "device" is the GPU's compute
 stream, or on the CPU the one thread that runs steps):
-  req_to_token [num_rows + 1, context_len + 1] int32: each ReqToToken row's KV slots. The
-               scheduler keeps the host mirror (cache/kv_pool.ReqToTokenPool); each step sends
-               the writes it adds. Row num_rows is the padding row of CUDA-graph batches.
-  next_ids     [num_rows + 1] int64: the id each row sampled last, the input of its next decode
-               step (a decode step reads it on the device, so it never waits for the host).
+  req_to_token [num_rows + 1 + spare, context_len + 1] int32: each ReqToToken row's KV slots.
+               The scheduler keeps the host mirror (cache/kv_pool.ReqToTokenPool); each step
+               sends the writes it adds. Row num_rows is the padding row of CUDA-graph batches;
+               the spare rows after it (--speculative-algorithm only) hold a verify step's
+               draft positions (StepInput).
+  next_ids     [num_rows + 1 + spare] int64: the id each row sampled last, the input of its
+               next decode step (a decode step reads it on the device, so it never waits for
+               the host).
   penalties    PenaltyState: per-row token counts (sampling/penalties.py).
 launch(step) enqueues a whole step (inputs up, forward, sampling, ids into next_ids, results
 down into pinned memory behind an event) and returns a PendingStep at once on CUDA; wait() is
@@ -172,11 +175,15 @@ class ModelRunner:
                                   self.kv_dtype, self.device)
         self.num_rows = self.max_running_requests
         self.padding_row = self.num_rows
+        # --speculative-algorithm: spare rows past the padding row, one per draft position of
+        # a verify step (StepInput: a draft token is a decode row of its own there)
+        self.spec_row_base = self.num_rows + 1
+        table_rows = self.spec_row_base + server_args.spec_draft_rows()
         dev = self.device
-        # [num_rows + 1, context_len + 1] int32 and [num_rows + 1] int64 (see the module doc)
-        self.req_to_token = torch.zeros((self.num_rows + 1, self.context_len + 1),
+        # [table_rows, context_len + 1] int32 and [table_rows] int64 (see the module doc)
+        self.req_to_token = torch.zeros((table_rows, self.context_len + 1),
                                         dtype=torch.int32, device=dev)
-        self.next_ids = torch.zeros(self.num_rows + 1, dtype=torch.int64, device=dev)
+        self.next_ids = torch.zeros(table_rows, dtype=torch.int64, device=dev)
         self.penalties = PenaltyState(self.num_rows + 1, model_config.vocab_size, dev)
         self.compute_stream = self.copy_stream = None
         self._last_end = None      # the end event of the last step launched (idle_before)
@@ -283,6 +290,12 @@ class ModelRunner:
             if step.table_slots is not None:
                 self.req_to_token.index_put_((ints["table_rows"], ints["table_cols"]),
                                              ints["table_slots"].to(torch.int32))
+            if step.spec_counts:    # a verify step's spare rows: the request's table, a draft
+                spare = torch.arange(self.spec_row_base, self.spec_row_base
+                                     + len(step.spec_src), device=self.device)       # [R]
+                self.req_to_token.index_copy_(
+                    0, spare, self.req_to_token.index_select(0, ints["spec_src"]))
+                self.next_ids.index_copy_(0, spare, ints["spec_tokens"])
             prompt = None
             if step.mode is ForwardMode.DECODE:
                 logits = self._decode_logits(step, ints)            # [B, vocab] float32
@@ -344,6 +357,11 @@ class ModelRunner:
             ints.add("logits_indices", step.logits_indices)
             ints.add("sample_rows", step.sample_rows)
             ints.add("prompt_targets", step.prompt_targets)
+        if step.spec_counts:             # speculative verify steps only (DECODE)
+            ints.add("spec_tokens", step.spec_tokens)
+            ints.add("spec_src", step.spec_src)
+            ints.add("spec_counts", step.spec_counts)
+            ints.add("spec_sample", step.spec_sample)
         step.sampling.pack(ints, floats)
         return (ints.upload(self.device, self.copy_stream),
                 floats.upload(self.device, self.copy_stream))
@@ -364,8 +382,9 @@ class ModelRunner:
         return self.compute_logits(self.model(fb))
 
     def _extend_logits(self, step: StepInput, ints: Upload):
-        """Forward of an extend (or mixed) step: logits of the sampling rows, and the prompt
-        logprobs (read back to the host here: prompt logprobs come only with extend steps)."""
+        """Forward of an extend (or mixed) step: logits of the sampling rows (a verify row's
+        k + 1 among them), and the prompt logprobs (read back to the host here: prompt
+        logprobs come only with extend steps)."""
         bs = step.batch_size
         input_ids = ints["input_ids"]
         if step.resolve_pos:
@@ -391,6 +410,26 @@ class ModelRunner:
             prompt = self._prompt_logprobs(step, hidden[:n_prompt], ints["prompt_targets"])
         return logits, prompt
 
+    def _verify_next(self, step: StepInput, ids: torch.Tensor, pool_rows: torch.Tensor,
+                     ints: Upload) -> None:
+        """After a verify step sampled (ids [S], pool_rows [S]): each verify row's next_ids
+        becomes its true next token (StepInput's contract), on the device: the sample at the
+        first draft position whose sample differs from the draft token, else the bonus sample.
+        ResultProcessor._apply_verify accepts the same tokens on the host."""
+        counts = ints["spec_counts"]                                         # [V]
+        first_rows = ints["spec_sample"]                                     # [V]
+        tokens = ints["spec_tokens"]                                         # [R]
+        r, v = len(step.spec_tokens), len(step.spec_counts)
+        seg = torch.repeat_interleave(torch.arange(v, device=ids.device), counts,
+                                      output_size=r)                         # [R] verify row
+        starts = torch.cumsum(counts, 0) - counts                            # [V]
+        local = torch.arange(r, device=ids.device) - starts.index_select(0, seg)   # [R]
+        sampled = ids.index_select(0, first_rows.index_select(0, seg) + local)     # [R]
+        miss = torch.where(sampled != tokens, local, counts.index_select(0, seg))
+        accepted = counts.clone().scatter_reduce_(0, seg, miss, reduce="amin")      # [V]
+        tok = ids.index_select(0, first_rows + accepted)                     # [V]
+        self.next_ids.index_copy_(0, pool_rows.index_select(0, first_rows), tok)
+
     def _prompt_logprobs(self, step: StepInput, hidden: torch.Tensor, targets: torch.Tensor):
         values, tops = sampler.prompt_logprobs(self.compute_logits, hidden, targets,
                                                step.prompt_top_k)
@@ -411,8 +450,13 @@ class ModelRunner:
         sp = step.sampling
         self.penalties.init_rows(sp.penalty_init)
         st = SamplingTensors.from_upload(ints, floats)
-        out = sampler.sample(logits, sp, st, pool_rows, self.penalties, bitmask)
+        penalty_rows = pool_rows
+        if step.spec_counts:        # spare rows have no penalty state: the padding row's
+            penalty_rows = pool_rows.clamp(max=self.padding_row)    # (no penalty row drafts)
+        out = sampler.sample(logits, sp, st, penalty_rows, self.penalties, bitmask)
         self.next_ids.index_copy_(0, pool_rows, out.ids)
+        if step.spec_counts:        # a verify row's pool row repeats: its true next token
+            self._verify_next(step, out.ids, pool_rows, ints)
         device = {"ids": out.ids, "logprobs": out.logprobs.float()}
         if out.top_values is not None:
             device["top_values"], device["top_ids"] = out.top_values, out.top_ids

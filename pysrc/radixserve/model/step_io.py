@@ -43,7 +43,18 @@ class StepInput:
     EXTEND only (DECODE derives them on the device):
       input_ids [T] (-1 where resolve_pos says the id comes from the device), positions [T],
       extend_lens [B], logits_indices (prompt-logprob rows first, then one sampling row per
-      sampling request), prompt_* (prompt logprobs).
+      sampling request, k + 1 for a verify row), prompt_* (prompt logprobs).
+    Speculative verify (a DECODE step; empty otherwise): a request of draft d (k tokens)
+      takes k + 1 consecutive rows: its own row (its last token, from next_ids as in any
+      decode) and k spare rows (req_pool_indices past the runner's padding row), row t with
+      input d[t - 1] and KV length one more than row t - 1; every row samples (the request's
+      own parameters at output offsets o .. o + k). spec_tokens [R] the drafts in batch order,
+      spec_src [R] the request row of each spare row (whose slot table the runner copies into
+      it, and d[t - 1] into its next_ids, before the forward), spec_counts [V] k per verify
+      request, spec_sample [V] its own row's index. After sampling the runner sets next_ids
+      of the request's row to its true next token: the sample at the first position j whose
+      sample differs from d[j], else the last (bonus) sample; the host accepts the same
+      tokens from StepOutput.sample.
     """
     mode: ForwardMode
     batch_size: int
@@ -65,6 +76,10 @@ class StepInput:
     prompt_targets: List[int] = field(default_factory=list)   # [num_prompt_rows]
     prompt_counts: List[int] = field(default_factory=list)    # [B], prompt rows per request
     prompt_top_k: int = 0
+    spec_tokens: List[int] = field(default_factory=list)      # [R]
+    spec_src: List[int] = field(default_factory=list)         # [R]
+    spec_counts: List[int] = field(default_factory=list)      # [V]
+    spec_sample: List[int] = field(default_factory=list)      # [V]
 
 
 class SampleResult(NamedTuple):

@@ -105,6 +105,13 @@ _COUNTERS: Dict[str, Tuple[Tuple[str, ...], str]] = {
         "Device seconds of decode steps times their rows (over decode_rows_total: the mean "
         "decode step a generated token waited for)"),
     "decode_rows": (("decode_rows_total",), "Rows (requests) of the decode steps run"),
+    # speculative decoding (--speculative-algorithm; engine/scheduler/spec.py)
+    "spec_verify_steps": (("spec_verify_steps_total",), "Speculative verify steps run"),
+    "spec_verify_reqs": (("spec_verify_reqs_total",),
+                         "Requests' verify rows with a draft (one per request and verify step)"),
+    "spec_draft_tokens": (("spec_draft_tokens_total",), "Draft tokens verified"),
+    "spec_accepted_tokens": (("spec_accepted_tokens_total",),
+                             "Draft tokens accepted (equal to the model's own token)"),
     # host CPU of the engine's two busy threads (engine/thread_cpu.py)
     "loop_thread_cpu_seconds": (("loop_thread_cpu_seconds_total",),
                                 "CPU seconds of the event-loop thread (HTTP, scheduling, "
@@ -124,6 +131,9 @@ _GAUGES: Dict[str, Tuple[Tuple[str, ...], str]] = {
                        "Generation throughput (token/s) over the last decode-log interval"),
     "gpu_busy_fraction": (("gpu_busy_fraction",),
                           "Device time of steps / wall time over the last interval"),
+    "spec_accept_length": (("spec_accept_length",),
+                           "Mean tokens a verifying request gained per verify step (accepted "
+                           "drafts + 1; 0 before any)"),
     "weight_floor_seconds": (("weight_floor_seconds",),
                              "The batch-1 decode floor measured at start: streamed weight bytes "
                              "over the device's copy bandwidth (0 on the CPU)"),

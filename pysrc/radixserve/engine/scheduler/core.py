@@ -10,6 +10,8 @@ composed of parts that own their state; each part gets what it needs at construc
   results.py   ResultProcessor: a step's results: tokens, stops, streaming (emit)
   grammar.py   GrammarSlot: the grammar slot's bitmask, matchers, jump-forward plans
   stats.py     SchedulerStats: counters and device-time telemetry
+  spec.py      SpecDecoder (--speculative-algorithm only): who drafts what; verify steps are
+               DecodeManager's, their results ResultProcessor's
 The parts do not call each other (ResultProcessor asks the GrammarSlot, a leaf); they reach
 the queues through the Scheduler, which alone finishes and retracts requests (finish,
 retract: a request leaves the running set only there, or when results move it).
@@ -52,6 +54,7 @@ from radixserve.engine.scheduler.grammar import GrammarSlot
 from radixserve.engine.scheduler.kv import DecodeReserve, SlotLedger
 from radixserve.engine.scheduler.prefill import PrefillPlanner
 from radixserve.engine.scheduler.results import ResultProcessor, emit
+from radixserve.engine.scheduler.spec import SpecDecoder
 from radixserve.engine.scheduler.stats import SchedulerStats
 from radixserve.model.forward_batch import ForwardMode
 
@@ -110,7 +113,12 @@ class Scheduler:
         self.admission = PrefillPlanner(self, self.ledger, reserve, self.stats,
                                         get_policy(server_args.schedule_policy),
                                         self.chunk_size, server_args.max_prefill_tokens)
-        self.decode = DecodeManager(self, self.ledger, reserve, self.stats, self.context_len)
+        # speculative decoding: None unless --speculative-algorithm (spec.py)
+        self.spec: Optional[SpecDecoder] = None
+        if server_args.speculative_algorithm is not None:
+            self.spec = SpecDecoder(server_args, self.context_len, self.cache)
+        self.decode = DecodeManager(self, self.ledger, reserve, self.stats, self.context_len,
+                                    spec=self.spec)
         self.grammar = GrammarSlot(self.vocab_size, tokenizer, self.context_len,
                                    pin=self.kv_pool.device.type == "cuda",
                                    jump_forward=not server_args.disable_jump_forward)
@@ -245,7 +253,10 @@ class Scheduler:
             self._drop_unschedulable()
             return None
         batch.step_input = batch.prepare(self.req_to_token_pool, self.eos_ids, self.vocab_size,
-                                         decode_slots=batch.decode_slots)
+                                         decode_slots=batch.decode_slots,
+                                         spec_row_base=self.runner.spec_row_base)
+        if self.spec is not None:
+            self.spec.step_scheduled(batch, time.perf_counter())
         return batch
 
     # the pipeline's questions and calls (engine/pipeline.py)
@@ -265,6 +276,12 @@ class Scheduler:
     def decode_memory_short(self) -> bool:
         """A decode step now could not give every running request a slot without retracting."""
         return self.decode.memory_short()
+
+    def spec_wants_host(self) -> bool:
+        """Speculation could build a verify step now if the step in flight were processed
+        (its drafts need every token on the host): the pipeline resolves it first rather than
+        scheduling a plain decode over it. Always False without --speculative-algorithm."""
+        return self.spec is not None and self.spec.wants_host(self.decode.decoding())
 
     def fair_preempt_pending(self) -> bool:
         """The last admission wanted to retract requests of a client over its share for a
@@ -394,16 +411,20 @@ class Scheduler:
         holders = [r for r in self.reqs.values() if r.req_pool_idx is not None]
         parts = [self.kv_pool.free_slots(), self.cache.owned_slots().to(torch.int64)]
         rows = self.req_to_token_pool.req_to_token
-        in_flight = {id(r) for r in self.pipeline.inflight_reqs()}
+        # a request's KV ahead of its known tokens while its step is in flight: its row's
+        # extend length (1 for a decode row, len(draft) + 1 for a verify row)
+        inflight = self.pipeline.inflight_batch
+        in_flight = {} if inflight is None else \
+            {id(r): n for r, n in zip(inflight.reqs, inflight.extend_lens)}
         for r in holders:
             assert r.prefix_len <= r.kv_len, f"{r}: prefix beyond kv"
             row = rows[r.req_pool_idx].to(torch.int64)
             assert torch.equal(row[:r.prefix_len], r.prefix_indices), f"{r}: row != prefix"
             parts.append(row[r.prefix_len:r.kv_len])
             if r.status == ReqStatus.RUNNING:
-                ahead = 1 if id(r) in in_flight else 0
+                ahead = in_flight.get(id(r), 0)
                 assert r.kv_len == r.seq_len - 1 + ahead, f"{r}: kv_len != seq_len - 1 + {ahead}"
-                assert r.num_output_scheduled == len(r.output_ids) + ahead, \
+                assert r.num_output_scheduled == len(r.output_ids) + min(ahead, 1), \
                     f"{r}: {r.num_output_scheduled} outputs scheduled"
         allslots = torch.cat(parts)
         assert allslots.numel() == total, \

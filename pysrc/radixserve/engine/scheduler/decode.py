@@ -17,6 +17,11 @@ decode step decays it. counters["num_retractions"] counts these (retractions for
 made at admission, are prefill.py's and counted in num_fair_retractions).
 
 With --enable-mixed-chunk the running decodes also ride along in a prefill step (add_rows).
+With --speculative-algorithm (spec.py) a decode step with no step in flight becomes a verify
+step when some request has a draft (_plan_verify): a decode step where a request with a draft
+of k tokens takes k + 1 rows (its last token and the draft; model/step_io.StepInput), so it
+runs in the decode CUDA graphs; when the pool cannot hold the drafts' slots it stays a plain
+decode step (drafts never retract anyone).
 Owns no queue: it reads the Scheduler's running set and asks it to retract or finish.
 Event-loop thread.
 """
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, List, Optional
 from radixserve.engine.req import FinishReason, Req
 from radixserve.engine.schedule_batch import ScheduleBatch
 from radixserve.engine.scheduler.kv import DecodeReserve, SlotLedger
+from radixserve.engine.scheduler.spec import SpecDecoder
 from radixserve.engine.scheduler.stats import SchedulerStats
 from radixserve.model.forward_batch import ForwardMode
 
@@ -39,8 +45,9 @@ logger = logging.getLogger("radixserve.engine.scheduler")
 
 class DecodeManager:
     def __init__(self, sched: "Scheduler", ledger: SlotLedger, reserve: DecodeReserve,
-                 stats: SchedulerStats, context_len: int):
+                 stats: SchedulerStats, context_len: int, spec: Optional[SpecDecoder] = None):
         self.sched = sched
+        self.spec = spec
         self.ledger = ledger
         self.reserve = reserve
         self.stats = stats
@@ -63,6 +70,13 @@ class DecodeManager:
         reqs = self.decoding()
         if not reqs:
             return None
+        if self.spec is not None and self.sched.step_in_flight() is None \
+                and self.spec.gate(reqs):
+            batch = self._plan_verify(reqs)
+            if batch is not None:
+                return batch
+        if self.spec is not None:
+            self.spec.skip(reqs)
         slots = self.ledger.kv_pool.alloc(len(reqs))                # [B] int64
         batch = ScheduleBatch(ForwardMode.DECODE)
         self.ledger.extend_many(reqs, slots)
@@ -71,6 +85,35 @@ class DecodeManager:
             req.kv_len += 1
         batch.decode_slots = slots
         self.reserve.decay()
+        if self.stats.decode_step():
+            self.stats.log_decode(len(reqs), self.ledger.num_used_tokens(),
+                                  self.ledger.token_usage(), len(self.sched.waiting))
+        return batch
+
+    def _plan_verify(self, reqs: List[Req]) -> Optional[ScheduleBatch]:
+        """A verify step over reqs (spec.py): a DECODE batch where a request with a draft of
+        k tokens takes k + 1 rows (StepInput); None when no request has a draft or the pool
+        cannot hold the drafts' slots (evicting is fine, retracting is not)."""
+        drafts = self.spec.drafts(reqs)
+        if not any(drafts):
+            return None
+        total = len(reqs) + sum(len(d) for d in drafts)
+        if total > self.ledger.room():
+            return None
+        slots = self.ledger.alloc(total)                            # [total] int64
+        if slots is None:
+            return None
+        batch = ScheduleBatch(ForwardMode.DECODE)
+        pos = 0
+        for req, draft in zip(reqs, drafts):
+            n = len(draft) + 1
+            start = self.ledger.extend(req, slots[pos:pos + n])
+            pos += n
+            batch.add_verify(req, draft, start)
+        batch.decode_slots = slots
+        self.spec.skip(reqs, drafts)
+        self.reserve.decay()
+        self.stats.verify_step(sum(1 for d in drafts if d), total - len(reqs))
         if self.stats.decode_step():
             self.stats.log_decode(len(reqs), self.ledger.num_used_tokens(),
                                   self.ledger.token_usage(), len(self.sched.waiting))

@@ -3,7 +3,8 @@
 SlotLedger holds the KV pool, the host ReqToToken rows and the prefix cache, and is the only
 code that moves slots between them and a request (the ownership contract of cache/base.py and
 engine/req.py): allocate with eviction, give a request its row over its matched prefix, extend
-it, publish its computed KV to the cache, release everything it holds. It knows no queues.
+it, roll back its rejected draft tokens (speculative decoding), publish its computed KV to the
+cache, release everything it holds. It knows no queues.
 
 DecodeReserve is admission's estimate of the KV the running requests will still need: each
 reserves min(remaining max_new_tokens, RESERVE_CLIP) x new_token_ratio slots. The ratio starts
@@ -110,6 +111,18 @@ class SlotLedger:
         self.rows.write(req.req_pool_idx, 0, match.indices)
         # a cache that publishes whole pages only may keep less: those tokens get recomputed
         req.kv_len = int(match.indices.numel())
+
+    def rollback(self, req: Req, kv_len: int) -> None:
+        """Free req's own slots at positions [kv_len, req.kv_len) and shorten it to kv_len (a
+        verify step's rejected draft tokens: their KV was written but is not the request's).
+        The host row keeps stale entries past kv_len, as after any release; the next extend of
+        the request overwrites them (its table writes travel with that step)."""
+        kv_len = max(kv_len, req.prefix_len)
+        if kv_len >= req.kv_len:
+            return
+        slots = self.rows.slots(req.req_pool_idx, req.kv_len)[kv_len:]
+        self.kv_pool.free(slots)
+        req.kv_len = kv_len
 
     def drop_own(self, req: Req) -> None:
         """Free the slots req allocated itself (kv beyond its prefix), not publishing them: a

@@ -48,15 +48,17 @@ class ResultProcessor:
         self.context_len = context_len
         self.page_size = page_size
 
-    def process(self, batch: ScheduleBatch, out: StepOutput) -> None:
-        """Append sampled tokens, check stops, stream outputs, finish requests."""
+    def process(self, batch: ScheduleBatch, out: StepOutput) -> int:
+        """Append sampled tokens, check stops, stream outputs, finish requests. Returns the
+        output tokens appended."""
         sched = self.sched
         sample_i = 0
         generated = 0
         self.stats.step_processed(batch.mode, batch.batch_size, out)
         for i, req in enumerate(batch.reqs):
-            if batch.sample[i]:
-                row, sample_i = sample_i, sample_i + 1
+            n_rows = batch.num_samples(i)       # its sampling rows: row .. row + n_rows - 1
+            row, sample_i = sample_i, sample_i + n_rows
+            draft = batch.drafts[i] if batch.drafts is not None else None
             if not batch.current(i):
                 continue                                  # finished or jumped while this ran
             if batch.prompt_lp[i] is not None:
@@ -70,13 +72,16 @@ class ResultProcessor:
             if req.to_abort:
                 sched.finish(req, sched.abort_reason(req))
                 continue
-            if not out.sample.finite[row]:
+            if not all(out.sample.finite[row:row + n_rows]):
                 logger.warning("request %s: non-finite logits; failing it alone", req.rid)
                 req.abort_message = NON_FINITE_MESSAGE
                 sched.finish(req, FinishReason.abort(NON_FINITE_MESSAGE))
                 continue
             if req.max_new_tokens == 0:
                 sched.finish(req, FinishReason.length())
+                continue
+            if draft:
+                generated += self._apply_verify(req, draft, out, row)
                 continue
             tok = out.sample.ids[row]
             if req.grammar is not None:
@@ -91,6 +96,7 @@ class ResultProcessor:
                 if jump is not None:
                     self._apply_jump(req, jump)
         self.stats.tokens_generated(generated)
+        return generated
 
     # ------------------------------------------------------------------ transitions
     def _after_chunk(self, req: Req) -> None:
@@ -126,6 +132,38 @@ class ResultProcessor:
             req.status = ReqStatus.WAITING
             self.sched.waiting.appendleft(req)
             self.stats.count("num_jumps")
+
+    def _apply_verify(self, req: Req, draft: List[int], out: StepOutput, row: int) -> int:
+        """A verify row (spec.py) sampled at its k + 1 positions, out.sample rows row ..
+        row + k, each with the request's own parameters at its own output offset: keep the
+        longest prefix of draft that equals the samples, then the sample at the first position
+        where they differ (or the bonus sample after a fully accepted draft). Each kept token is
+        the token the request draws there without speculation (the draw is a function of the
+        seed, the offset and the distribution, and the distribution is conditioned on the same
+        accepted tokens), so the output is unchanged; for a draft token x this is the standard
+        accept/resample rule with a one-hot proposal (accepted with probability p(x), else a
+        draw from p without x). The rejected tail's KV slots are freed (SlotLedger.rollback).
+        The tokens pass the stop checks one by one, exactly as decoded ones; a stop on one drops
+        the rest. Returns the tokens appended."""
+        ids = out.sample.ids
+        j = 0
+        while j < len(draft) and draft[j] == ids[row + j]:
+            j += 1
+        self.stats.spec_accepted(j)
+        if req.spec is not None:
+            req.spec.observe(len(draft), j)
+        # KV of positions [0, seq_len - 1 + j) is the request's (last token and the accepted
+        # drafts); the step wrote len(draft) - j more
+        self.ledger.rollback(req, req.seq_len + j)
+        req.num_output_scheduled = len(req.output_ids) + j + 1
+        n = 0
+        for t in range(j + 1):
+            self._append_token(req, ids[row + t], out.sample.logprobs[row + t],
+                               out.sample.top_logprobs[row + t])
+            n += 1
+            if req.finished:
+                break
+        return n
 
     # ------------------------------------------------------------------ tokens and stops
     def _append_token(self, req: Req, tok: int, lp: Optional[float], top) -> None:

@@ -20,7 +20,10 @@ COUNTERS = ("num_requests", "num_finished_requests", "num_aborted_requests",
             "prompt_tokens", "cached_tokens", "generation_tokens",
             "num_retractions", "num_fair_retractions",
             "num_prefill_steps", "num_decode_steps",
-            "num_jumps", "jump_forward_tokens")
+            "num_jumps", "jump_forward_tokens",
+            # speculative decoding (spec.py): verify steps, request-steps that verified a draft,
+            # draft tokens verified, of them accepted
+            "spec_verify_steps", "spec_verify_reqs", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 class SchedulerStats:
@@ -80,6 +83,15 @@ class SchedulerStats:
                     "token usage: %.2f, #running-req: %d, #queue-req: %d",
                     new_seqs, new_tokens, cached, token_usage, running, queued)
 
+    def verify_step(self, num_verifying: int, num_draft_tokens: int) -> None:
+        """A speculative verify step was scheduled (spec.py)."""
+        self.counters["spec_verify_steps"] += 1
+        self.counters["spec_verify_reqs"] += num_verifying
+        self.counters["spec_draft_tokens"] += num_draft_tokens
+
+    def spec_accepted(self, n: int) -> None:
+        self.counters["spec_accepted_tokens"] += n
+
     def decode_step(self) -> bool:
         """A decode step was scheduled; True (and the rates refreshed) when it is one to log."""
         self._num_decode_steps += 1
@@ -108,4 +120,11 @@ class SchedulerStats:
                     device_idle_before_decode_seconds=self.device_idle_before_kind["decode"],
                     device_idle_before_extend_seconds=self.device_idle_before_kind["extend"],
                     decode_row_device_seconds=self.decode_row_device_time,
-                    decode_rows=self.decode_rows)
+                    decode_rows=self.decode_rows,
+                    spec_accept_length=self.spec_accept_length())
+
+    def spec_accept_length(self) -> float:
+        """Mean tokens a verifying request gained per verify step (accepted drafts + 1); 0.0
+        before any."""
+        reqs = self.counters["spec_verify_reqs"]
+        return (self.counters["spec_accepted_tokens"] + reqs) / reqs if reqs else 0.0

@@ -1,0 +1,242 @@
+"""SpecDecoder: speculative decoding without a draft model (--speculative-algorithm ngram or
+suffix).
+
+Drafts: ngram looks up the request's own history (NgramIndex: the tokens that followed the
+latest earlier occurrence of its last n tokens). suffix also asks the prefix cache: the radix
+tree holds every recent prompt and finished output, so when another sequence had this
+request's whole history as its prefix (a retried or repeated prompt, n > 1 siblings that
+finished, an agent loop or RL rollout over the same context), the tokens that followed it there
+(PrefixCache.continuation: the most recently used path) are the draft, ahead of the n-gram
+proposal (a match of the whole history is the stronger evidence).
+
+Who speculates (eligible()): running requests with no grammar and no penalties (their next
+token's distribution depends on the tokens before it only through the model, and on the output
+offset through the sampler: min_new_tokens and the seeded draw). Everything else the sampler
+does is per row (temperature, top_k/top_p/min_p, logit_bias, logprobs, the EOS ban below
+min_new_tokens at each row's own offset), so those requests speculate too. Requests with a
+grammar or penalties run unspeculated in the same steps (one row each, as in a decode); n > 1
+needs nothing (each sequence is its own request).
+
+A verify step replaces a decode step (DecodeManager._plan_verify): a DECODE step where a request
+with a draft d of k tokens takes k + 1 rows, its last token and d (model/step_io.StepInput says
+how the draft rows get their inputs and slot tables), so it runs in the decode CUDA graphs. Every
+row samples with the request's own parameters at its own output offset. ResultProcessor keeps
+the longest prefix of d equal to the samples, then the sample where they first differ (or the
+bonus sample after the whole draft); SlotLedger.rollback frees the rest. The sampled draw is a
+function of (seed, output offset, the distribution), and a kept token's distribution is
+conditioned on the same tokens as without speculation, so every kept token is the token the
+request draws without speculation: outputs are unchanged, greedy or sampled (for a one-hot
+draft this is the standard accept/resample rule: d[j] is kept with probability p(d[j]), else
+the draw comes from p without d[j]).
+
+The gates ("never a slowdown"): a verify step is built only while at most SPEC_MAX_BATCH
+requests decode (a busy server's steps are not weight-bound, and extra rows cost real time);
+each request drafts by its measured acceptance: ReqSpec keeps an exponential average of the
+tokens accepted per verify; the draft length follows it (ceil(average) + 1, at most k), and a
+request whose average falls below MIN_ACCEPT stops drafting for COOLDOWN_STEPS of its decode
+steps, then probes again with one draft token; and per batch size B a measured cost decides
+(RateGate): the mean launch-to-launch period of verify steps and of plain decode steps of B
+requests. A verify step is built when its expected tokens (each request 1 + its average
+accepted, at most its draft length; 1 for a request without a draft) per verify period beat B
+tokens per decode period. Where verify steps cost more than their drafts bring (a CPU, where
+every row costs compute; a device already busy; drafts rarely accepted) B runs plain decode,
+probing one verify step every PROBE_EVERY steps; where either period is unknown, the step
+measures it (the first step of each kind at B is not counted: it carries one-time costs).
+
+Pipeline: drafts need every token of the request on the host, so a verify step is only built
+with no step in flight; spec_wants_host() tells the pipeline to resolve the decode step in
+flight rather than schedule over it (only while some request would draft: not cooling down),
+and nothing is scheduled over a verify step in flight (its accepted lengths decide the next
+step's KV positions). Steps without drafts overlap as before.
+
+Counters (SchedulerStats): spec_verify_steps, spec_verify_reqs (request-steps with a draft),
+spec_draft_tokens, spec_accepted_tokens; mean accept length = (accepted + verify_reqs) /
+verify_reqs. Event-loop thread.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+from radixserve.cache.base import PrefixCache
+from radixserve.config import SPEC_MAX_BATCH, ServerArgs
+from radixserve.engine.req import Req
+from radixserve.engine.spec.ngram import NgramIndex
+from radixserve.model.forward_batch import ForwardMode
+
+EMA_WEIGHT = 0.5        # weight of the newest verify in a request's acceptance average
+MIN_ACCEPT = 0.25       # tokens accepted per verify below which a request stops drafting
+COOLDOWN_STEPS = 16     # decode steps a request then runs undrafted before it probes again
+MISS_COOLDOWN = 4       # decode steps a request runs undrafted after its history had no match
+RATE_WEIGHT = 0.3       # weight of the newest step in RateGate's averages
+PROBE_EVERY = 32        # decode steps at a batch size before RateGate probes verify again
+MAX_INTERVAL_S = 2.0    # a longer period between two steps' scheduling holds idle time
+
+
+class ReqSpec:
+    """One request's drafting state (Req.spec): its n-gram index, the average number of draft
+    tokens accepted per verify, and the decode steps left before it drafts again."""
+
+    def __init__(self, index: NgramIndex, num_draft: int):
+        self.index = index
+        self.num_draft = num_draft
+        self.accept_avg = float(num_draft)      # optimistic until measured
+        self.cooldown = 0
+
+    def draft_len(self) -> int:
+        """Draft tokens to ask for now (0: cooling down)."""
+        if self.cooldown > 0:
+            return 0
+        return min(self.num_draft, math.ceil(self.accept_avg) + 1)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verify of drafted tokens kept accepted of them."""
+        self.accept_avg = (1 - EMA_WEIGHT) * self.accept_avg + EMA_WEIGHT * accepted
+        if self.accept_avg < MIN_ACCEPT:
+            self.cooldown = COOLDOWN_STEPS
+            self.accept_avg = 0.0               # probe with one token after the cooldown
+
+    def missed(self) -> None:
+        """No draft was found: look again after MISS_COOLDOWN steps (the pipeline overlaps
+        those steps; see the module docstring)."""
+        self.cooldown = max(self.cooldown, MISS_COOLDOWN)
+
+    def skipped(self) -> None:
+        """A decode step ran without a draft for this request."""
+        if self.cooldown > 0:
+            self.cooldown -= 1
+
+
+class RateGate:
+    """The mean step period of verify and of plain decode steps, per batch size (see the module
+    docstring). A step's period is from its scheduling to the next step's scheduling (with
+    overlap the steady step time, serially its host and device time, on the CPU its compute).
+    step_scheduled() feeds it, allow() asks it (no side effects)."""
+
+    def __init__(self):
+        self.periods: Dict[Tuple[str, int], float] = {}  # (kind, B) -> EMA seconds
+        self.seen: Dict[Tuple[str, int], int] = {}        # (kind, B) -> periods measured
+        self.since_verify: Dict[int, int] = {}            # B -> decode steps since a verify
+        self._last: Optional[Tuple[str, int, float]] = None   # (kind, B, scheduled at)
+
+    def allow(self, batch_size: int, expected_tokens: float) -> bool:
+        """Build a verify step of batch_size requests expected to yield expected_tokens?"""
+        v = self.periods.get(("verify", batch_size))
+        d = self.periods.get(("decode", batch_size))
+        if v is None:
+            return True                                   # measure verify steps at B
+        if d is None:
+            return False                                  # measure decode steps at B
+        return (expected_tokens / v >= batch_size / d
+                or self.since_verify.get(batch_size, 0) >= PROBE_EVERY)
+
+    def step_scheduled(self, kind: str, batch_size: int, now: float) -> None:
+        """A step was scheduled at now (time.perf_counter()); kind "verify", "decode" or
+        "extend". Ends the previous step's period."""
+        last, self._last = self._last, (kind, batch_size, now)
+        if kind == "verify":
+            self.since_verify[batch_size] = 0
+        elif kind == "decode":
+            self.since_verify[batch_size] = self.since_verify.get(batch_size, 0) + 1
+        if last is None:
+            return
+        kind, batch_size, start = last
+        if kind == "extend" or batch_size > SPEC_MAX_BATCH or \
+                not 0 < now - start <= MAX_INTERVAL_S:
+            return                  # not a decode-phase step, or an idle gap in its period
+        key = (kind, batch_size)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] == 1:
+            return                  # the first of its kind carries one-time costs: not counted
+        old = self.periods.get(key)
+        period = now - start
+        self.periods[key] = period if old is None else \
+            (1 - RATE_WEIGHT) * old + RATE_WEIGHT * period
+
+
+class SpecDecoder:
+    def __init__(self, server_args: ServerArgs, context_len: int,
+                 cache: Optional[PrefixCache] = None):
+        self.algorithm = server_args.speculative_algorithm
+        self.cache = cache                  # suffix drafts read it (continuation)
+        self.num_draft = server_args.speculative_num_draft_tokens - 1    # k: drafts a request
+        self.min_window = server_args.speculative_ngram_min_match_window_size
+        self.max_window = server_args.speculative_ngram_max_match_window_size
+        self.context_len = context_len
+        self.rate_gate = RateGate()
+
+    @staticmethod
+    def eligible(req: Req) -> bool:
+        """req's rows may be drafted (see the module docstring)."""
+        return req.grammar is None and not req.uses_penalties
+
+    def gate(self, decoding: List[Req]) -> bool:
+        """Speculate in a step of these decoding requests (the batch-size and cost gates)."""
+        n = len(decoding)
+        if not 0 < n <= SPEC_MAX_BATCH:
+            return False
+        expected = 0.0
+        for req in decoding:
+            state: Optional[ReqSpec] = req.spec
+            if not self.eligible(req):
+                expected += 1.0
+            elif state is None:
+                expected += 1.0 + self.num_draft           # unmeasured: optimistic
+            else:
+                expected += 1.0 + min(state.accept_avg, state.draft_len())
+        return self.rate_gate.allow(n, expected)
+
+    def step_scheduled(self, batch, now: float) -> None:
+        """The Scheduler scheduled batch at now (RateGate.step_scheduled)."""
+        kind = "verify" if batch.verifies else \
+            "decode" if batch.mode is ForwardMode.DECODE else "extend"
+        self.rate_gate.step_scheduled(kind, batch.batch_size, now)
+
+    def _state(self, req: Req) -> ReqSpec:
+        if req.spec is None:
+            req.spec = ReqSpec(NgramIndex(self.min_window, self.max_window), self.num_draft)
+        return req.spec
+
+    def wants_host(self, decoding: List[Req]) -> bool:
+        """A verify step may be built next if the host knew every token (the pipeline then
+        resolves the step in flight instead of scheduling over it)."""
+        return self.gate(decoding) and any(
+            self.eligible(r) and (r.spec is None or r.spec.cooldown == 0) for r in decoding)
+
+    def drafts(self, reqs: List[Req]) -> List[List[int]]:
+        """Each request's draft for a verify step now ([] for none); no step of theirs in
+        flight. A request cooling down gets none (and counts nothing: see skip)."""
+        return [self.draft(req) for req in reqs]
+
+    def draft(self, req: Req) -> List[int]:
+        """req's draft for its next verify step ([] for none)."""
+        if not self.eligible(req):
+            return []
+        state = self._state(req)
+        want = state.draft_len()
+        if want == 0:
+            return []
+        # the bonus token counts: at most max_new_tokens - 1 - len(output) drafts, and the
+        # sequence stays within the context
+        room = min(want, req.max_new_tokens - len(req.output_ids) - 1,
+                   self.context_len - req.seq_len - 1)
+        if room <= 0:
+            return []
+        history = req.fill_ids
+        draft: List[int] = []
+        if self.algorithm == "suffix" and self.cache is not None:
+            draft = self.cache.continuation(history, room)     # the whole history matched
+        if not draft:
+            state.index.sync(history)
+            draft = state.index.propose(room)
+        if not draft:
+            state.missed()
+        return draft
+
+    def skip(self, reqs: List[Req], drafts: Optional[List[List[int]]] = None) -> None:
+        """A step ran in which reqs (those whose drafts entry is empty, when given) computed
+        one token without a draft: a step of each one's cooldown passes."""
+        for i, req in enumerate(reqs):
+            if req.spec is not None and not (drafts and drafts[i]):
+                req.spec.skipped()
+

@@ -1,0 +1,249 @@
+"""Speculative decoding (--speculative-algorithm ngram) on the default model: greedy outputs are
+exactly the unspeculated ones, drafts get accepted on repetitive text, rejected drafts give
+their KV slots back (check_integrity after every step), and requests that may not speculate
+run as before."""
+import pytest
+
+from radixserve.config import ServerArgs
+from radixserve.engine.req import Req
+from radixserve.sampling.params import SamplingParams
+
+from conftest import run_to_completion
+
+SPEC = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=5)
+
+
+def greedy_req(rid, ids, n, **kw):
+    sp = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+    return Req(rid, list(ids), sp, n)
+
+
+@pytest.fixture(scope="module")
+def repeat_prompts(default_tokenizer, text_prompts):
+    """Prompts whose text repeats, so the model's continuation repeats them too (drafts hit)."""
+    texts = ["one two three four five six seven eight nine ten. one two three four five six "
+             "seven eight nine ten. one two three four",
+             "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef",
+             "A B C D E F G A B C D E F G A B C"]
+    return [default_tokenizer.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def make_scheduler_for(tmp_path_factory):
+    """Schedulers over a tiny random Llama (vocab 97; transformers-made, O(1) logits, so a
+    temperature-1 draw is far from one-hot), given ServerArgs overrides."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from radixserve.config import ModelConfig
+    from radixserve.engine.scheduler import Scheduler
+    from radixserve.model.runner import ModelRunner
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, prm in hf.named_parameters():
+            noise = torch.randn(prm.shape, generator=gen)
+            prm.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    path = str(tmp_path_factory.mktemp("tiny_spec"))
+    hf.save_pretrained(path, safe_serialization=True)
+    config = ModelConfig.from_path(path)
+
+    def make(**overrides):
+        kw = dict(model_path=path, device="cpu", max_total_tokens=2048, load_format="safetensors",
+                  max_running_requests=48, context_length=256, dtype="float32")
+        kw.update(overrides)
+        args = ServerArgs(**kw)
+        return Scheduler(args, ModelRunner(args, config, path, context_len=args.context_length))
+
+    return make
+
+
+def run(make_scheduler, prompts, n, spec, **kw):
+    sched = make_scheduler(**(SPEC if spec else {}), **kw)
+    reqs = [greedy_req(f"r{i}", p, n) for i, p in enumerate(prompts)]
+    run_to_completion(sched, reqs)
+    return sched, [r.output_ids for r in reqs]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_identical_single_and_accepted(make_scheduler, repeat_prompts, overlap):
+    for p in repeat_prompts:
+        _, ref = run(make_scheduler, [p], 24, spec=False,
+                     disable_overlap_schedule=not overlap)
+        sched, out = run(make_scheduler, [p], 24, spec=True,
+                         disable_overlap_schedule=not overlap)
+        assert out == ref
+    c = sched.counters
+    assert c["spec_verify_steps"] > 0 and c["spec_draft_tokens"] > 0
+    assert c["spec_accepted_tokens"] > 0
+    m = sched.metrics()
+    assert m["spec_accept_length"] > 1.0
+
+
+def test_greedy_identical_batched_with_staggered_arrivals(make_scheduler, repeat_prompts,
+                                                          text_prompts):
+    prompts = (repeat_prompts + text_prompts) * 3           # 33 requests, some repeating
+    lens = [8 + (i * 7) % 21 for i in range(len(prompts))]
+    outs = {}
+    for spec in (False, True):
+        sched = make_scheduler(**(SPEC if spec else {}), max_running_requests=40)
+        reqs = [greedy_req(f"b{i}", p, lens[i]) for i, p in enumerate(prompts)]
+        arrivals = {0: reqs[:10], 2: reqs[10:20], 5: reqs[20:]}
+        run_to_completion(sched, reqs, arrivals=arrivals)
+        outs[spec] = [r.output_ids for r in reqs]
+        assert all(len(o) == n for o, n in zip(outs[spec], lens))
+    assert outs[True] == outs[False]
+    assert sched.counters["spec_accepted_tokens"] > 0
+
+
+def test_chunked_prefill_and_tiny_pool(make_scheduler, repeat_prompts, text_prompts):
+    prompts = text_prompts[:8] + repeat_prompts[2:]
+    _, ref = run(make_scheduler, prompts, 40, spec=False)
+    for kw in (dict(chunked_prefill_size=16), dict(max_total_tokens=200)):
+        sched, out = run(make_scheduler, prompts, 40, spec=True, **kw)
+        assert out == ref, kw
+    assert sched.counters["num_retractions"] > 0      # the tiny pool retracted under speculation
+
+
+def test_stops_inside_accepted_drafts(make_scheduler, repeat_prompts, default_tokenizer):
+    """A stop token or string that an accepted draft contains finishes the request there."""
+    p = repeat_prompts[0]
+    _, [ref] = run(make_scheduler, [p], 24, spec=False)
+    stop_tok = ref[6]
+    outs = {}
+    for spec in (False, True):
+        sched = make_scheduler(**(SPEC if spec else {}))
+        a = greedy_req("a", p, 24, stop_token_ids=[stop_tok])
+        b = greedy_req("b", p, 24, stop=[default_tokenizer.decode(ref[9:11]).strip()])
+        run_to_completion(sched, [a, b])
+        outs[spec] = [(r.output_ids, dict(r.finish_reason)) for r in (a, b)]
+    assert outs[True] == outs[False]
+    assert outs[True][0][0][-1] == stop_tok
+
+
+def test_abort_mid_speculation(make_scheduler, repeat_prompts):
+    sched = make_scheduler(**SPEC)
+    reqs = [greedy_req(f"x{i}", p, 40) for i, p in enumerate(repeat_prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    for step in range(200):
+        if not sched.has_work():
+            break
+        if step == 4:
+            sched.abort("x0")
+        sched.step()
+        sched.check_integrity()
+    assert reqs[0].finish_reason["type"] == "abort"
+    assert all(r.finished for r in reqs)
+
+
+def _sampled(rid, p, n, **kw):
+    kw.setdefault("temperature", 0.8)
+    return Req(rid, list(p), SamplingParams(max_new_tokens=n, ignore_eos=True, **kw), n,
+               return_logprob=kw.pop("_lp", False) if "_lp" in kw else False)
+
+
+def _mixed_reqs(p, tag):
+    """Sampled requests of every per-row knob, a logprobs request, and the two kinds that
+    run unspeculated (penalties, and below in the grammar test, a grammar)."""
+    return [
+        Req(f"{tag}s", list(p), SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9,
+                                               top_k=20, seed=7, ignore_eos=True), 16),
+        Req(f"{tag}m", list(p), SamplingParams(max_new_tokens=16, temperature=1.0, min_p=0.05,
+                                               seed=11, ignore_eos=True), 16),
+        Req(f"{tag}b", list(p), SamplingParams(max_new_tokens=16, temperature=0.0,
+                                               logit_bias={p[-1]: 5.0}, ignore_eos=True), 16),
+        Req(f"{tag}l", list(p), SamplingParams(max_new_tokens=16, temperature=0.0,
+                                               ignore_eos=True), 16,
+            return_logprob=True, top_logprobs_num=3),
+        Req(f"{tag}n", list(p), SamplingParams(max_new_tokens=16, temperature=0.7, seed=3,
+                                               min_new_tokens=12), 16),
+        greedy_req(f"{tag}p", p, 16, repetition_penalty=1.3),
+    ]
+
+
+def test_sampled_logprobs_and_per_row_knobs_identical(make_scheduler, repeat_prompts):
+    """Sampled rows draw the same tokens with speculation (the draw is a function of the seed,
+    the output offset and the distribution): outputs and logprobs equal the unspeculated run;
+    penalties run unspeculated."""
+    from radixserve.engine.scheduler.spec import SpecDecoder
+
+    p = repeat_prompts[0]
+    runs = {}
+    for spec in (False, True):
+        sched = make_scheduler(**(SPEC if spec else {}))
+        reqs = _mixed_reqs(p, "x")
+        lps, tops = [], []
+        reqs[3].sink = lambda out: (lps.extend(out.output_token_logprobs_delta),
+                                    tops.extend(out.output_top_logprobs_delta))
+        run_to_completion(sched, reqs)
+        runs[spec] = (sched, reqs, lps, tops)
+    (_, ref, lp_ref, top_ref), (sched, got, lp_got, top_got) = runs[False], runs[True]
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert len(lp_got) == len(lp_ref) == 16 and len(top_got) == 16
+    for a, b in zip(lp_got, lp_ref):
+        assert a[1] == b[1] and a[0] == pytest.approx(b[0], abs=1e-4)
+    for a, b in zip(top_got, top_ref):
+        assert [t for _, t, _ in a] == [t for _, t, _ in b]
+    assert not SpecDecoder.eligible(got[5])                  # penalties
+    assert all(SpecDecoder.eligible(r) for r in got[:5])
+    assert got[5].spec is None                               # never drafted
+    assert sched.counters["spec_accepted_tokens"] > 0
+    # some sampled request had drafts accepted (its ReqSpec saw verifies)
+    assert any(r.spec is not None for r in got[:2])
+
+
+def test_sampled_distribution_tiny_random_model(make_scheduler_for):
+    """The sampled path over a tiny random model: across 48 seeds at temperature 1, every
+    output equals the unspeculated one (so the distributions are equal), and the outputs do
+    vary with the seed (the rows really sample)."""
+    sched_off, sched_on = make_scheduler_for(), make_scheduler_for(**SPEC)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    outs = {}
+    for name, sched in (("off", sched_off), ("on", sched_on)):
+        outs[name] = []
+        for wave in range(2):           # 24 at a time: within the batch gate (SPEC_MAX_BATCH)
+            reqs = [Req(f"d{i}", list(prompt), SamplingParams(
+                max_new_tokens=12, temperature=1.0, seed=i, ignore_eos=True), 12)
+                for i in range(24 * wave, 24 * wave + 24)]
+            run_to_completion(sched, reqs)
+            outs[name] += [tuple(r.output_ids) for r in reqs]
+    assert outs["on"] == outs["off"]
+    assert len(set(outs["on"])) > 24
+    assert sched_on.counters["spec_verify_steps"] > 0
+
+
+def test_suffix_drafts_from_the_radix_tree(make_scheduler, text_prompts):
+    """--speculative-algorithm suffix: a prompt served once leaves prompt + output in the radix
+    tree; served again, its drafts come from that continuation (text the ngram index of the
+    request alone cannot predict), outputs are unchanged, and nearly every draft is accepted."""
+    p = text_prompts[0]
+    _, [ref] = run(make_scheduler, [p], 32, spec=False)
+    accepted = {}
+    for algo in ("ngram", "suffix"):
+        sched = make_scheduler(speculative_algorithm=algo, speculative_num_draft_tokens=5)
+        first = greedy_req("f", p, 32)
+        run_to_completion(sched, [first])                  # publishes prompt + output
+        before = sched.counters["spec_accepted_tokens"]
+        again = greedy_req("g", p, 32)
+        run_to_completion(sched, [again])
+        assert first.output_ids == again.output_ids == ref
+        accepted[algo] = sched.counters["spec_accepted_tokens"] - before
+    assert accepted["suffix"] >= 16 and accepted["suffix"] > accepted["ngram"], accepted
+
+
+def test_flags_checked():
+    ServerArgs(**SPEC).check()
+    ServerArgs(speculative_algorithm="suffix").check()
+    with pytest.raises(ValueError, match="num-draft-tokens"):
+        ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=1).check()
+    with pytest.raises(ValueError, match="tp-size"):
+        ServerArgs(**SPEC, tp_size=2, device="cpu").check()
+    with pytest.raises(ValueError, match="window"):
+        ServerArgs(speculative_algorithm="ngram", speculative_ngram_min_match_window_size=5,
+                   speculative_ngram_max_match_window_size=3).check()
