@@ -14,6 +14,7 @@ model, started here with --enable-dashboard and an API key (one server for this 
     is a 401. Skipped when no chromium binary is on PATH.
 """
 import asyncio
+import importlib.util
 import os
 import re
 import signal
@@ -29,8 +30,18 @@ import pytest
 from radixserve import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "bench"))
-from headless_chromium import Chromium, find_chromium  # noqa: E402
+
+def _load_bench_module(name: str):
+    """bench/<name>.py as a module, without putting bench/ on sys.path (its kernels.py would
+    shadow the `kernels` package transformers looks for)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_chromium = _load_bench_module("headless_chromium")
+Chromium, find_chromium = _chromium.Chromium, _chromium.find_chromium
 
 KEY = "dashboard-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
