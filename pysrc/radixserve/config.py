@@ -257,6 +257,7 @@ SPECULATIVE_ALGORITHMS = ("ngram", "suffix")
 # batch gate); the runner keeps SPEC_MAX_BATCH x (num_draft_tokens - 1) spare req_to_token rows
 # for the verify steps' draft positions (model/runner.py)
 SPEC_MAX_BATCH = 32
+SPEC_MAX_DRAFT_TOKENS = 32   # --speculative-num-draft-tokens' ceiling (spare rows x context)
 
 
 def _speculative_algorithm(value: str) -> str:
@@ -720,9 +721,12 @@ class ServerArgs:
             if self.tp_size > 1:
                 raise ValueError("--speculative-algorithm with --tp-size > 1 is not implemented "
                                  "yet (a verify step's draft rows live on one device)")
-            if self.speculative_num_draft_tokens < 2:
-                raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token "
-                                 "plus at least one draft token)")
+            if not 2 <= self.speculative_num_draft_tokens <= SPEC_MAX_DRAFT_TOKENS:
+                raise ValueError(f"--speculative-num-draft-tokens must be in [2, "
+                                 f"{SPEC_MAX_DRAFT_TOKENS}] (the last token plus 1 to "
+                                 f"{SPEC_MAX_DRAFT_TOKENS - 1} draft tokens; the runner keeps "
+                                 f"a req_to_token row per draft position), not "
+                                 f"{self.speculative_num_draft_tokens}")
             lo = self.speculative_ngram_min_match_window_size
             hi = self.speculative_ngram_max_match_window_size
             if lo < 1 or hi < lo:

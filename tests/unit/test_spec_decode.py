@@ -242,6 +242,9 @@ def test_flags_checked():
     ServerArgs(speculative_algorithm="suffix").check()
     with pytest.raises(ValueError, match="num-draft-tokens"):
         ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=1).check()
+    with pytest.raises(ValueError, match="num-draft-tokens"):
+        ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=33).check()
+    ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=32).check()
     with pytest.raises(ValueError, match="tp-size"):
         ServerArgs(**SPEC, tp_size=2, device="cpu").check()
     with pytest.raises(ValueError, match="window"):
