@@ -32,8 +32,8 @@ What it costs the loop (bench/dashboard_overhead.py measures it under load):
   * the advice is computed at most once per ADVICE_TTL_S per set of parameters, on a worker
     thread (asyncio.to_thread) over a snapshot of the recent prompts; then one read-only walk
     per distinct member prompt of its suggestions, on the loop, measures the KV they hold.
-The page polls /dashboard/data every 2 s and /dashboard/advice every 60 s. The dashboard's own
-CPU seconds are on /metrics as <prefix>dashboard_cpu_seconds_total{part="sampler"|"polls"|
+The page polls /dashboard/data every 5 s and /dashboard/advice every 60 s. The dashboard's
+own CPU seconds are on /metrics as <prefix>dashboard_cpu_seconds_total{part="sampler"|"polls"|
 "advisor"} (CpuCollector).
 Nothing here changes what the server computes: the tree is only read (no access time touched,
 no split, no lock), and requests are only observed.
@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 SAMPLE_INTERVAL_S = 1.0
 HISTORY_SAMPLES = 600            # ten minutes at one sample a second
 RECENT_PROMPTS = 256             # the advisor's sample (token ids kept by reference)
-TREE_TTL_S = 20.0                # a tree summary is reused this long
+TREE_TTL_S = 30.0                # a tree summary is reused this long
 TREE_MAX_NODES = 200_000         # a walk stops here (the summary is `partial` then)
 TREE_STEP_NODES = 2_000          # nodes visited per loop turn
 TOP_K = 12                       # subtrees listed by tokens and by hits
