@@ -32,12 +32,17 @@ def _tail(path: str, n: int = 40) -> str:
 @contextlib.contextmanager
 def launched_server(log_dir, args, env=None, headers=None):
     """`python -m radixserve.launch_server` on a free loopback port with args (this checkout's
-    pysrc first on PYTHONPATH; env: extra environment variables), its output in
+    pysrc first on PYTHONPATH; env: environment variables to set, None: to unset), its output in
     log_dir/server.log; yields SimpleNamespace(url, port, model (served name, read with
     headers), log, proc) once /health answers 200, and stops it (SIGTERM, then kill) after."""
     port = _free_port()
     log_path = str(log_dir / "server.log")
-    env = dict(os.environ, **(env or {}))
+    overrides, env = env or {}, dict(os.environ)
+    for name, value in overrides.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "pysrc")] +
                                         ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1",

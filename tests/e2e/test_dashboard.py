@@ -17,16 +17,13 @@ import asyncio
 import importlib.util
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from conftest import launched_server
 from radixserve import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,54 +49,18 @@ Chromium, find_chromium = _chromium.Chromium, _chromium.find_chromium
 
 KEY = "dashboard-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-STARTUP_TIMEOUT_S = 600
 APT_LINE = "apt-get update && apt-get install -y chromium"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def dash_server(tmp_path_factory):
     """A server of the default model with --enable-dashboard --api-key KEY: its URL."""
-    port = _free_port()
-    log_path = str(tmp_path_factory.mktemp("dashboard") / "server.log")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "pysrc")] +
-                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.pop("RADIXSERVE_API_KEY", None)
-    env.pop("RADIXSERVE_ADMIN_API_KEY", None)
-    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port",
-           str(port), "--enable-dashboard", "--api-key", KEY, "--debug-integrity",
-           "--max-total-tokens", "16384"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{open(log_path).read()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the dashboard server did not become healthy")
-            time.sleep(0.3)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    args = ["--enable-dashboard", "--api-key", KEY, "--debug-integrity",
+            "--max-total-tokens", "16384"]
+    with launched_server(tmp_path_factory.mktemp("dashboard"), args,
+                         env={"RADIXSERVE_API_KEY": None, "RADIXSERVE_ADMIN_API_KEY": None},
+                         headers=AUTH) as srv:
+        yield srv.url
 
 
 def counter(url: str, name: str) -> float:
