@@ -106,6 +106,15 @@ def test_fp8_w8a8_in_a_cuda_graph():
 
 
 def test_tiny_fp8_model_on_the_gpu_tracks_the_cpu_references(tmp_path):
+    """The GPU forward (bf16, W8A8 prefill / weight-only skinny GEMMs) is as close to the same
+    FP8 math run in fp32 (CPU references, fp32 activations: the per-token activation
+    quantization happens on values rounded once less) as the CPU references in bf16 are.
+
+    Why not GPU vs CPU-bf16 directly: per-token FP8 activation quantization turns each bf16
+    rounding difference near an e4m3 step into a whole step (1/8 of the value), so two correct
+    bf16 runs of W8A8 differ by several percent on this random model (measured: CPU bf16 vs CPU
+    fp32 0.082 relative, argmax 0.875; weight-only 0.008), while a wrong scale, layout or
+    operand is off by O(1). Weight-only GEMMs carry no such amplification: 0.03 absolute."""
     import json
     import os
 
@@ -134,12 +143,16 @@ def test_tiny_fp8_model_on_the_gpu_tracks_the_cpu_references(tmp_path):
                 p.copy_(torch.randn(p.shape, generator=gen, device="cuda") / p.shape[-1] ** 0.5)
             elif name.endswith("weight_scale"):
                 p.mul_(4.0)
+    state = {k: v.cpu() for k, v in gpu.state_dict().items()}
     cpu = load_model(str(tmp_path / "m"), config, "dummy", torch.bfloat16, "cpu")
-    cpu.load_state_dict({k: v.cpu() for k, v in gpu.state_dict().items()})
+    cpu.load_state_dict(state)
+    fp32 = load_model(str(tmp_path / "m"), config, "dummy", torch.float32, "cpu")
+    fp32.load_state_dict({k: v.float() if v.dtype == torch.bfloat16 else v
+                          for k, v in state.items()})
 
-    def logits(model, device, seqs):
+    def logits(model, device, seqs, dtype):
         n = sum(len(s) for s in seqs)
-        pool = KVPool(n + 1, 2, 2, 64, torch.bfloat16, device)     # head_dim 64: the kernels take 64 or 128
+        pool = KVPool(n + 1, 2, 2, 64, dtype, device)     # head_dim 64: the kernels take 64 or 128
         lens = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
         indptr = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         indptr[1:] = lens.cumsum(0)
@@ -151,14 +164,26 @@ def test_tiny_fp8_model_on_the_gpu_tracks_the_cpu_references(tmp_path):
                           kv_indices=torch.arange(1, n + 1, dtype=torch.int32).to(device),
                           seq_lens=lens.to(device), logits_indices=torch.arange(n).to(device),
                           kv_pool=pool)
-        return model.compute_logits(model(fb)).float().cpu()
-    rels, agree = {}, {}
+        with torch.no_grad():
+            return model.compute_logits(model(fb)).float().cpu()
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    def agree(a, b):
+        return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    figures = {}
     for name, seqs in (("w8a8 48 rows", [list(range(3, 40)), list(range(50, 61))]),
                        ("weight-only 4 rows", [[7, 8, 9], [11]])):
-        got, want = logits(gpu, "cuda", seqs), logits(cpu, "cpu", seqs)
-        assert want.abs().max() > 0.5
-        rels[name] = ((got - want).norm() / want.norm()).item()
-        agree[name] = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    # both cases measured before either is judged, so a failure names each one's figures
-    assert all(r < 0.03 for r in rels.values()), (rels, agree)
-    assert all(a >= 0.9 for a in agree.values()), (rels, agree)
+        truth = logits(fp32, "cpu", seqs, torch.float32)
+        assert truth.abs().max() > 0.5
+        got, ref_bf16 = logits(gpu, "cuda", seqs, torch.bfloat16), logits(cpu, "cpu", seqs,
+                                                                           torch.bfloat16)
+        figures[name] = dict(gpu=rel(got, truth), cpu_bf16=rel(ref_bf16, truth),
+                             gpu_vs_cpu=rel(got, ref_bf16), agree_gpu=agree(got, truth),
+                             agree_cpu_bf16=agree(ref_bf16, truth))
+    # every case measured before any is judged, so a failure names all the figures
+    w8a8, wo = figures["w8a8 48 rows"], figures["weight-only 4 rows"]
+    assert w8a8["gpu"] <= 1.5 * w8a8["cpu_bf16"] + 0.01, figures
+    assert w8a8["agree_gpu"] >= w8a8["agree_cpu_bf16"] - 0.1, figures
+    assert wo["gpu"] < 0.03 and wo["agree_gpu"] >= 0.9, figures
