@@ -26,7 +26,8 @@ from starlette.routing import Route
 from radixserve.config import ServerArgs
 from radixserve.errors import ApiError
 from radixserve.server import (anthropic_api, anthropic_render, anthropic_schemas, native_api,
-                               openai_api, openapi, responses_api, score_api, tokenize_api)
+                               openai_api, openapi, responses_api, sagemaker_api, score_api,
+                               tokenize_api)
 from radixserve.server import dashboard as dashboard_module
 from radixserve.server.jsonio import error_response
 from radixserve.server.security import (ClientView, Door, DoorPolicy, ErrorRenderer, RequestOwners,
@@ -114,6 +115,10 @@ def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
         route("/abort_request", native_api.abort_request, ["POST"]),
         route("/metrics", native_api.metrics, ["GET"]),
         route("/openapi.json", openapi.openapi_json, ["GET"]),
+        # SageMaker's entry points, as vLLM serves them (server/sagemaker_api.py)
+        route("/ping", sagemaker_api.ping, ["GET", "POST"]),
+        route("/invocations", sagemaker_api.invocations_handler(sagemaker_api.GENERATION_ROUTES),
+              ["POST"]),
     ]
     # --enable-dashboard: the cache dashboard and advisor (server/dashboard.py); 404s without
     dashboard = None

@@ -403,7 +403,7 @@ class _Chat(_Route):
     async def prompt_ids(self) -> List[List[int]]:
         req = self.req
         return [R.truncate_prompt(await _render_chat(self.engine, req, self.tools),
-                                  req.extras.truncate_prompt_tokens)]
+                                  req.extras.truncate_prompt_tokens, req.extras.truncation_side)]
 
     def prompts_checked(self, prompt_ids: List[List[int]]) -> None:
         req, tools = self.req, (self.tools.fmt if self.tools.active else None)
@@ -502,7 +502,8 @@ class _Completions(_Route):
                                             add_special_tokens=req.add_special_tokens,
                                             must_fit=ex.truncate_prompt_tokens is None)
                         if isinstance(p, str) else p for p in req.prompts]
-        return [R.truncate_prompt(ids, ex.truncate_prompt_tokens) for ids in self.encoded]
+        return [R.truncate_prompt(ids, ex.truncate_prompt_tokens, ex.truncation_side)
+                for ids in self.encoded]
 
     def prompts_checked(self, prompt_ids: List[List[int]]) -> None:
         req, tok = self.req, self.engine.tokenizer

@@ -23,7 +23,7 @@ from radixserve.server import responses_schemas as RS
 from radixserve.server import schemas as S
 from radixserve.server import tokenize_schemas as TS
 from radixserve.server.jsonio import JSONResponse
-from radixserve.server.security import ADMIN_PATHS
+from radixserve.server.security import ADMIN_PATHS, OPEN_PATHS
 from radixserve.version import __version__
 
 REF = "#/components/schemas/{model}"
@@ -316,6 +316,17 @@ def _paths() -> Dict[str, dict]:
             "description": "the Prometheus text format",
             "content": {"text/plain": {"schema": {"type": "string"}}}}}),
         "/openapi.json": _get("this document", {"200": _json(obj, "OpenAPI 3.1")}),
+        "/ping": {method: {"summary": "SageMaker's health check (as /health)",
+                           "responses": {"200": empty, "503": empty}}
+                  for method in ("get", "post")},
+        "/invocations": {"post": {
+            "summary": "SageMaker's inference entry: the body goes to the route its keys name "
+                       "(messages: /v1/chat/completions, prompt: /v1/completions, text or "
+                       "input_ids: /generate) and is answered as that route answers",
+            "requestBody": {"required": True, "content": {JSON: {"schema": obj}}},
+            "responses": {"200": _json(obj, "the chosen route's response (or its event "
+                                            "stream)"),
+                          "400": _error("no key names a route, or the chosen route's 400")}}},
     }
 
 
@@ -338,7 +349,7 @@ def openapi_document(api_key: bool, version: str = "0", admin_key: bool = False)
     for path, item in paths.items():
         for op in item.values():
             op["responses"] = {**(anthropic_door if path in AS.PATHS else door), **op["responses"]}
-            if api_key and path == "/health":
+            if api_key and path in OPEN_PATHS:
                 op["security"] = []
                 op["responses"].pop("401", None)
             if admin_key and path in ADMIN_PATHS:

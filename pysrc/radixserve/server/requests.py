@@ -93,7 +93,8 @@ def sampling_params_from_dict(d: dict, openai_names: bool = False,
 class OutputExtras:
     """vLLM's output extras, on both routes."""
     prompt_logprobs: Optional[int] = None         # k: prompt_logprobs with the top k per position
-    truncate_prompt_tokens: Optional[int] = None  # keep only the last k prompt tokens
+    truncate_prompt_tokens: Optional[int] = None  # keep only k prompt tokens
+    truncation_side: str = "left"                 # which end goes: left keeps the last k
     return_token_ids: bool = False                # prompt_token_ids and token_ids in the response
     continuous_usage: bool = False                # every streamed chunk carries usage so far
 
@@ -252,13 +253,17 @@ def _output_extras(req: S._OpenAIRequest) -> OutputExtras:
     so = req.stream_options
     return OutputExtras(
         prompt_logprobs=req.prompt_logprobs, truncate_prompt_tokens=req.truncate_prompt_tokens,
+        truncation_side=req.truncation_side or "left",
         return_token_ids=bool(req.return_token_ids),
         continuous_usage=bool(so is not None and so.include_usage and so.continuous_usage_stats))
 
 
-def truncate_prompt(ids: List[int], keep: Optional[int]) -> List[int]:
-    """truncate_prompt_tokens: only the last `keep` tokens of the prompt (all when None)."""
-    return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
+def truncate_prompt(ids: List[int], keep: Optional[int], side: str = "left") -> List[int]:
+    """truncate_prompt_tokens: `keep` tokens of the prompt (all when None): the last ones
+    (side "left": the start is cut, vLLM's default) or the first ones (side "right")."""
+    if keep is None or len(ids) <= keep:
+        return ids
+    return ids[len(ids) - keep:] if side == "left" else ids[:keep]
 
 
 def _message_dict(i: int, msg: S.ChatMessage) -> dict:

@@ -64,6 +64,10 @@ MAX_METADATA_KEY = 64
 MIN_REPETITION_PENALTY = _sp.MIN_REPETITION_PENALTY
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The roles OpenAI defines. Other role names are passed to the chat template as sent (vLLM does
+the same): a template that renders any role (ChatML...) takes them; one that raises for them
+gets the request a 400 naming the template's error."""
+MAX_ROLE_CHARS = 64
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -443,7 +447,11 @@ def _off(problem: str) -> Any:
 # --------------------------------------------------------------------------- OpenAI routes
 
 TextPartType = _literal("text", note=" (only text content is supported)")
-Role = _literal(*CHAT_ROLES)
+TruncationSide = _literal("left", "right")
+"""Which end truncate_prompt_tokens cuts (vLLM): "left" (default) drops the first tokens and
+keeps the last k, "right" keeps the first k."""
+Role = Annotated[str, Field(min_length=1, max_length=MAX_ROLE_CHARS)]
+"""A message's role: one of CHAT_ROLES or a custom name for the chat template (1-64 chars)."""
 FormatType = _literal("text", "json_object", "json_schema")
 ToolCalls = Annotated[List[JsonObject], Field(max_length=MAX_TOOL_CALLS)]
 
@@ -618,6 +626,7 @@ class _OpenAIRequest(_Closed):
     # vLLM's output extras
     prompt_logprobs: Optional[TopLogprobs] = None
     truncate_prompt_tokens: Optional[PromptTokens] = None
+    truncation_side: Optional[TruncationSide] = None       # with truncate_prompt_tokens
     return_token_ids: Optional[bool] = None
     # prefix sharing only among requests with the same salt (vLLM's cache_salt)
     cache_salt: Optional[CacheSalt] = None

@@ -81,7 +81,7 @@ from radixserve.server.jsonio import JSONInputError, error_response, loads_reque
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health"})          # reachable without the API key
+OPEN_PATHS = frozenset({"/health", "/ping"})  # reachable without the API key (liveness)
 # --admin-api-key's: the server-wide routes (/server_info is /get_server_info's alias; the
 # load routes show every client's traffic, like /metrics)
 ADMIN_PATHS = frozenset({"/flush_cache", "/get_server_info", "/server_info", "/metrics",
