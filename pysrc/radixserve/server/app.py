@@ -25,8 +25,9 @@ from starlette.routing import Route
 
 from radixserve.config import ServerArgs
 from radixserve.errors import ApiError
-from radixserve.server import (anthropic_api, anthropic_render, anthropic_schemas, native_api,
-                               openai_api, openapi, responses_api, score_api, tokenize_api)
+from radixserve.server import (anthropic_api, anthropic_render, anthropic_schemas,
+                               embeddings_api, native_api, openai_api, openapi, responses_api,
+                               score_api, tokenize_api)
 from radixserve.server import dashboard as dashboard_module
 from radixserve.server.jsonio import error_response
 from radixserve.server.security import (ClientView, Door, DoorPolicy, ErrorRenderer, RequestOwners,
@@ -88,16 +89,28 @@ def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
         return Route(path, _guarded(handler, engine, ERROR_SHAPES.get(path, error_response)),
                      methods=methods)
 
+    def generating(handler: Handler) -> Handler:
+        """A generation route: a 400 on a --is-embedding server (embeddings_api)."""
+        async def gated(request: Request, view) -> Response:
+            refused = embeddings_api.generation_off(engine)
+            if refused is not None:
+                raise refused
+            return await handler(request, view)
+        gated.__name__ = handler.__name__
+        return gated
+
     routes = [
-        route("/v1/chat/completions", openai_api.chat_completions, ["POST"]),
-        route("/v1/completions", openai_api.completions, ["POST"]),
-        route("/v1/responses", responses_api.create_response, ["POST"]),
+        route("/v1/chat/completions", generating(openai_api.chat_completions), ["POST"]),
+        route("/v1/completions", generating(openai_api.completions), ["POST"]),
+        route("/v1/responses", generating(responses_api.create_response), ["POST"]),
         route("/v1/responses/{response_id}", responses_api.stored_response, ["GET", "DELETE"]),
         route("/v1/models", openai_api.list_models, ["GET"]),
         route("/v1/models/{model_id:path}", openai_api.retrieve_model, ["GET"]),
-        route("/generate", native_api.generate, ["POST"]),
-        route("/v1/score", score_api.score, ["POST"]),
-        route("/v1/messages", anthropic_api.messages, ["POST"]),
+        route("/generate", generating(native_api.generate), ["POST"]),
+        route("/v1/score", generating(score_api.score), ["POST"]),
+        route("/v1/embeddings", embeddings_api.embeddings, ["POST"]),
+        route("/v1/rerank", embeddings_api.rerank, ["POST"]),
+        route("/v1/messages", generating(anthropic_api.messages), ["POST"]),
         route("/v1/messages/count_tokens", anthropic_api.count_tokens, ["POST"]),
         route("/tokenize", tokenize_api.tokenize, ["POST"]),
         route("/detokenize", tokenize_api.detokenize, ["POST"]),
