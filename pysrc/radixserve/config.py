@@ -52,7 +52,6 @@ REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     "--model-impl": "each architecture has one implementation",
     "--json-model-override-args": "the model's config.json is used as it is",
     "--model-loader-extra-config": "the loader takes no options (--load-format)",
-    "--is-embedding": "embedding models are not served",
     "--enable-multimodal": "only text models are served",
     "--completion-template": "completion (fill-in-the-middle) templates are not supported",
     "--hf-chat-template-name": "of a tokenizer's named templates, chats use 'default' and "
@@ -446,6 +445,30 @@ class ServerArgs:
         30.0, "seconds a grammar may take to compile before its request fails", metavar="SECONDS")
     grammar_cache_size: int = _flag(
         256, "compiled grammars kept (LRU), keyed by (kind, spec)", metavar="N")
+    # embeddings and reranking (engine/pooling.py, server/embeddings_api.py)
+    is_embedding: bool = _flag(
+        False, "serve the model for embeddings and reranking instead of generation: POST "
+        "/v1/embeddings (pooled final-norm hidden states, L2-normalised; OpenAI's API) and "
+        "/v1/rerank (each document's relevance to a query, from the model's yes / no logits "
+        "at the prompt's end, as Qwen3-Reranker scores); the generation routes answer 400; a "
+        "checkpoint without an LM head (an embedding model's backbone) loads, and serves "
+        "embeddings only", group="embeddings and reranking")
+    pooling_method: str = _flag(
+        "auto", "how /v1/embeddings pools the final-norm hidden states of a prompt: last (its "
+        "last token's: Qwen3-Embedding and other decoder embedders; a cached prefix is "
+        "reused), mean (the mean over every token; such prompts prefill from the start); "
+        "auto: what the model's sentence-transformers config says (modules.json and its "
+        "Pooling module's config.json), else last", choices=("auto", "last", "mean"))
+    rerank_template: str = _flag(
+        "qwen3", "how /v1/rerank makes a prompt of a query and a document: qwen3: "
+        "Qwen3-Reranker's (a system message asking for yes or no, then <Instruct>: ..., "
+        "<Query>: ..., <Document>: ... and an empty think block; a request's instruction "
+        "replaces the default one); concat: the query's tokens followed by the document's "
+        "(the client formats both, as vLLM's rerank examples do)", choices=("qwen3", "concat"))
+    rerank_token_ids: Optional[str] = _flag(
+        None, "the token ids whose logits at a rerank prompt's last position score it, as "
+        "YES,NO: the score is P(yes) = softmax over the two logits; default: the tokenizer's "
+        "single tokens \"yes\" and \"no\"", metavar="YES,NO")
     # speculative decoding without a draft model (engine/spec/, engine/scheduler/spec.py)
     speculative_algorithm: Optional[str] = _flag(
         None, "draft tokens without a draft model and verify them in one decode step: ngram "
@@ -626,6 +649,17 @@ class ServerArgs:
         raise ValueError(f"--chat-template takes the path of a Jinja file or Jinja text; {value!r} "
                          f"is neither (SGLang's built-in template names are not supported yet)")
 
+    def resolved_rerank_token_ids(self) -> Optional[Tuple[int, int]]:
+        """--rerank-token-ids as (yes id, no id), None when not given; ValueError naming the
+        flag for anything but two different non-negative integers."""
+        if self.rerank_token_ids is None:
+            return None
+        parts = [p.strip() for p in str(self.rerank_token_ids).split(",")]
+        if len(parts) != 2 or not all(p.isdigit() for p in parts) or parts[0] == parts[1]:
+            raise ValueError(f"--rerank-token-ids takes two different token ids as YES,NO "
+                             f"(e.g. 9693,2152), not {self.rerank_token_ids!r}")
+        return int(parts[0]), int(parts[1])
+
     def spec_draft_rows(self) -> int:
         """Draft positions a verify step may hold at most (0 without speculation): the
         runner's spare req_to_token rows, one per draft position (model/runner.py)."""
@@ -684,6 +718,13 @@ class ServerArgs:
             raise ValueError(f"--grammar-backend must be xgrammar, not {self.grammar_backend!r}")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1 token")
+        if self.pooling_method not in ("auto", "last", "mean"):
+            raise ValueError(f"--pooling-method must be auto, last or mean, not "
+                             f"{self.pooling_method!r}")
+        if self.rerank_template not in ("qwen3", "concat"):
+            raise ValueError(f"--rerank-template must be qwen3 or concat, not "
+                             f"{self.rerank_template!r}")
+        self.resolved_rerank_token_ids()
         if self.kv_events_config is not None:
             from radixserve.cache.kv_events import KVEventsConfig
             events = KVEventsConfig.parse(self.kv_events_config)

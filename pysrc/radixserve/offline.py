@@ -140,6 +140,68 @@ class Engine:
         results = await asyncio.wrap_future(self._submit(self._run_all(reqs)))
         return results[0] if single else results
 
+    # ------------------------------------------------------------------ embeddings, rerank
+    def embed(self, input: Union[str, List[str], List[int], List[List[int]]],
+              dimensions: Optional[int] = None) -> Union[List[float], List[List[float]]]:
+        """With is_embedding=True: the embedding of one input (a string or a token-id list) as
+        a list of floats, or of a list of them as a list of those, in order: pooled as
+        pooling_method says, truncated to `dimensions`, L2-normalised (what /v1/embeddings
+        returns; server/embeddings_api.py). Bad input raises ValueError."""
+        return self._submit(self._embed(input, dimensions)).result()
+
+    def rerank(self, query: str, documents: List[str], top_n: Optional[int] = None,
+               instruction: Optional[str] = None, return_documents: bool = True
+               ) -> List[Dict[str, Any]]:
+        """With is_embedding=True: the documents by relevance to query, best first, as
+        /v1/rerank's results ({"index", "relevance_score", "document": {"text"}}); top_n: the
+        best N only; instruction: the qwen3 rerank template's task line. Bad input raises
+        ValueError."""
+        return self._submit(self._rerank(query, documents, top_n, instruction,
+                                         return_documents)).result()
+
+    async def _embed(self, input, dimensions):
+        from radixserve.server import embeddings_api as E
+        engine = self.async_engine
+        single = isinstance(input, str) or (isinstance(input, list) and bool(input)
+                                            and isinstance(input[0], int))
+        inputs = [input] if single else list(input)
+        try:
+            E.require_embedding(engine, "embed()")
+            if not inputs:
+                raise ApiError("input is empty; send at least one input", 400, "input")
+            ids = await E.prompt_ids_of(engine, inputs, "input", single)
+            results = await E.embed_prompts(engine, ids, dimensions)
+        except ApiError as e:
+            if e.status != 400:
+                raise
+            raise ValueError(e.message) from None
+        vectors = [r.embedding for r in results]
+        return vectors[0] if single else vectors
+
+    async def _rerank(self, query, documents, top_n, instruction, return_documents):
+        from radixserve.server import embeddings_api as E
+        from radixserve.server import requests as R
+        engine = self.async_engine
+        try:
+            E.require_embedding(engine, "rerank()")
+            E.rerank_labels(engine)
+            if not isinstance(query, str) or not query:
+                raise ApiError("query must be a non-empty string", 400, "query")
+            docs = list(documents)
+            if not docs or not all(isinstance(d, str) and d for d in docs):
+                raise ApiError("documents must be a non-empty list of non-empty strings", 400,
+                               "documents")
+            ids = E.rerank_prompt_ids(engine, query, docs, instruction)
+            for k, p in enumerate(ids):
+                R.check_prompt_ids(p, engine.model_config.vocab_size, engine.context_len, 0,
+                                   f"documents[{k}]", f"documents[{k}]")
+            scores = await E.rerank_scores(engine, ids)
+        except ApiError as e:
+            if e.status != 400:
+                raise
+            raise ValueError(e.message) from None
+        return E.ranked(scores, docs, top_n, return_documents)
+
     # ------------------------------------------------------------------ the native API in-process
     def native(self, path: str, body: Optional[Dict[str, Any]] = None) -> Any:
         """The answer the server's native route `path` gives `body` (None for a GET), without

@@ -7,7 +7,7 @@ from starlette.testclient import TestClient
 from test_server_fake_engine import LOCAL, FakeEngine, sse_events
 
 from radixserve.server.app import create_app
-from radixserve.server.sagemaker_api import GENERATION_ROUTES, pick_route
+from radixserve.server.sagemaker_api import INVOCATION_KEYS, pick_route
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
@@ -82,7 +82,8 @@ def test_invocations_refuses_what_it_cannot_route_and_passes_route_errors_throug
     r = client.post("/invocations", json={"model": "fake", "question": "hi"})
     assert r.status_code == 400
     msg = r.json()["error"]["message"]
-    for word in ("'messages'", "'prompt'", "'text' or 'input_ids'", "/v1/chat/completions"):
+    for word in ("'messages'", "'prompt'", "'input'", "'documents'", "'text' or 'input_ids'",
+                 "/v1/chat/completions"):
         assert word in msg, msg
     # the chosen route's own validation answers, naming its field
     bad = client.post("/invocations", json={**CHAT, "temperature": "hot"})
@@ -95,9 +96,10 @@ def test_invocations_refuses_what_it_cannot_route_and_passes_route_errors_throug
 
 
 def test_pick_route_order_is_first_match():
-    both = {"messages": [], "prompt": "x"}
-    assert pick_route(both, GENERATION_ROUTES)[0] == "/v1/chat/completions"
-    assert pick_route({"input_ids": [1]}, GENERATION_ROUTES)[0] == "/generate"
+    handlers = {path: path for _, path in INVOCATION_KEYS}
+    assert pick_route({"messages": [], "prompt": "x"}, handlers)[0] == "/v1/chat/completions"
+    assert pick_route({"input_ids": [1]}, handlers)[0] == "/generate"
+    assert pick_route({"input": "x", "text": "y"}, handlers)[0] == "/v1/embeddings"
 
 
 # ------------------------------------------------------------------------------ custom roles

@@ -22,7 +22,7 @@ import dataclasses
 import gc
 import logging
 import os
-from typing import Any, AsyncIterator, Callable, Dict, Optional
+from typing import Any, AsyncIterator, Callable, Dict, Optional, Tuple
 
 from radixserve import knobs
 from radixserve.config import ModelConfig, ServerArgs
@@ -30,6 +30,8 @@ from radixserve.constrained import GrammarBackend
 from radixserve.engine import validation
 from radixserve.engine.io import GenerateOutput, GenerateReqInput
 from radixserve.engine.pipeline import ThreadedExecutor
+from radixserve.engine.pooling import (POOLING_METHODS, rerank_label_ids,
+                                       resolve_pooling_method)
 from radixserve.engine.req import FinishReason, Req
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.thread_cpu import ThreadCPU
@@ -114,8 +116,30 @@ class AsyncEngine:
         self.served_model_name = (server_args.served_model_name
                                   or os.path.basename(os.path.normpath(self.model_path)))
         self.context_len = check_context_length(server_args.context_length, self.model_config)
+        # --is-embedding (engine/pooling.py): /v1/embeddings' pooling, the reranker's yes / no
+        # token ids (None, and why in rerank_unavailable, where there are none)
+        self.pooling_method: Optional[str] = None
+        self.rerank_labels: Optional[Tuple[int, int]] = None
+        self.rerank_unavailable: Optional[str] = "the server was started without --is-embedding"
+        if server_args.is_embedding:
+            self.pooling_method = resolve_pooling_method(server_args.pooling_method,
+                                                         self.model_path)
+            self.rerank_labels, self.rerank_unavailable = rerank_label_ids(
+                self.tokenizer, server_args.resolved_rerank_token_ids(),
+                self.model_config.vocab_size)
         self.runner = ModelRunner(server_args, self.model_config, self.model_path,
                                   context_len=self.context_len)
+        shards = getattr(self.runner.model, "shards", None) or [self.runner.model]
+        # False for a checkpoint without its LM head (--is-embedding loads one): no logits
+        self.lm_head_loaded = all(getattr(m, "lm_head_loaded", True) for m in shards)
+        if server_args.is_embedding:
+            if not self.lm_head_loaded:
+                self.rerank_labels = None
+                self.rerank_unavailable = ("the checkpoint has no LM head (an embedding model's "
+                                           "backbone): /v1/rerank needs a reranker's logits")
+            logger.info("serving embeddings (--is-embedding): %s-token pooling; rerank %s",
+                        self.pooling_method, f"scores P(yes) over token ids {self.rerank_labels}"
+                        if self.rerank_labels else f"off: {self.rerank_unavailable}")
         self.executor = ThreadedExecutor(self.runner)     # the pipeline's: started by start()
         self.scheduler = Scheduler(server_args, self.runner, tokenizer=self.tokenizer,
                                    detokenizer_factory=self._make_detokenizer,
@@ -244,6 +268,7 @@ class AsyncEngine:
         sp = req.sampling_params
         if not sp.verified:
             sp.verify()
+        self._check_pool(req)
         ids = req.input_ids
         n = len(ids)
         vocab = self.model_config.vocab_size
@@ -268,6 +293,38 @@ class AsyncEngine:
                 raise ValueError("logprob_start_len must be -1 (no prompt logprobs) or >= 0")
             if not 0 <= req.top_logprobs_num <= vocab:
                 raise ValueError(f"top_logprobs_num must be in [0, {vocab}]")
+
+    def _check_pool(self, req: GenerateReqInput) -> None:
+        """A pooling request (req.pool) only with --is-embedding, and nothing else with it; its
+        PoolParams within the model (dimensions, label token ids) and no tokens to generate."""
+        pool, embedding = req.pool, self.server_args.is_embedding
+        if pool is None and embedding:
+            raise RequestError(f"{self.served_model_name} is served for embeddings "
+                               f"(--is-embedding): generation is off; use /v1/embeddings or "
+                               f"/v1/rerank")
+        if pool is None:
+            return
+        if not embedding:
+            raise RequestError("embeddings and reranking need a server started with "
+                               "--is-embedding")
+        if pool.method not in POOLING_METHODS:
+            raise RequestError(f"pooling method {pool.method!r} is not one of "
+                               f"{', '.join(POOLING_METHODS)}", param="pool")
+        hidden = self.model_config.hidden_size
+        if pool.dimensions is not None and not 1 <= pool.dimensions <= hidden:
+            raise RequestError(f"dimensions must be between 1 and the model's hidden size "
+                               f"{hidden}, got {pool.dimensions}", param="dimensions")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in pool.label_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"label token id {bad} is outside the vocabulary [0, {vocab})",
+                               param="label_ids")
+        if pool.label_ids and not self.lm_head_loaded:
+            raise RequestError("the checkpoint has no LM head (an embedding model's backbone): "
+                               "no logits can be read", param="label_ids")
+        if req.sampling_params.max_new_tokens != 0:
+            raise RequestError("a pooling request generates no tokens: max_new_tokens must be "
+                               "0", param="max_new_tokens")
 
     def check_capacity(self, num_new: int) -> None:
         """Raise EngineOverloaded when num_new more sequences would take the waiting queue past
@@ -309,7 +366,8 @@ class AsyncEngine:
                 logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                 top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                 return_text_in_logprobs=req.return_text_in_logprobs, stream=req.stream,
-                sink=queue.put_nowait, client_id=req.client_id, cache_salt=req.cache_salt)
+                sink=queue.put_nowait, client_id=req.client_id, cache_salt=req.cache_salt,
+                pool=req.pool)
         r.grammar = grammar
         self.scheduler.add_request(r)
         self._wakeup.set()
@@ -374,6 +432,7 @@ class AsyncEngine:
             "dtype": str(self.runner.dtype).replace("torch.", ""),
             "quantization": quantization_name(self.runner.model),
             "prefix_cache": type(self.scheduler.cache).__name__,
+            "pooling_method": self.pooling_method,      # None unless --is-embedding
             "model": {"architecture": mc.architecture, "vocab_size": mc.vocab_size,
                       "hidden_size": mc.hidden_size, "num_hidden_layers": mc.num_hidden_layers,
                       "num_attention_heads": mc.num_attention_heads,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from radixserve.engine.pooling import PoolParams
 from radixserve.sampling.params import SamplingParams
 
 # One logprob entry: (logprob, token_id, token_text or None)
@@ -26,6 +27,9 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     client_id: Optional[str] = None           # who sent it (fairness: --max-running-requests-per-client)
     cache_salt: Optional[str] = None          # prefix sharing only among requests of the same salt
+    # a pooling request (--is-embedding, engine/pooling.py): prefilled only, never decoded
+    # (sampling_params.max_new_tokens 0); its last output carries embedding / label_logits
+    pool: Optional[PoolParams] = None
 
 
 @dataclass
@@ -47,6 +51,10 @@ class GenerateOutput:
     input_top_logprobs: Optional[List[List[LogprobEntry]]] = None
     queue_time_s: Optional[float] = None      # once, with the first output: arrival in the engine -> first admission
     output_ids_rollback: int = 0
+    # a pooling request's result, with its last output (engine/pooling.py): the embedding
+    # (truncated and normalised as its PoolParams say) and the logits of its label_ids
+    embedding: Optional[List[float]] = None
+    label_logits: Optional[List[float]] = None
 
 
 def apply_ids_delta(ids: List[int], out: GenerateOutput) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 import torch
 
 from radixserve.engine.io import GenerateOutput, LogprobEntry
+from radixserve.engine.pooling import PoolParams, PoolState
 from radixserve.sampling.params import SamplingParams
 
 
@@ -102,7 +103,7 @@ class Req:
                  return_text_in_logprobs: bool = False, stream: bool = False,
                  sink: Optional[Callable[[GenerateOutput], None]] = None,
                  detokenizer: Any = None, client_id: Optional[str] = None,
-                 cache_salt: Optional[str] = None):
+                 cache_salt: Optional[str] = None, pool: Optional[PoolParams] = None):
         self.rid = rid
         self._salt_offset = salt_offset(cache_salt)
         self.client_id = client_id                    # fairness key (None: one anonymous client)
@@ -111,6 +112,10 @@ class Req:
         self.sampling_params = sampling_params
         self.max_new_tokens = max_new_tokens          # resolved (never None)
         self.stream = stream
+        # a pooling request (engine/pooling.py): prefilled only, then finished with its pooled
+        # hidden state (pool_state, summed over the steps that pool its rows)
+        self.pool = pool
+        self.pool_state: Optional[PoolState] = PoolState() if pool is not None else None
         # sampling: the seed is fixed at admission so a retracted request keeps its stream
         self.seed: Optional[int] = sampling_params.seed
         # prefix-cache match and KV bookkeeping (see the module docstring)
@@ -214,7 +219,10 @@ class Req:
     def max_prefix_len(self) -> int:
         """How many leading fill tokens may come from the cache: the last one is always computed
         (its logits give the next token), and prompt logprobs need logits from position
-        logprob_start_len - 1 on (a token's logprob comes from the previous position)."""
+        logprob_start_len - 1 on (a token's logprob comes from the previous position). A
+        mean-pooling request takes none: it needs every token's hidden state."""
+        if self.pool is not None and not self.pool.takes_prefix:
+            return 0
         limit = self.seq_len - 1
         if self.wants_prompt_logprobs and not self.prompt_logprobs_done:
             limit = min(limit, max(self.logprob_start_len - 1, 0))

@@ -26,7 +26,10 @@ class ScheduleBatch:
     step. from_device[i]: its one input token is the id its previous step sampled, still on the
     device (decode rows). sample[i]: the step ends req i's prefill (or is a decode), so a token
     is drawn from its last position, at output offset offsets[i]. prompt_lp[i]: positions
-    [p0, p1) whose logits give prompt logprobs of tokens p0+1 .. p1."""
+    [p0, p1) whose logits give prompt logprobs of tokens p0+1 .. p1. A pooling request
+    (engine/pooling.py) never samples: pool_spans[i] = (offset in its extend, count) are the
+    rows whose hidden states it pools this step (None: none), pool_final[i] says the step
+    ends its prompt (it finishes when the step is processed)."""
     mode: ForwardMode
     reqs: List[Req] = field(default_factory=list)
     extend_starts: List[int] = field(default_factory=list)
@@ -39,14 +42,19 @@ class ScheduleBatch:
     # per req, [extend_len] int64 CPU; None in a decode batch, whose slots are decode_slots
     new_slots: List[Optional[torch.Tensor]] = field(default_factory=list)
     decode_slots: Optional[torch.Tensor] = None                   # decode: all new slots, [B]
+    pool_spans: List[Optional[Tuple[int, int]]] = field(default_factory=list)
+    pool_final: List[bool] = field(default_factory=list)
     # speculative verify steps (engine/scheduler/spec.py): per req, the draft tokens that
     # follow its last token this step ([] for none); None when the batch verifies nothing
     drafts: Optional[List[List[int]]] = None
     step_input: Optional[StepInput] = None                        # set by Scheduler.schedule()
 
     def add(self, req: Req, start: int, length: int, slots: Optional[torch.Tensor], sample: bool,
-            prompt_lp: Optional[Tuple[int, int]] = None, from_device: bool = False) -> None:
+            prompt_lp: Optional[Tuple[int, int]] = None, from_device: bool = False,
+            pool_span: Optional[Tuple[int, int]] = None, pool_final: bool = False) -> None:
         self.reqs.append(req)
+        self.pool_spans.append(pool_span)
+        self.pool_final.append(pool_final)
         self.extend_starts.append(start)
         self.extend_lens.append(length)
         self.from_device.append(from_device)
@@ -75,6 +83,11 @@ class ScheduleBatch:
     def verifies(self) -> bool:
         """Some row verifies a draft (a speculative verify step)."""
         return self.drafts is not None
+
+    def ends_prompt(self, i: int) -> bool:
+        """reqs[i]'s prompt ends in this step: it samples there, or it is a pooling request
+        whose prompt's last chunk this is."""
+        return self.sample[i] or self.pool_final[i]
 
     def num_samples(self, i: int) -> int:
         """Sampling rows of reqs[i] this step: 0, 1, or len(draft) + 1 for a verify row."""
@@ -190,6 +203,11 @@ class ScheduleBatch:
                 step.prompt_counts.append(0)
             if self.sample[i]:
                 sample_rows.append(base + n - 1)
+            span = self.pool_spans[i]
+            if span is not None:
+                step.pool_starts.append(base + span[0])
+                step.pool_counts.append(span[1])
+                step.pool_labels.append(list(req.pool.label_ids) if self.pool_final[i] else [])
             base += n
         step.input_ids, step.positions = input_ids, positions
         step.extend_lens = list(self.extend_lens)

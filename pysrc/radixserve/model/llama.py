@@ -14,7 +14,9 @@ Contract of a model built here (see LlamaForCausalLM):
   * load_weights(named tensors in HF naming) fills the parameters; q/k/v and gate/up are fused
     here (qkv_proj, gate_up_proj) and loaded by slicing (a tensor-parallel shard copies only its
     rank's slice). weight_loader() is the same, fed one tensor at a time (several shards from
-    one read of each tensor: model/loader.load_model_shards).
+    one read of each tensor: model/loader.load_model_shards). A backbone saved without the LM
+    wrapper (HF's Qwen3Model ..., embedding models) loads too: its names lack "model."; without
+    an LM head in the checkpoint, lm_head_loaded is False and compute_logits must not be used.
 
 Tensor parallelism: the layers take (tp_rank, tp_size) and hold only their rank's slice (heads
 for attention, intermediate columns for the MLP, vocabulary rows for embedding and LM head);
@@ -619,6 +621,9 @@ class LlamaModel(nn.Module):
 # (fused parameter, HF name, shard id)
 _STACKED_PARAMS = (("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
                    ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+# a backbone saved without its causal-LM wrapper (HF's Qwen3Model / LlamaModel ..., e.g.
+# Qwen3-Embedding's checkpoints) names these without the "model." prefix
+_BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 # checkpoint entries that carry no parameter of ours (recomputed buffers)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # FP8 checkpoints' KV-cache scales: ModelOpt writes self_attn.k_proj.k_scale, compressed-tensors
@@ -680,6 +685,9 @@ class LlamaForCausalLM(nn.Module):
         mlp_bias = bool(config.hf_config.get("mlp_bias", False))
         self.model = LlamaModel(config, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size,
                                 self.qk_norm, quant_config)
+        # False when the checkpoint had no LM head (model/loader.py: lm_head_optional, an
+        # embedding model's backbone): compute_logits must not be used then
+        self.lm_head_loaded = True
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -753,6 +761,8 @@ class WeightLoader:
         model, params, loaded, pending = self.model, self.params, self.loaded, self.pending
         if name.endswith(_IGNORED_SUFFIXES):
             return
+        if name.startswith(_BARE_PREFIXES):
+            name = "model." + name
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             return
         name = _KV_OUTPUT_SCALE_NAME.sub(r".\1_scale", name)   # older: k_proj.output_scale
@@ -848,6 +858,13 @@ MODEL_REGISTRY: Dict[str, Type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    # backbones saved without the LM wrapper (HF's AutoModel; embedding models): the same
+    # decoder, its weights named without "model." (WeightLoader), the LM head usually absent
+    # (model/loader.py: lm_head_optional, --is-embedding)
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": MistralForCausalLM,
+    "Qwen2Model": Qwen2ForCausalLM,
+    "Qwen3Model": Qwen3ForCausalLM,
 }
 
 

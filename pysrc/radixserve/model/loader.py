@@ -94,7 +94,8 @@ def _init_dummy(model: nn.Module, seed: int = 0) -> None:
 
 
 def load_model(model_path: str, model_config: ModelConfig, load_format: str,
-               dtype: torch.dtype, device: str, quantization: Optional[str] = None) -> nn.Module:
+               dtype: torch.dtype, device: str, quantization: Optional[str] = None,
+               lm_head_optional: bool = False) -> nn.Module:
     """Build the model for model_config on device in dtype and fill its weights; eval mode.
 
     load_format: "auto"/"safetensors" read model_path's safetensors (sharded or not), checking
@@ -103,15 +104,18 @@ def load_model(model_path: str, model_config: ModelConfig, load_format: str,
     checkpoint's quantization_config it decides the FP8 layers (quant/fp8.py:
     resolve_quant_config); model.quant_config says what was built. Raises ValueError for an
     unknown format, architecture or quantization method, missing or unexpected tensors, or
-    tensors of the wrong shape or dtype.
+    tensors of the wrong shape or dtype. lm_head_optional (--is-embedding): a checkpoint
+    without lm_head.weight (an embedding model's backbone, e.g. Qwen3-Embedding) loads, with
+    model.lm_head_loaded False (its LM head is not the checkpoint's: no logits may be read).
     """
     return load_model_shards(model_path, model_config, load_format, dtype, [device],
-                             quantization)[0]
+                             quantization, lm_head_optional)[0]
 
 
 def load_model_shards(model_path: str, model_config: ModelConfig, load_format: str,
                       dtype: torch.dtype, devices: Sequence[Union[str, torch.device]],
-                      quantization: Optional[str] = None) -> List[nn.Module]:
+                      quantization: Optional[str] = None,
+                      lm_head_optional: bool = False) -> List[nn.Module]:
     """load_model for tensor parallelism: one shard per device, shard r built with (tp_rank r,
     tp_size len(devices)) on devices[r], so it allocates only its slices (heads, MLP columns,
     vocabulary rows; norms and the row-parallel biases whole). Safetensors: each tensor is read
@@ -148,6 +152,14 @@ def load_model_shards(model_path: str, model_config: ModelConfig, load_format: s
                 loader.feed(name, tensor)
         for shard, loader in zip(shards, loaders):
             missing = shard.expected_weights() - loader.finish()
+            if missing == {("lm_head.weight", 0)}:
+                if lm_head_optional:
+                    shard.lm_head_loaded = False
+                    missing = set()
+                else:
+                    raise ValueError(f"checkpoint in {model_path!r} has no lm_head.weight (an "
+                                     f"embedding model's backbone?); serve it with "
+                                     f"--is-embedding, or give a checkpoint with its LM head")
             if missing:
                 names = sorted(f"{n}[{s}]" if s else n for n, s in missing)
                 raise ValueError(f"checkpoint in {model_path!r} lacks {len(names)} tensors, e.g. "

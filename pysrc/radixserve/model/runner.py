@@ -77,6 +77,7 @@ class PendingStep:
         self._prompt = prompt              # (per-request logprobs, tops), computed at launch
         self.prev_end = None               # the previous step's end event (idle_before)
         self.masked = None                 # (logits, ...) while it waits for its grammar mask
+        self.pooled = None                 # {"pooled", "labels"} host tensors (pooling spans)
 
     @property
     def needs_mask(self) -> bool:
@@ -106,7 +107,17 @@ class PendingStep:
         lp, tops, finite = sampler.host_result(inputs, ids, logprobs, top_v, top_i)
         per_lp, per_top = self._prompt or ([[] for _ in range(self.step.batch_size)],
                                            [None] * self.step.batch_size)
-        return StepOutput(SampleResult(ids, lp, tops, finite), per_lp, per_top, device_time, idle)
+        pooled, pool_logits = None, []
+        if self.pooled is not None:
+            pooled = self.pooled["pooled"]
+            flat = self.pooled["labels"].tolist()
+            pos = 0
+            for labels in self.step.pool_labels:
+                pool_logits.append(flat[pos:pos + len(labels)])
+                pos += len(labels)
+            self.pooled = None
+        return StepOutput(SampleResult(ids, lp, tops, finite), per_lp, per_top, device_time, idle,
+                          pooled, pool_logits)
 
 
 class ModelRunner:
@@ -139,10 +150,12 @@ class ModelRunner:
             from radixserve.model.tensor_parallel import load_tp_model
 
             model = load_tp_model(model_path, model_config, server_args.load_format, self.dtype,
-                                  self.device, self.tp_size, server_args.quantization)
+                                  self.device, self.tp_size, server_args.quantization,
+                                  lm_head_optional=server_args.is_embedding)
         elif model is None:
             model = load_model(model_path, model_config, server_args.load_format, self.dtype,
-                               self.device, server_args.quantization)
+                               self.device, server_args.quantization,
+                               lm_head_optional=server_args.is_embedding)
         if getattr(model, "tp_size", 1) != self.tp_size:
             raise ValueError(f"--tp-size {self.tp_size}, but the model given is split "
                              f"{getattr(model, 'tp_size', 1)} ways")
@@ -212,6 +225,8 @@ class ModelRunner:
         from radixserve.ops._ext import kernels_available
 
         if self.server_args.disable_cuda_graph or self.device.type != "cuda":
+            return False
+        if self.server_args.is_embedding:     # pooling requests are never decoded
             return False
         group = getattr(self.model, "group", None)
         if group is not None and group.backend != "nccl":
@@ -301,10 +316,12 @@ class ModelRunner:
                 logits = self._decode_logits(step, ints)            # [B, vocab] float32
                 pool_rows = ints["rows"]
             else:
-                logits, prompt = self._extend_logits(step, ints)    # [S, vocab] float32
+                logits, prompt, pooled = self._extend_logits(step, ints)   # [S, vocab] float32
                 pool_rows = ints["sample_rows"]
             pending = PendingStep(step, {}, events, (ints, floats), 0.0, prompt)
             pending.prev_end = self._last_end
+            if step.pool_counts:                  # before the end event, on the same stream
+                pending.pooled = self._to_host(pooled)
             if step.sampling.grammar_rows and logits is not None:
                 pending.masked = (logits, pool_rows, ints, floats)
             else:
@@ -357,6 +374,14 @@ class ModelRunner:
             ints.add("logits_indices", step.logits_indices)
             ints.add("sample_rows", step.sample_rows)
             ints.add("prompt_targets", step.prompt_targets)
+            if step.pool_counts:         # pooling spans (engine/pooling.py)
+                ints.add("pool_starts", step.pool_starts)
+                ints.add("pool_counts", step.pool_counts)
+                labelled = [p for p, labels in enumerate(step.pool_labels) if labels]
+                ints.add("pool_labelled", labelled)
+                ints.add("pool_label_pos", [q for q, p in enumerate(labelled)
+                                            for _ in step.pool_labels[p]])
+                ints.add("pool_label_ids", [t for labels in step.pool_labels for t in labels])
         if step.spec_counts:             # speculative verify steps only (DECODE)
             ints.add("spec_tokens", step.spec_tokens)
             ints.add("spec_src", step.spec_src)
@@ -383,8 +408,8 @@ class ModelRunner:
 
     def _extend_logits(self, step: StepInput, ints: Upload):
         """Forward of an extend (or mixed) step: logits of the sampling rows (a verify row's
-        k + 1 among them), and the prompt logprobs (read back to the host here: prompt
-        logprobs come only with extend steps)."""
+        k + 1 among them), the prompt logprobs (read back to the host here: prompt
+        logprobs come only with extend steps), and the pooling spans' results (_pool)."""
         bs = step.batch_size
         input_ids = ints["input_ids"]
         if step.resolve_pos:
@@ -399,16 +424,53 @@ class ModelRunner:
         fb = ForwardBatch(step.mode, bs, input_ids, ints["positions"], ints["out_cache_loc"],
                           ints["qo_indptr"].to(torch.int32), kv_indptr, kv_indices,
                           ints["seq_lens"].to(torch.int32), ints["logits_indices"], self.kv_pool)
-        if not step.logits_indices:
+        if not step.logits_indices and not step.pool_counts:
             self.model(fb)     # a chunk that only fills the KV cache
-            return None, None
-        hidden = self.forward_hidden(fb)                             # [rows, hidden]
+            return None, None, None
+        hidden_all = self.model(fb)                                  # [T, hidden]
+        pooled = self._pool(step, ints, hidden_all) if step.pool_counts else None
+        if not step.logits_indices:
+            return None, None, pooled
+        hidden = hidden_all.index_select(0, fb.logits_indices)      # [rows, hidden]
         n_prompt = step.num_prompt_rows
         logits = self.compute_logits(hidden[n_prompt:]) if step.sample_rows else None
         prompt = None
         if n_prompt:
             prompt = self._prompt_logprobs(step, hidden[:n_prompt], ints["prompt_targets"])
-        return logits, prompt
+        return logits, prompt, pooled
+
+    def _pool(self, step: StepInput, ints: Upload, hidden: torch.Tensor) -> dict:
+        """The pooling spans of an extend step (StepInput: pool_starts / pool_counts /
+        pool_labels) over its final-norm hidden states [T, hidden]: {"pooled": [P, hidden]
+        float32, each span's sum over its rows; "labels": [L] float32, the label tokens'
+        logits at each labelled span's last row, spans in order}. On the device."""
+        starts, counts = ints["pool_starts"], ints["pool_counts"]           # [P], [P]
+        p, n = len(step.pool_counts), sum(step.pool_counts)
+        seg = torch.repeat_interleave(torch.arange(p, device=hidden.device), counts,
+                                      output_size=n)                          # [N] span
+        first = torch.cumsum(counts, 0) - counts                              # [P]
+        rows = starts.index_select(0, seg) + torch.arange(n, device=hidden.device) \
+            - first.index_select(0, seg)                                      # [N] token row
+        pooled = torch.zeros(p, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        pooled.index_add_(0, seg, hidden.index_select(0, rows).float())
+        labels = torch.empty(0, dtype=torch.float32, device=hidden.device)
+        if any(step.pool_labels):
+            last = (starts + counts - 1).index_select(0, ints["pool_labelled"])   # [Q] token row
+            logits = self.compute_logits(hidden.index_select(0, last))            # [Q, vocab]
+            labels = logits[ints["pool_label_pos"], ints["pool_label_ids"]]      # [L]
+        return {"pooled": pooled, "labels": labels}
+
+    def _to_host(self, device: dict) -> dict:
+        """Start copies of device tensors to pinned host memory (the step's stream, before its
+        end event); on the CPU the tensors themselves."""
+        if self.device.type != "cuda":
+            return device
+        host = {}
+        for name, t in device.items():
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            host[name] = h
+        return host
 
     def _verify_next(self, step: StepInput, ids: torch.Tensor, pool_rows: torch.Tensor,
                      ints: Upload) -> None:

@@ -17,7 +17,7 @@ its packing into the step's upload and the tensors the sampler takes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,6 +55,11 @@ class StepInput:
       of the request's row to its true next token: the sample at the first position j whose
       sample differs from d[j], else the last (bonus) sample; the host accepts the same
       tokens from StepOutput.sample.
+    Pooling (EXTEND only; engine/pooling.py): P spans of the step's token rows, each one
+      pooling request's. pool_starts [P] the span's first row (in the step's token order),
+      pool_counts [P] its rows; the runner returns each span's sum of final-norm hidden
+      states (StepOutput.pooled) and, for pool_labels[p] (token ids, [] for none), their
+      logits at the span's last row (StepOutput.pool_logits). Pooling rows never sample.
     """
     mode: ForwardMode
     batch_size: int
@@ -80,6 +85,9 @@ class StepInput:
     spec_src: List[int] = field(default_factory=list)         # [R]
     spec_counts: List[int] = field(default_factory=list)      # [V]
     spec_sample: List[int] = field(default_factory=list)      # [V]
+    pool_starts: List[int] = field(default_factory=list)      # [P]
+    pool_counts: List[int] = field(default_factory=list)      # [P]
+    pool_labels: List[List[int]] = field(default_factory=list)   # [P] x its label ids
 
 
 class SampleResult(NamedTuple):
@@ -93,9 +101,13 @@ class StepOutput(NamedTuple):
     """Host values of one step: the sampled rows (batch order), prompt logprobs per request
     (empty / None for requests without), the step's device time in seconds, and idle_before:
     seconds the device's step stream sat idle between the previous step's end and this step's
-    start (CUDA events; 0.0 on the CPU and for the first step)."""
+    start (CUDA events; 0.0 on the CPU and for the first step). pooled [P, hidden] float32
+    CPU: each pooling span's summed hidden states (StepInput.pool_starts), None without
+    spans; pool_logits [P]: each span's label logits (StepInput.pool_labels)."""
     sample: SampleResult
     prompt_logprobs: List[List[float]]
     prompt_top_logprobs: List[Optional[List[List[Tuple[float, int]]]]]
     device_time: float
     idle_before: float = 0.0
+    pooled: Optional[torch.Tensor] = None
+    pool_logits: Sequence[List[float]] = ()

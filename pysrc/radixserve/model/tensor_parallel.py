@@ -178,12 +178,15 @@ def rank_devices(device: torch.device, tp_size: int) -> List[torch.device]:
 
 def load_tp_model(model_path: str, model_config: ModelConfig, load_format: str,
                   dtype: torch.dtype, device: torch.device, tp_size: int,
-                  quantization: Optional[str] = None) -> TensorParallelModel:
+                  quantization: Optional[str] = None,
+                  lm_head_optional: bool = False) -> TensorParallelModel:
     """The model of model_path as tp_size shards (model/loader.load_model_shards: each rank
-    holds and copies only its slices) on rank_devices(device, tp_size)."""
+    holds and copies only its slices) on rank_devices(device, tp_size); lm_head_optional: as
+    load_model_shards'."""
     from radixserve.model.loader import load_model_shards
 
     check_tp_size(model_config, tp_size)
     shards = load_model_shards(model_path, model_config, load_format, dtype,
-                               rank_devices(device, tp_size), quantization)
+                               rank_devices(device, tp_size), quantization,
+                               lm_head_optional=lm_head_optional)
     return TensorParallelModel(shards)

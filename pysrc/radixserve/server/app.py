@@ -25,9 +25,9 @@ from starlette.routing import Route
 
 from radixserve.config import ServerArgs
 from radixserve.errors import ApiError
-from radixserve.server import (anthropic_api, anthropic_render, anthropic_schemas, native_api,
-                               openai_api, openapi, responses_api, sagemaker_api, score_api,
-                               tokenize_api)
+from radixserve.server import (anthropic_api, anthropic_render, anthropic_schemas,
+                               embeddings_api, native_api, openai_api, openapi, responses_api,
+                               sagemaker_api, score_api, tokenize_api)
 from radixserve.server import dashboard as dashboard_module
 from radixserve.server.jsonio import error_response
 from radixserve.server.security import (ClientView, Door, DoorPolicy, ErrorRenderer, RequestOwners,
@@ -89,37 +89,51 @@ def create_app(engine, policy: Optional[DoorPolicy] = None) -> Starlette:
         return Route(path, _guarded(handler, engine, ERROR_SHAPES.get(path, error_response)),
                      methods=methods)
 
-    routes = [
-        route("/v1/chat/completions", openai_api.chat_completions, ["POST"]),
-        route("/v1/completions", openai_api.completions, ["POST"]),
-        route("/v1/responses", responses_api.create_response, ["POST"]),
-        route("/v1/responses/{response_id}", responses_api.stored_response, ["GET", "DELETE"]),
-        route("/v1/models", openai_api.list_models, ["GET"]),
-        route("/v1/models/{model_id:path}", openai_api.retrieve_model, ["GET"]),
-        route("/generate", native_api.generate, ["POST"]),
-        route("/v1/score", score_api.score, ["POST"]),
-        route("/v1/messages", anthropic_api.messages, ["POST"]),
-        route("/v1/messages/count_tokens", anthropic_api.count_tokens, ["POST"]),
-        route("/tokenize", tokenize_api.tokenize, ["POST"]),
-        route("/detokenize", tokenize_api.detokenize, ["POST"]),
-        route("/health", native_api.health, ["GET"]),
-        route("/health_generate", native_api.health_generate, ["GET"]),
-        route("/get_model_info", native_api.get_model_info, ["GET"]),
-        route("/get_server_info", native_api.get_server_info, ["GET"]),
+    def generating(handler: Handler) -> Handler:
+        """A generation route: a 400 on a --is-embedding server (embeddings_api)."""
+        async def gated(request: Request, view) -> Response:
+            refused = embeddings_api.generation_off(engine)
+            if refused is not None:
+                raise refused
+            return await handler(request, view)
+        gated.__name__ = handler.__name__
+        return gated
+
+    handlers = {                 # path -> (handler, methods)
+        "/v1/chat/completions": (generating(openai_api.chat_completions), ["POST"]),
+        "/v1/completions": (generating(openai_api.completions), ["POST"]),
+        "/v1/responses": (generating(responses_api.create_response), ["POST"]),
+        "/v1/responses/{response_id}": (responses_api.stored_response, ["GET", "DELETE"]),
+        "/v1/models": (openai_api.list_models, ["GET"]),
+        "/v1/models/{model_id:path}": (openai_api.retrieve_model, ["GET"]),
+        "/generate": (generating(native_api.generate), ["POST"]),
+        "/v1/score": (generating(score_api.score), ["POST"]),
+        "/v1/embeddings": (embeddings_api.embeddings, ["POST"]),
+        "/v1/rerank": (embeddings_api.rerank, ["POST"]),
+        "/v1/messages": (generating(anthropic_api.messages), ["POST"]),
+        "/v1/messages/count_tokens": (anthropic_api.count_tokens, ["POST"]),
+        "/tokenize": (tokenize_api.tokenize, ["POST"]),
+        "/detokenize": (tokenize_api.detokenize, ["POST"]),
+        "/health": (native_api.health, ["GET"]),
+        "/health_generate": (native_api.health_generate, ["GET"]),
+        "/get_model_info": (native_api.get_model_info, ["GET"]),
+        "/get_server_info": (native_api.get_server_info, ["GET"]),
         # the worker surface of SGLang's model gateway (native_api's docstring): its names
-        route("/model_info", native_api.get_model_info, ["GET"]),
-        route("/server_info", native_api.get_server_info, ["GET"]),
-        route("/v1/loads", native_api.get_loads, ["GET"]),
-        route("/get_load", native_api.get_load, ["GET"]),
-        route("/flush_cache", native_api.flush_cache, ["POST"]),
-        route("/abort_request", native_api.abort_request, ["POST"]),
-        route("/metrics", native_api.metrics, ["GET"]),
-        route("/openapi.json", openapi.openapi_json, ["GET"]),
-        # SageMaker's entry points, as vLLM serves them (server/sagemaker_api.py)
-        route("/ping", sagemaker_api.ping, ["GET", "POST"]),
-        route("/invocations", sagemaker_api.invocations_handler(sagemaker_api.GENERATION_ROUTES),
-              ["POST"]),
-    ]
+        "/model_info": (native_api.get_model_info, ["GET"]),
+        "/server_info": (native_api.get_server_info, ["GET"]),
+        "/v1/loads": (native_api.get_loads, ["GET"]),
+        "/get_load": (native_api.get_load, ["GET"]),
+        "/flush_cache": (native_api.flush_cache, ["POST"]),
+        "/abort_request": (native_api.abort_request, ["POST"]),
+        "/metrics": (native_api.metrics, ["GET"]),
+        "/openapi.json": (openapi.openapi_json, ["GET"]),
+        # SageMaker's entry points, as vLLM serves them (server/sagemaker_api.py): /invocations
+        # hands a body to one of the handlers above, gates included
+        "/ping": (sagemaker_api.ping, ["GET", "POST"]),
+    }
+    handlers["/invocations"] = (sagemaker_api.invocations_handler(
+        {path: handler for path, (handler, _) in handlers.items()}), ["POST"])
+    routes = [route(path, handler, methods) for path, (handler, methods) in handlers.items()]
     # --enable-dashboard: the cache dashboard and advisor (server/dashboard.py); 404s without
     dashboard = None
     if getattr(engine.server_args, "enable_dashboard", False):

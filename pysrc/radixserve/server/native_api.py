@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from radixserve.engine.io import GenerateReqInput, expand_requests
+from radixserve.engine.pooling import PoolParams
 from radixserve.errors import ApiError, bad_request
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import render as O
@@ -157,6 +158,9 @@ async def health_generate(request: Request, engine) -> Response:
     ids = engine.tokenizer.encode("hi", add_special_tokens=False) or [0]
     req = GenerateReqInput(rid=f"health-{uuid.uuid4().hex}", input_ids=ids[:1],
                            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
+    if getattr(engine.server_args, "is_embedding", False):     # a pooling request instead
+        req.sampling_params = SamplingParams(max_new_tokens=0, temperature=0.0)
+        req.pool = PoolParams(method=getattr(engine, "pooling_method", None) or "last")
     results = [O.SeqResult(0, req.input_ids)]
     try:
         # not through validate_all (no queue-capacity refusal): the engine validates it
@@ -184,7 +188,7 @@ def model_info(engine) -> dict:
         "tokenizer_path": (args.tokenizer_path or engine.model_path) if expose
         else engine.served_model_name,
         "served_model_name": engine.served_model_name,
-        "is_generation": True,
+        "is_generation": not getattr(args, "is_embedding", False),
         "architecture": engine.model_config.architecture,
         # SGLang's names, as the model gateway reads them (discover_metadata.rs, ModelInfo)
         "architectures": [engine.model_config.architecture],
@@ -221,12 +225,14 @@ def server_info_body(engine) -> dict:
     discover_metadata.rs, where a field of another type drops the whole answer): the model's
     shape moves from "model" (which the gateway reads as a string alias of model_id) to
     "model_config"; dp_size is this server's own (1: each replica of --dp-size is a server of
-    one); context_length is the effective context; pp_size 1, is_embedding false,
+    one); context_length is the effective context; pp_size 1, is_embedding (--is-embedding),
     disaggregation_mode "null" as SGLang reports them."""
     info = dict(engine.server_info())
     if isinstance(info.get("model"), dict):
         info["model_config"] = info.pop("model")
-    info.update(dp_size=1, pp_size=1, is_embedding=False, disaggregation_mode="null",
+    info.update(dp_size=1, pp_size=1,
+                is_embedding=bool(getattr(engine.server_args, "is_embedding", False)),
+                disaggregation_mode="null",
                 context_length=engine.context_len, served_model_name=engine.served_model_name)
     return info
 

@@ -159,9 +159,37 @@ class ResponseDeleted(_Response):
     deleted: bool
 
 
+class EmbeddingData(_Response):
+    object: str
+    index: int
+    embedding: Union[List[float], str]       # encoding_format base64: a string
+
+
+class EmbeddingList(_Response):
+    """A /v1/embeddings response."""
+    object: str
+    model: str
+    data: List[EmbeddingData]
+    usage: Dict[str, int]
+
+
+class RerankResult(_Response):
+    index: int
+    relevance_score: float
+    document: Optional[Dict[str, Any]] = None
+
+
+class RerankResponse(_Response):
+    """A /v1/rerank response: results best first."""
+    id: str
+    model: str
+    results: List[RerankResult]
+    usage: Dict[str, int]
+
+
 RESPONSE_MODELS = (ErrorResponse, ChatCompletion, TextCompletion, GenerateResult, ModelCard, ModelList,
                    ChatCompletionChunk, TextCompletionChunk, ResponseObject, ResponseStreamEvent,
-                   ResponseDeleted)
+                   ResponseDeleted, EmbeddingList, RerankResponse)
 
 
 # --------------------------------------------------------------------------- the document
@@ -215,6 +243,19 @@ def _generation_route(summary: str, body: type, result: dict, chunk: type, has_m
         "required": True, "content": {JSON: {"schema": _ref(body)}}}, "responses": responses}}
 
 
+def _pooling_route(summary: str, body: type, result: type) -> dict:
+    """/v1/embeddings and /v1/rerank (--is-embedding; a 400 without it)."""
+    return {"post": {"summary": summary, "requestBody": {
+        "required": True, "content": {JSON: {"schema": _ref(body)}}}, "responses": {
+            "200": _json(_ref(result), "the result"),
+            "400": _error("an invalid request (names the field), or a server started without "
+                          "--is-embedding"),
+            "404": _error("model names a model this server does not serve"),
+            "415": _error("Content-Type is not application/json"),
+            "503": _error("the server is busy (Retry-After), shutting down, or aborted the "
+                          "request")}}}
+
+
 def _get(summary: str, responses: Dict[str, dict]) -> dict:
     return {"get": {"summary": summary, "responses": responses}}
 
@@ -265,6 +306,10 @@ def _paths() -> Dict[str, dict]:
             "responses": {"200": _json(obj, "{object: scoring, model, scores: [[p per label] "
                                             "per item], usage}"),
                           "400": _error("an invalid request (names the field)")}}},
+        "/v1/embeddings": _pooling_route("OpenAI embeddings (--is-embedding)",
+                                         S.EmbeddingRequest, EmbeddingList),
+        "/v1/rerank": _pooling_route("rerank documents by relevance to a query (Cohere / Jina "
+                                     "shape; --is-embedding)", S.RerankRequest, RerankResponse),
         "/v1/models": _get("the served model", {"200": _json(_ref(ModelList), "model list")}),
         "/v1/models/{model_id}": {"get": {
             "summary": "one model's card",
@@ -321,8 +366,9 @@ def _paths() -> Dict[str, dict]:
                   for method in ("get", "post")},
         "/invocations": {"post": {
             "summary": "SageMaker's inference entry: the body goes to the route its keys name "
-                       "(messages: /v1/chat/completions, prompt: /v1/completions, text or "
-                       "input_ids: /generate) and is answered as that route answers",
+                       "(messages: /v1/chat/completions, prompt: /v1/completions, input: "
+                       "/v1/embeddings, documents: /v1/rerank, text or input_ids: /generate) "
+                       "and is answered as that route answers",
             "requestBody": {"required": True, "content": {JSON: {"schema": obj}}},
             "responses": {"200": _json(obj, "the chosen route's response (or its event "
                                             "stream)"),

@@ -40,6 +40,8 @@ class SeqResult:
     output_top_logprobs: List[List[LogprobEntry]] = field(default_factory=list)
     input_token_logprobs: Optional[List[LogprobEntry]] = None
     input_top_logprobs: Optional[List[List[LogprobEntry]]] = None
+    embedding: Optional[List[float]] = None          # a pooling request's (engine/pooling.py)
+    label_logits: Optional[List[float]] = None
 
     def feed(self, out: GenerateOutput) -> None:
         self.text += out.text_delta
@@ -53,6 +55,10 @@ class SeqResult:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens or len(self.prompt_ids)
         self.completion_tokens = out.completion_tokens or len(self.output_ids)
         self.cached_tokens = out.cached_tokens or self.cached_tokens
+        if out.embedding is not None:
+            self.embedding = out.embedding
+        if out.label_logits is not None:
+            self.label_logits = out.label_logits
         if out.finished:
             self.finished = True
             self.finish_reason = out.finish_reason

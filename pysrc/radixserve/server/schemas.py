@@ -821,5 +821,53 @@ class ScoreRequest(_Closed):
     cache_salt: Optional[Annotated[Name, Field(min_length=1)]] = None
 
 
+# --------------------------------------------------------------------------- embeddings, rerank
+
+EncodingFormat = _literal("float", "base64")
+Dimensions = _bounded(int, 1, INT32_MAX)     # at most the model's hidden size (the engine's check)
+TopN = _bounded(int, 0, INT32_MAX, noun="an integer (0: every document)")
+
+
+class EmbeddingRequest(_Closed):
+    """POST /v1/embeddings (OpenAI's, with --is-embedding): one embedding per input. input is a
+    string, an array of strings, an array of token ids (one input) or an array of them; no
+    string may be empty. encoding_format: float (arrays of numbers, the default) or base64 (each
+    vector's little-endian float32 bytes). dimensions: keep the first N values, then
+    renormalise (Matryoshka truncation)."""
+    input: Prompt
+    model: Optional[Name] = None
+    encoding_format: Optional[EncodingFormat] = None
+    dimensions: Optional[Dimensions] = None
+    cache_salt: Optional[CacheSalt] = None
+    user: Optional[_ignored(Name, "user")] = None
+
+
+class RerankDocumentObject(_Closed):
+    """A document as an object: {"text": ...} (Cohere's and Jina's form)."""
+    text: Text
+
+
+_RERANK_DOCUMENT = TypeAdapter(RerankDocumentObject)
+RerankDocument = Annotated[Union[Text, RerankDocumentObject],
+                           _shaped(lambda v: _TEXT if isinstance(v, str) else
+                                   _RERANK_DOCUMENT if isinstance(v, dict) else None,
+                                   'a string or an object {"text": "..."}')]
+
+
+class RerankRequest(_Closed):
+    """POST /v1/rerank (Cohere's and Jina's shape, as vLLM and SGLang serve it; with
+    --is-embedding): each document's relevance to query, best first. top_n: return the
+    best N (0 or left out: all); return_documents (default true): each result carries
+    document.text; instruction: the task line of the qwen3 rerank template (--rerank-template)
+    in place of its default."""
+    query: Text
+    documents: Annotated[List[RerankDocument], Field(min_length=1, max_length=MAX_PROMPTS)]
+    model: Optional[Name] = None
+    top_n: Optional[TopN] = None
+    return_documents: Optional[bool] = None
+    instruction: Optional[Text] = None
+    cache_salt: Optional[CacheSalt] = None
+
+
 REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, GenerateRequest, AbortRequest,
-                  ScoreRequest)
+                  ScoreRequest, EmbeddingRequest, RerankRequest)

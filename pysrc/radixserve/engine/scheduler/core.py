@@ -264,11 +264,13 @@ class Scheduler:
         """May a prefill step be scheduled while `batch` (an extend step) is in flight? Yes when
         prompts wait and every request of batch ends its prompt there with nothing else to
         process first: no chunk to publish (no chunked request), no prompt logprobs, no
-        decode rows (mixed chunk), no grammar rows. Admission then counts batch's requests as
+        decode rows (mixed chunk), no grammar rows (a pooling request ending its prompt
+        there finishes when it is processed). Admission then counts batch's requests as
         running (num_running, their decode reserve) and lets waiting requests that share a
         prefix with them wait for it to be published (prefill.py)."""
         return (batch.mode is ForwardMode.EXTEND and bool(self.waiting)
-                and self.chunked_req is None and all(batch.sample)
+                and self.chunked_req is None
+                and all(batch.ends_prompt(i) for i in range(batch.batch_size))
                 and not any(batch.from_device)
                 and all(lp is None for lp in batch.prompt_lp)
                 and not batch.step_input.sampling.grammar_rows)

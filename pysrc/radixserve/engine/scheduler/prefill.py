@@ -237,6 +237,8 @@ class PrefillPlanner:
         prefill once, not once each)."""
         if not self.cache.supports_sharing:
             return False
+        if req.pool is not None and not req.pool.takes_prefix:
+            return False      # mean pooling takes no prefix: nothing to wait for
         end = prefix_len + IN_BATCH_SHARE_MIN
         if len(req.fill_ids) - 1 < end:
             return False
@@ -248,8 +250,12 @@ class PrefillPlanner:
                     final: bool) -> None:
         start = self.ledger.extend(req, slots)
         n = int(slots.numel())
-        batch.add(req, start, n, slots, sample=final,
-                  prompt_lp=self._prompt_lp_range(req, start, n))
+        if req.pool is not None:      # a pooling request: no token, its rows pooled instead
+            batch.add(req, start, n, slots, sample=False, pool_span=req.pool.span(n, final),
+                      pool_final=final)
+        else:
+            batch.add(req, start, n, slots, sample=final,
+                      prompt_lp=self._prompt_lp_range(req, start, n))
         self.chunked_req = None if final else req
 
     @staticmethod

@@ -31,6 +31,8 @@ logger = logging.getLogger("radixserve.engine.scheduler")
 
 NON_FINITE_MESSAGE = ("the model produced non-finite logits for this request (NaN or infinity); "
                       "check the sampling parameters and the model's weights")
+NON_FINITE_POOLED = ("the model produced non-finite hidden states or logits for this pooling "
+                     "request (NaN or infinity); check the model's weights and --dtype")
 
 
 class ResultProcessor:
@@ -53,14 +55,21 @@ class ResultProcessor:
         output tokens appended."""
         sched = self.sched
         sample_i = 0
+        pool_i = 0
         generated = 0
         self.stats.step_processed(batch.mode, batch.batch_size, out)
         for i, req in enumerate(batch.reqs):
             n_rows = batch.num_samples(i)       # its sampling rows: row .. row + n_rows - 1
             row, sample_i = sample_i, sample_i + n_rows
             draft = batch.drafts[i] if batch.drafts is not None else None
+            span = batch.pool_spans[i]
+            if span is not None:
+                pool_i += 1                               # its pooled span: pool_i - 1
             if not batch.current(i):
                 continue                                  # finished or jumped while this ran
+            if req.pool is not None:
+                self._pooled(req, batch, i, out, pool_i - 1 if span is not None else None)
+                continue
             if batch.prompt_lp[i] is not None:
                 self._add_prompt_logprobs(req, batch.prompt_lp[i], out.prompt_logprobs[i],
                                           out.prompt_top_logprobs[i])
@@ -99,6 +108,28 @@ class ResultProcessor:
         return generated
 
     # ------------------------------------------------------------------ transitions
+    def _pooled(self, req: Req, batch: ScheduleBatch, i: int, out: StepOutput,
+                p: Optional[int]) -> None:
+        """A pooling request's extend step (engine/pooling.py): add its pooled span (out's
+        span p, None for none) to its sum; a chunk before the last is published as any chunk
+        is; after the last, the request finishes (its KV published and freed by finish) with
+        its embedding and label logits, or an abort when they are not finite."""
+        if p is not None:
+            start, count = batch.extend_starts[i] + batch.pool_spans[i][0], batch.pool_spans[i][1]
+            req.pool_state.add(start, out.pooled[p], count, out.pool_logits[p])
+        if not batch.pool_final[i]:
+            self._after_chunk(req)
+            return
+        if req.to_abort:
+            self.sched.finish(req, self.sched.abort_reason(req))
+            return
+        if not req.pool_state.finite():
+            logger.warning("request %s: non-finite hidden states; failing it alone", req.rid)
+            req.abort_message = NON_FINITE_POOLED
+            self.sched.finish(req, FinishReason.abort(NON_FINITE_POOLED))
+            return
+        self.sched.finish(req, FinishReason.length())
+
     def _after_chunk(self, req: Req) -> None:
         """A non-final prefill chunk finished: publish it (or finish an aborted request)."""
         if req.to_abort:
@@ -268,6 +299,9 @@ def emit(req: Req, finished: bool) -> None:
         output_top_logprobs_delta=req.pending_top_logprobs,
         output_ids_rollback=req.pending_rollback,
     )
+    if finished and req.pool is not None and not req.finish_reason.is_abort:
+        out.embedding = req.pool_state.embedding(req.pool)
+        out.label_logits = list(req.pool_state.label_logits)
     if req.queue_time is not None and not req.queue_time_sent:
         out.queue_time_s = req.queue_time
         req.queue_time_sent = True
