@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import textwrap
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from radixserve import knobs
+
+logger = logging.getLogger("radixserve.config")
 
 
 # SGLang flags radixserve does not support yet, each refused by name with its reason (exit 2):
@@ -82,7 +85,6 @@ REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     "--enable-hierarchical-cache": _HICACHE,
     "--hicache-ratio": _HICACHE,
     "--hicache-size": _HICACHE,
-    "--enable-priority-scheduling": "requests carry no priority (--schedule-policy fcfs or lpm)",
     "--num-continuous-decode-steps": "the scheduler runs one decode step per turn (overlapped "
                                      "with the next: see --disable-overlap-schedule)",
     "--enable-memory-saver": "the KV pool and weights are never released while serving",
@@ -372,6 +374,31 @@ class ServerArgs:
         "runs every prefill that can be admitted before the next decode step (SGLang's order: "
         "the largest decode batches, for throughput; the offline Engine's default)",
         choices=("alternate", "prefill-first"))
+    enable_priority_scheduling: bool = _flag(
+        False, "order the waiting queue by each request's priority (its `priority` field), "
+        "then by --schedule-policy within a priority; a waiting request that beats running "
+        "ones by more than --priority-scheduling-preemption-threshold retracts the least "
+        "urgent of them when running slots or KV memory keep it out (they resume later with "
+        "their output and KV), and retraction for memory takes the least urgent first; "
+        "higher values are more urgent unless --schedule-low-priority-values-first (SGLang's "
+        "semantics)")
+    schedule_low_priority_values_first: bool = _flag(
+        False, "with --enable-priority-scheduling, lower priority values are more urgent (vLLM's "
+        "convention) instead of higher ones")
+    priority_scheduling_preemption_threshold: int = _flag(
+        10, "with --enable-priority-scheduling, how much more urgent (priority difference, "
+        "strictly greater) a waiting request must be than a running one to retract it; >= 0",
+        metavar="N")
+    disable_priority_preemption: bool = _flag(
+        False, "with --enable-priority-scheduling, order the queue by priority but never retract "
+        "a running request for a more urgent one")
+    default_priority_value: Optional[int] = _flag(
+        None, "with --enable-priority-scheduling, the priority of requests sent without one; "
+        "default: the least urgent of all (they wait behind every prioritized request and are "
+        "retracted first)", metavar="N")
+    abort_on_priority_when_disabled: bool = _flag(
+        False, "without --enable-priority-scheduling, refuse (400) a request that sets "
+        "priority instead of ignoring it")
     schedule_conservativeness: float = _flag(
         1.0, "scales the output tokens reserved per running request when admitting new ones "
         "(larger: fewer retractions, smaller batches)", metavar="X")
@@ -671,6 +698,18 @@ class ServerArgs:
         """Raise ValueError naming the flag to change."""
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy must be fcfs or lpm, not {self.schedule_policy!r}")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise ValueError(f"--priority-scheduling-preemption-threshold must be >= 0 (a "
+                             f"negative one lets requests of equal priority retract each other "
+                             f"in turn), not {self.priority_scheduling_preemption_threshold}")
+        if not self.enable_priority_scheduling:
+            given = [flag for flag, on in (
+                ("--schedule-low-priority-values-first", self.schedule_low_priority_values_first),
+                ("--disable-priority-preemption", self.disable_priority_preemption),
+                ("--default-priority-value", self.default_priority_value is not None)) if on]
+            if given:
+                logger.warning("%s has no effect without --enable-priority-scheduling",
+                               ", ".join(given))
         if self.step_order not in ("alternate", "prefill-first"):
             raise ValueError(f"--step-order must be alternate or prefill-first, not "
                              f"{self.step_order!r}")

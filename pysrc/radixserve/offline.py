@@ -26,7 +26,7 @@ from radixserve.config import ServerArgs
 from radixserve.engine import validation
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.io import GenerateReqInput, apply_ids_delta, expand_requests
-from radixserve.errors import ApiError
+from radixserve.errors import ApiError, RequestError
 from radixserve.sampling.params import SamplingParams
 
 Prompt = Union[str, List[str], None]
@@ -74,11 +74,14 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     def _requests(self, prompt: Prompt, sampling_params: Optional[Dict[str, Any]],
-                  input_ids: InputIds):
+                  input_ids: InputIds, priority: Optional[int] = None):
         """The validated sequences of a call (prompts x n, expanded as the HTTP routes expand
-        them) and whether its answer is one dict (a single prompt with n == 1) or a list."""
+        them) and whether its answer is one dict (a single prompt with n == 1) or a list.
+        priority: an int (not a bool) or None, every sequence's, checked here once."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise RequestError(f"priority must be an integer, got {priority!r}", param="priority")
         if prompt is not None:
             single = isinstance(prompt, str)
             prompts = [prompt] if single else list(prompt)
@@ -93,7 +96,8 @@ class Engine:
         for ids in ids_list:            # each prompt once, not once per sample
             validation.check_prompt(ids, ae.model_config.vocab_size, ae.context_len,
                                     sp.max_new_tokens)
-        reqs = expand_requests(uuid.uuid4().hex, ids_list, sp.n, [sp] * len(ids_list))
+        reqs = expand_requests(uuid.uuid4().hex, ids_list, sp.n, [sp] * len(ids_list),
+                               priority=priority)
         for r in reqs:
             ae.validate(r, prompt_checked=True)
         return reqs, single and sp.n == 1
@@ -122,21 +126,22 @@ class Engine:
         return list(await asyncio.gather(*tasks))
 
     def generate(self, prompt: Prompt = None, sampling_params: Optional[Dict[str, Any]] = None,
-                 input_ids: InputIds = None):
+                 input_ids: InputIds = None, priority: Optional[int] = None):
         """One prompt (str / list[int]) -> a dict; a list of them -> a list of dicts, in order.
         With n > 1 in sampling_params every prompt gives n samples, so the answer is a list
         (prompt p's sample j at p * n + j; a seed s gives sample j the seed s + j), as /generate
         answers. Each dict: {"text", "output_ids", "meta_info": {id, prompt_tokens,
-        completion_tokens, cached_tokens, finish_reason}}. Bad input raises ValueError."""
-        reqs, single = self._requests(prompt, sampling_params, input_ids)
+        completion_tokens, cached_tokens, finish_reason}}. priority: the request's, with
+        --enable-priority-scheduling (as the HTTP field). Bad input raises ValueError."""
+        reqs, single = self._requests(prompt, sampling_params, input_ids, priority)
         results = self._submit(self._run_all(reqs)).result()
         return results[0] if single else results
 
     async def async_generate(self, prompt: Prompt = None,
                              sampling_params: Optional[Dict[str, Any]] = None,
-                             input_ids: InputIds = None):
+                             input_ids: InputIds = None, priority: Optional[int] = None):
         """The async twin of generate(), to await from the caller's own event loop."""
-        reqs, single = self._requests(prompt, sampling_params, input_ids)
+        reqs, single = self._requests(prompt, sampling_params, input_ids, priority)
         results = await asyncio.wrap_future(self._submit(self._run_all(reqs)))
         return results[0] if single else results
 

@@ -253,8 +253,7 @@ REFUSED = [("/v1/chat/completions", "use_beam_search", True),
            ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
            ("/v1/chat/completions", "reasoning_effort", "high"),
            ("/v1/completions", "allowed_token_ids", [1, 2]),
-           ("/v1/completions", "bad_words", ["Paris"]),
-           ("/v1/completions", "priority", 5)]
+           ("/v1/completions", "bad_words", ["Paris"])]
 
 
 @pytest.mark.parametrize("path, name, value", REFUSED, ids=[f"{p[4:]}:{n}" for p, n, _ in REFUSED])

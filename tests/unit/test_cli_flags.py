@@ -26,7 +26,11 @@ SGLANG_NAMES = {"--model-path": "/m", "--model": "/m", "--tokenizer-path": "/t",
                 "--disable-overlap-schedule": None, "--max-queued-requests": "9",
                 "--stream-interval": "4", "--enable-mixed-chunk": None,
                 "--grammar-backend": "xgrammar", "--api-key": "k", "--enable-metrics": None,
-                "--log-requests": None, "--admin-api-key": "adm", "--tokenizer-worker-num": "3"}
+                "--log-requests": None, "--admin-api-key": "adm", "--tokenizer-worker-num": "3",
+                "--enable-priority-scheduling": None, "--schedule-low-priority-values-first": None,
+                "--priority-scheduling-preemption-threshold": "5",
+                "--disable-priority-preemption": None, "--default-priority-value": "0",
+                "--abort-on-priority-when-disabled": None}
 
 
 def serve_parsers():

@@ -105,7 +105,6 @@ def test_chat_only_ignored_fields_and_stream_options_extras():
 
 REFUSED = [  # (field, a refused value, the neutral value accepted or None, chat only)
     ("use_beam_search", True, False, False),
-    ("priority", 3, 0, False),
     ("allowed_token_ids", [1, 2], None, False),
     ("bad_words", ["x"], None, False),
     ("return_tokens_as_token_ids", True, False, False),

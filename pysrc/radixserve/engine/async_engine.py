@@ -264,7 +264,16 @@ class AsyncEngine:
         (SamplingParams.verified); its prompt is checked (engine/validation.check_prompt: the
         id scan, the context-length rule) unless `prompt_checked`: the caller checked this
         req's input_ids and max_new_tokens with check_prompt already (the server's routes
-        do, in the client's words)."""
+        do, in the client's words). A priority on a server without
+        --enable-priority-scheduling is ignored, or refused with --abort-on-priority-when-disabled
+        (SGLang's rule; its type was checked where the request was parsed)."""
+        args = self.server_args
+        if req.priority is not None and not args.enable_priority_scheduling and \
+                args.abort_on_priority_when_disabled:
+            raise RequestError("priority is not accepted by this server: priority scheduling is "
+                               "off (--enable-priority-scheduling) and "
+                               "--abort-on-priority-when-disabled refuses requests that set it; "
+                               "send the request without a priority", param="priority")
         sp = req.sampling_params
         if not sp.verified:
             sp.verify()
@@ -367,7 +376,7 @@ class AsyncEngine:
                 top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                 return_text_in_logprobs=req.return_text_in_logprobs, stream=req.stream,
                 sink=queue.put_nowait, client_id=req.client_id, cache_salt=req.cache_salt,
-                pool=req.pool)
+                pool=req.pool, priority=req.priority)
         r.grammar = grammar
         self.scheduler.add_request(r)
         self._wakeup.set()

@@ -30,6 +30,7 @@ class GenerateReqInput:
     # a pooling request (--is-embedding, engine/pooling.py): prefilled only, never decoded
     # (sampling_params.max_new_tokens 0); its last output carries embedding / label_logits
     pool: Optional[PoolParams] = None
+    priority: Optional[int] = None            # --enable-priority-scheduling (None: the server's default)
 
 
 @dataclass
@@ -71,14 +72,15 @@ def expand_requests(rid: str, prompt_ids: Sequence[List[int]], n: int,
                     top_logprobs_num: Optional[Sequence[int]] = None,
                     return_text_in_logprobs: bool = False,
                     rids: Optional[Sequence[str]] = None,
-                    cache_salts: Optional[Sequence[Optional[str]]] = None
-                    ) -> List[GenerateReqInput]:
+                    cache_salts: Optional[Sequence[Optional[str]]] = None,
+                    priority: Optional[int] = None) -> List[GenerateReqInput]:
     """One GenerateReqInput per (prompt, sample): index p * n + j, each with n=1 (n is a
     request-level field: the engine runs single sequences). With a single sequence the rid is
     `rid` (or rids[0]); otherwise "<rid>-<index>" (or "<rids[p]>-<j>" when the client named each
     prompt). A seed s gives sample j the seed s + j, so samples differ but each is
     reproducible. Per-prompt settings are sequences with one entry per prompt (cache_salts
-    too: a prompt's sequences share its salt); None leaves GenerateReqInput's default."""
+    too: a prompt's sequences share its salt); None leaves GenerateReqInput's default. priority
+    is the request's, every sequence's."""
     total = len(prompt_ids) * n
     reqs = []
     for p, ids in enumerate(prompt_ids):
@@ -95,5 +97,6 @@ def expand_requests(rid: str, prompt_ids: Sequence[List[int]], n: int,
                 logprob_start_len=-1 if logprob_start_len is None else logprob_start_len[p],
                 top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num[p],
                 return_text_in_logprobs=return_text_in_logprobs,
-                cache_salt=cache_salts[p] if cache_salts is not None else None))
+                cache_salt=cache_salts[p] if cache_salts is not None else None,
+                priority=priority))
     return reqs

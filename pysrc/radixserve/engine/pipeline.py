@@ -8,7 +8,7 @@ With overlap (the default) the host processes step N-1's results (stop checks, d
 streaming, admission) and builds step N+1 while the device runs step N. A step is scheduled
 over the one in flight only when the host state it needs is known without that step's
 results: after a decode step, when no retraction is needed (neither for memory,
-Scheduler.decode_memory_short, nor for fairness, Scheduler.fair_preempt_pending) and no
+Scheduler.decode_memory_short, nor for fairness or priority, Scheduler.preempt_pending) and no
 speculative verify step could be built (Scheduler.spec_wants_host: drafts need the tokens of the
 step in flight; a verify step is never scheduled over, see engine/scheduler/spec.py); after a
 prefill step whose requests all end their prompts there (no chunk to publish, no prompt
@@ -117,7 +117,7 @@ class ThreadedExecutor:
 
 class StepPipeline:
     """scheduler: schedule(prefill_only=), can_prefill_over(batch), decode_memory_short(),
-    fair_preempt_pending(), spec_wants_host(), grammar_bitmask(batch),
+    preempt_pending(), spec_wants_host(), grammar_bitmask(batch),
     process_batch_result(batch, out), fail_batch(batch, error), looked up on it at every call. executor: a StepExecutor.
     overlap: schedule over the step in flight where its inputs allow (module docstring)."""
 
@@ -185,7 +185,7 @@ class StepPipeline:
     def _can_schedule_over(self, batch) -> bool:
         return (self.overlap and batch.mode is ForwardMode.DECODE and not batch.verifies
                 and not self.scheduler.decode_memory_short()
-                and not self.scheduler.fair_preempt_pending()
+                and not self.scheduler.preempt_pending()
                 and not self.scheduler.spec_wants_host())
 
     async def drain(self) -> None:

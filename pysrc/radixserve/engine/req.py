@@ -103,10 +103,14 @@ class Req:
                  return_text_in_logprobs: bool = False, stream: bool = False,
                  sink: Optional[Callable[[GenerateOutput], None]] = None,
                  detokenizer: Any = None, client_id: Optional[str] = None,
-                 cache_salt: Optional[str] = None, pool: Optional[PoolParams] = None):
+                 cache_salt: Optional[str] = None, pool: Optional[PoolParams] = None,
+                 priority: Optional[int] = None):
         self.rid = rid
         self._salt_offset = salt_offset(cache_salt)
         self.client_id = client_id                    # fairness key (None: one anonymous client)
+        # --enable-priority-scheduling: the request's priority (None: the server's default;
+        # which end is urgent: engine/scheduler/priority.py); ignored when that is off
+        self.priority = priority
         self.origin_input_ids: List[int] = list(input_ids)
         self.output_ids: List[int] = []
         self.sampling_params = sampling_params

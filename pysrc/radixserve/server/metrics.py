@@ -29,8 +29,8 @@ but unreferenced blocks count as free) and its pre-0.10 name vllm:gpu_cache_usag
 counters vllm:prompt_tokens_total, vllm:generation_tokens_total,
 vllm:prefix_cache_queries_total (prompt tokens looked up) and vllm:prefix_cache_hits_total
 (found), vllm:prompt_tokens_cached_total, the pre-0.10 vllm:gpu_prefix_cache_queries_total /
-vllm:gpu_prefix_cache_hits_total, vllm:num_preemptions_total (retractions, for memory or
-fairness); the info gauge vllm:cache_config_info{block_size, num_gpu_blocks,
+vllm:gpu_prefix_cache_hits_total, vllm:num_preemptions_total (retractions, for memory,
+fairness or priority); the info gauge vllm:cache_config_info{block_size, num_gpu_blocks,
 enable_prefix_caching, engine} = 1; and with --enable-metrics the histograms
 vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
 vllm:request_time_per_output_token_seconds, vllm:e2e_request_latency_seconds,
@@ -87,6 +87,9 @@ _COUNTERS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "num_fair_retractions": (("num_fair_retractions_total",),
                              "Running requests of a client over its fair share retracted to "
                              "the queue so that a request of a client under it could start"),
+    "num_priority_retractions": (("num_priority_retractions_total",),
+                                 "Running requests retracted to the queue so that a more urgent "
+                                 "request could start (--enable-priority-scheduling)"),
     # the device's own time, split by step kind (bench serving reports them over a run)
     "decode_device_seconds": (("decode_device_seconds_total",),
                               "Device seconds of decode steps (CUDA events; on the CPU the "
@@ -263,7 +266,8 @@ class EngineCollector:
         labels = [model, VLLM_ENGINE]
         vals = dict(values)
         vals["num_preemptions"] = (vals.get("num_retractions", 0)
-                                   + vals.get("num_fair_retractions", 0))
+                                   + vals.get("num_fair_retractions", 0)
+                                   + vals.get("num_priority_retractions", 0))
         for table, kind in ((_VLLM_GAUGES, GaugeMetricFamily),
                             (_VLLM_COUNTERS, CounterMetricFamily)):
             for key, names in table.items():

@@ -77,7 +77,7 @@ async def prepare_generate(engine, body: dict) -> NativeJob:
     reqs = expand_requests(rid, prompt_ids, n, req.sampling, req.stream, req.return_logprob,
                            req.logprob_start_len, req.top_logprobs_num,
                            req.return_text_in_logprobs, rids=req.rids,
-                           cache_salts=req.cache_salts)
+                           cache_salts=req.cache_salts, priority=req.priority)
     validate_all(engine, reqs)
     await check_grammars(engine, reqs, body.get("sampling_params") if isinstance(
         body.get("sampling_params"), dict) else None, prefix="sampling_params.")

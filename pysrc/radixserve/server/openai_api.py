@@ -151,7 +151,7 @@ async def _serve(request: Request, engine, route_type: Type[_Route]) -> Response
                            **_logprob_args(logprobs, top, echo_logprobs, req.extras,
                                            req.stream and req.sampling.grammar_key is not None,
                                            count),
-                           cache_salts=[req.cache_salt] * count)
+                           cache_salts=[req.cache_salt] * count, priority=req.priority)
     validate_all(engine, reqs)
     await check_grammars(engine, reqs, body, origin=route.grammar_origin)
     route.created = int(time.time())

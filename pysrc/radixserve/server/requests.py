@@ -120,6 +120,7 @@ class ChatRequest:
     template_kwargs: Dict[str, Any] = field(default_factory=dict)   # chat_template_kwargs
     separate_reasoning: bool = True    # with --reasoning-parser (parsers/reasoning.py)
     stream_reasoning: bool = True
+    priority: Optional[int] = None     # --enable-priority-scheduling (schemas.Priority)
 
 
 @dataclass
@@ -134,6 +135,7 @@ class CompletionRequest:
     extras: OutputExtras = field(default_factory=lambda: OutputExtras())
     add_special_tokens: bool = True    # for text prompts
     cache_salt: Optional[str] = None
+    priority: Optional[int] = None     # --enable-priority-scheduling (schemas.Priority)
 
 
 def _json_text(spec: Union[str, dict]) -> str:
@@ -309,6 +311,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
         template_kwargs=dict(req.chat_template_kwargs or {}),
         separate_reasoning=req.separate_reasoning is not False,
         stream_reasoning=req.stream_reasoning is not False,
+        priority=req.priority,
     )
 
 
@@ -345,6 +348,7 @@ def parse_completion_request(body: dict) -> CompletionRequest:
         extras=_output_extras(req),
         add_special_tokens=req.add_special_tokens is not False,
         cache_salt=req.cache_salt,
+        priority=req.priority,
     )
 
 
@@ -362,6 +366,7 @@ class NativeGenerateRequest:
     return_text_in_logprobs: bool
     rids: Optional[List[str]]            # one per prompt when given
     cache_salts: List[Optional[str]]     # one per prompt (None: unsalted)
+    priority: Optional[int] = None       # every sequence's (--enable-priority-scheduling)
 
 
 def _per_prompt(value: Any, name: str, default: Any, count: int) -> list:
@@ -426,6 +431,7 @@ def parse_generate_request(body: dict) -> NativeGenerateRequest:
         return_text_in_logprobs=bool(req.return_text_in_logprobs),
         rids=rids,
         cache_salts=_per_prompt(req.cache_salt, "cache_salt", None, count),
+        priority=req.priority,
     )
 
 

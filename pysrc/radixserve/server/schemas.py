@@ -249,6 +249,9 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]      # in pydantic-core: pro
 TopLogprobs = _bounded(int, 0, MAX_TOP_LOGPROBS)
 LogprobStart = _bounded(int, -1, INT32_MAX, noun="an integer (-1: no prompt logprobs)")
 PromptTokens = _bounded(int, 1, INT32_MAX)                 # truncate_prompt_tokens: keep the last k
+# the request's priority (SGLang's and vLLM's field): which end is urgent, and whether it is
+# used at all, is the server's (--enable-priority-scheduling, engine/scheduler/priority.py)
+Priority = _bounded(int, INT64_MIN, INT64_MAX, noun="an integer")
 Bias = _check_with(_sp.LOGIT_BIAS.problem, float, _json_schema(_sp.LOGIT_BIAS))
 
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
@@ -512,8 +515,6 @@ CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 WhitespacePattern = _refused("is not supported: JSON grammars allow no whitespace between "
                              "tokens; leave it out")
 BeamSearch = _off("is not supported: beam search is not implemented (n samples are independent)")
-Priority = _only(int, lambda v: v == 0, "is not supported: requests are scheduled without "
-                 "priorities; leave it out or send 0", {"const": 0})
 AllowedTokenIds = _refused("is not supported; use logit_bias (-100 for the tokens to exclude) "
                            "or a grammar (regex, ...)")
 BadWords = _refused("is not supported; use logit_bias (-100 for their tokens) instead")
@@ -630,6 +631,9 @@ class _OpenAIRequest(_Closed):
     return_token_ids: Optional[bool] = None
     # prefix sharing only among requests with the same salt (vLLM's cache_salt)
     cache_salt: Optional[CacheSalt] = None
+    # --enable-priority-scheduling: the request's priority (else ignored, or refused with
+    # --abort-on-priority-when-disabled)
+    priority: Optional[Priority] = None
     # accepted and ignored
     user: Optional[_ignored(Name, "user")] = None
     safety_identifier: Optional[_ignored(Name, "safety_identifier")] = None
@@ -643,7 +647,6 @@ class _OpenAIRequest(_Closed):
     guided_decoding_backend: Optional[_ignored(Name, "guided_decoding_backend")] = None
     # refused unless neutral
     use_beam_search: Optional[BeamSearch] = None
-    priority: Optional[Priority] = None
     allowed_token_ids: Optional[AllowedTokenIds] = None
     bad_words: Optional[BadWords] = None
     return_tokens_as_token_ids: Optional[TokensAsIds] = None
@@ -772,6 +775,7 @@ class GenerateRequest(_Closed):
     top_logprobs_num: Optional[PerPromptTopLogprobs] = None
     return_text_in_logprobs: Optional[bool] = None
     cache_salt: Optional[PerPromptSalt] = None     # prefix sharing only within one salt
+    priority: Optional[Priority] = None            # every sequence's (as _OpenAIRequest.priority)
     image_data: Optional[_refused("is not supported: the served models read text only")] = None
     lora_path: Optional[_refused("is not supported: no LoRA adapters are loaded")] = None
     return_hidden_states: Optional[_off("is not supported: hidden states are not returned")] = None

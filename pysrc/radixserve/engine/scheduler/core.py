@@ -7,6 +7,8 @@ composed of parts that own their state; each part gets what it needs at construc
   prefill.py   PrefillPlanner: admission and chunked prefill; owns the chunked request
   decode.py    DecodeManager: decode batches, retraction for memory
   fairness.py  the fair share between clients, and whom admission preempts for it
+  priority.py  --enable-priority-scheduling: the queue's order by priority, and whom admission
+               preempts for an urgent request
   results.py   ResultProcessor: a step's results: tokens, stops, streaming (emit)
   grammar.py   GrammarSlot: the grammar slot's bitmask, matchers, jump-forward plans
   stats.py     SchedulerStats: counters and device-time telemetry
@@ -53,6 +55,7 @@ from radixserve.engine.scheduler.fairness import FairShare, fair_share
 from radixserve.engine.scheduler.grammar import GrammarSlot
 from radixserve.engine.scheduler.kv import DecodeReserve, SlotLedger
 from radixserve.engine.scheduler.prefill import PrefillPlanner
+from radixserve.engine.scheduler.priority import PriorityOrder
 from radixserve.engine.scheduler.results import ResultProcessor, emit
 from radixserve.engine.scheduler.spec import SpecDecoder
 from radixserve.engine.scheduler.stats import SchedulerStats
@@ -110,15 +113,20 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.ledger = SlotLedger(self.kv_pool, self.req_to_token_pool, self.cache)
         reserve = DecodeReserve(server_args.schedule_conservativeness)
-        self.admission = PrefillPlanner(self, self.ledger, reserve, self.stats,
-                                        get_policy(server_args.schedule_policy),
-                                        self.chunk_size, server_args.max_prefill_tokens)
+        # priority scheduling: None unless --enable-priority-scheduling (priority.py)
+        self.priority: Optional[PriorityOrder] = PriorityOrder.from_server_args(server_args)
+        policy = get_policy(server_args.schedule_policy)
+        if self.priority is not None:
+            policy = self.priority.order(policy)
+        self.admission = PrefillPlanner(self, self.ledger, reserve, self.stats, policy,
+                                        self.chunk_size, server_args.max_prefill_tokens,
+                                        priority=self.priority)
         # speculative decoding: None unless --speculative-algorithm (spec.py)
         self.spec: Optional[SpecDecoder] = None
         if server_args.speculative_algorithm is not None:
             self.spec = SpecDecoder(server_args, self.context_len, self.cache)
         self.decode = DecodeManager(self, self.ledger, reserve, self.stats, self.context_len,
-                                    spec=self.spec)
+                                    spec=self.spec, priority=self.priority)
         self.grammar = GrammarSlot(self.vocab_size, tokenizer, self.context_len,
                                    pin=self.kv_pool.device.type == "cuda",
                                    jump_forward=not server_args.disable_jump_forward)
@@ -285,10 +293,11 @@ class Scheduler:
         scheduling a plain decode over it. Always False without --speculative-algorithm."""
         return self.spec is not None and self.spec.wants_host(self.decode.decoding())
 
-    def fair_preempt_pending(self) -> bool:
-        """The last admission wanted to retract requests of a client over its share for a
-        client under it, but a step was in flight: the pipeline resolves that step before
-        scheduling the next, which then preempts (prefill.py)."""
+    def preempt_pending(self) -> bool:
+        """The last admission wanted to retract running requests (for fairness: of a client
+        over its share for a client under it; for priority: less urgent ones for an urgent
+        one), but a step was in flight: the pipeline resolves that step before scheduling the
+        next, which then preempts (prefill.py)."""
         return self.admission.preempt_wanted and bool(self.waiting)
 
     def grammar_bitmask(self, batch: ScheduleBatch) -> torch.Tensor:

@@ -8,9 +8,11 @@ predecessor to have reached the host. A request whose remaining tokens are all s
 
 If the pool cannot give every running request its slot even after eviction, the latest-admitted
 requests are retracted to the front of the queue (Scheduler.retract): their computed KV is
-published to the cache (so resuming re-matches it) and they keep their output. While a client
-is over its fair share (fairness.py), the victims are that client's requests first, latest
-admitted first, so a retraction for memory does not undo a preemption made for fairness.
+published to the cache (so resuming re-matches it) and they keep their output. With
+--enable-priority-scheduling the victims come from the least urgent priority class present
+first (priority.py). Among those, while a client is over its fair share (fairness.py), that
+client's requests go first, latest admitted first, so a retraction for memory does not undo a
+preemption made for fairness.
 Retraction needs the exact host state, so the pipeline resolves the step in flight before a
 step that may retract (memory_short). A retraction resets the decode reserve (kv.py); each
 decode step decays it. counters["num_retractions"] counts these (retractions for fairness,
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, List, Optional
 from radixserve.engine.req import FinishReason, Req
 from radixserve.engine.schedule_batch import ScheduleBatch
 from radixserve.engine.scheduler.kv import DecodeReserve, SlotLedger
+from radixserve.engine.scheduler.priority import PriorityOrder
 from radixserve.engine.scheduler.spec import SpecDecoder
 from radixserve.engine.scheduler.stats import SchedulerStats
 from radixserve.model.forward_batch import ForwardMode
@@ -45,9 +48,11 @@ logger = logging.getLogger("radixserve.engine.scheduler")
 
 class DecodeManager:
     def __init__(self, sched: "Scheduler", ledger: SlotLedger, reserve: DecodeReserve,
-                 stats: SchedulerStats, context_len: int, spec: Optional[SpecDecoder] = None):
+                 stats: SchedulerStats, context_len: int, spec: Optional[SpecDecoder] = None,
+                 priority: Optional[PriorityOrder] = None):
         self.sched = sched
         self.spec = spec
+        self.priority = priority            # None unless --enable-priority-scheduling
         self.ledger = ledger
         self.reserve = reserve
         self.stats = stats
@@ -167,12 +172,15 @@ class DecodeManager:
 
     def _victim(self) -> Optional[Req]:
         """The latest admitted of the running requests and the chunked one, keeping at least one
-        running request (admission guarantees a lone request fits the pool); while clients are
-        over their fair share (fairness.py), the latest admitted of theirs."""
+        running request (admission guarantees a lone request fits the pool): of the least
+        urgent priority class (with --enable-priority-scheduling), and of those, while clients
+        are over their fair share (fairness.py), the latest admitted of theirs."""
         chunked = self.sched.chunked_req
         candidates = list(self.sched.running) + ([chunked] if chunked else [])
         if len(candidates) <= 1:
             return None
+        if self.priority is not None:
+            candidates = self.priority.least_urgent(candidates)
         fair = self.sched.fair_share()
         if fair is not None:
             over = [r for r in candidates if fair.over(r.client_id)]

@@ -34,6 +34,18 @@ Fairness between clients (the share: fairness.py).
     An admission that would preempt while a step is in flight sets preempt_wanted; the
     pipeline then resolves the step in flight before scheduling the next (as it does for
     DecodeManager.memory_short), and that next prefill step preempts.
+
+Priority (--enable-priority-scheduling; the order and the rule: priority.py).
+  * Admission: the policy is wrapped by PriorityOrder.order, so the most urgent waiting
+    requests are considered first and, as with any request that cannot start, the ones behind
+    an urgent request that does not fit wait for it (lower priorities wait).
+  * Preemption: when a waiting request cannot start because the running slots or the KV memory
+    are taken (the same Blocked as fairness) and no fairness victim frees them, the running
+    requests it beats by more than --priority-scheduling-preemption-threshold are retracted,
+    least urgent first (PriorityOrder.victims), by the same Scheduler.retract, the same
+    one-at-a-time re-check and the same pipeline rule as fairness (preempt_wanted). Counted in
+    counters["num_priority_retractions"]. No thrash: a victim is strictly less urgent than the
+    request it made room for, so it is ordered behind it and can never retract it back.
 """
 from __future__ import annotations
 
@@ -46,8 +58,9 @@ import torch
 from radixserve.engine.policy import Policy
 from radixserve.engine.req import Req, ReqStatus
 from radixserve.engine.schedule_batch import ScheduleBatch
-from radixserve.engine.scheduler.fairness import Blocked, fair_victims
+from radixserve.engine.scheduler.fairness import Blocked, FairShare, fair_victims
 from radixserve.engine.scheduler.kv import DecodeReserve, SlotLedger
+from radixserve.engine.scheduler.priority import PriorityOrder
 from radixserve.engine.scheduler.stats import SchedulerStats
 from radixserve.model.forward_batch import ForwardMode
 
@@ -75,12 +88,14 @@ _STOP = "stop"     # over the token budget: nothing more this step
 
 class PrefillPlanner:
     """sched: the Scheduler (waiting, running, num_running, inflight_prefills(), fair_share(),
-    retract(), step_in_flight()). policy: engine/policy.py's order. chunk_size: None for no
-    chunking. max_prefill_tokens: the step's token budget."""
+    retract(), step_in_flight()). policy: engine/policy.py's order (wrapped by
+    PriorityOrder.order with priorities). chunk_size: None for no chunking.
+    max_prefill_tokens: the step's token budget. priority: None unless
+    --enable-priority-scheduling (whom to preempt for an urgent request)."""
 
     def __init__(self, sched: "Scheduler", ledger: SlotLedger, reserve: DecodeReserve,
                  stats: SchedulerStats, policy: Policy, chunk_size: Optional[int],
-                 max_prefill_tokens: int):
+                 max_prefill_tokens: int, priority: Optional[PriorityOrder] = None):
         self.sched = sched
         self.ledger = ledger
         self.cache = ledger.cache
@@ -89,6 +104,7 @@ class PrefillPlanner:
         self.policy = policy
         self.chunk_size = chunk_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.priority = priority
         self.chunked_req: Optional[Req] = None      # mid-prefill across steps; ours alone
         self.preempt_wanted = False       # the last admission wanted to preempt over a step
         self._admit_counter = 0
@@ -139,6 +155,7 @@ class PrefillPlanner:
         num_admitted = 0
         num_running = sched.num_running       # once: it walks the step in flight's requests
         fair = sched.fair_share()
+        prio = self.priority
         for req in self.policy(list(sched.waiting), self.cache):
             if budget <= 0:
                 break
@@ -146,11 +163,12 @@ class PrefillPlanner:
                 continue
             slots_full = (num_running + num_admitted >= sched.max_running_requests
                           or rows.available_size() == 0)
-            if slots_full and (fair is None or not fair.under(req.client_id)):
+            if slots_full and not (fair is not None and fair.under(req.client_id)) and \
+                    not (prio is not None and prio.may_preempt(req, sched.running)):
                 break
             fit = self._fit(req, batch, inflight, budget, reserve, slots_full)
-            while isinstance(fit, Blocked) and fair is not None:
-                victims = fair_victims(fair, req, fit, sched.running, self.reserve.of)
+            while isinstance(fit, Blocked):
+                victims, why = self._victims(req, fit, fair)
                 if not victims:
                     break
                 if sched.step_in_flight() is not None:
@@ -159,11 +177,16 @@ class PrefillPlanner:
                 for victim in victims:
                     reserve -= self.reserve.of(victim)
                     sched.retract(victim)
-                    fair.retracted(victim)
-                self.stats.count("num_fair_retractions", len(victims))
+                    if fair is not None:
+                        fair.retracted(victim)
+                self.stats.count(f"num_{why}_retractions", len(victims))
                 num_running -= len(victims)
-                logger.info("Fair-share retraction: #retracted: %d, client share: %d running "
-                            "slots", len(victims), fair.share)
+                if why == "fair":
+                    logger.info("Fair-share retraction: #retracted: %d, client share: %d "
+                                "running slots", len(victims), fair.share)
+                else:
+                    logger.info("Priority retraction: #retracted: %d for request %s "
+                                "(priority %s)", len(victims), req.rid, req.priority)
                 slots_full = (num_running + num_admitted >= sched.max_running_requests
                               or rows.available_size() == 0)
                 fit = self._fit(req, batch, inflight, budget, reserve, slots_full)
@@ -186,6 +209,21 @@ class PrefillPlanner:
             reserve += fit.own_reserve
             if fit.n < fit.remaining:
                 break
+
+    def _victims(self, req: Req, blocked: Blocked, fair: Optional[FairShare]):
+        """(running requests to retract so that req can start, "fair" or "priority"): the
+        fairness victims when there are any (fairness.fair_victims), else the priority ones
+        (PriorityOrder.victims); ([], None) when neither frees enough."""
+        running = self.sched.running
+        if fair is not None:
+            victims = fair_victims(fair, req, blocked, running, self.reserve.of)
+            if victims:
+                return victims, "fair"
+        if self.priority is not None:
+            victims = self.priority.victims(req, blocked, running, self.reserve.of)
+            if victims:
+                return victims, "priority"
+        return [], None
 
     def _fit(self, req: Req, batch: ScheduleBatch, inflight: List[Req], budget: int,
              reserve: float, slots_full: bool):

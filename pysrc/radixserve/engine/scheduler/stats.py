@@ -18,7 +18,7 @@ DECODE_LOG_INTERVAL = 40         # decode steps between two "Decode batch." log 
 
 COUNTERS = ("num_requests", "num_finished_requests", "num_aborted_requests",
             "prompt_tokens", "cached_tokens", "generation_tokens",
-            "num_retractions", "num_fair_retractions",
+            "num_retractions", "num_fair_retractions", "num_priority_retractions",
             "num_prefill_steps", "num_decode_steps",
             "num_jumps", "jump_forward_tokens",
             # speculative decoding (spec.py): verify steps, request-steps that verified a draft,
