@@ -62,7 +62,7 @@ BAD_INPUTS = [
     ("/v1/chat/completions", b"{not json", 400, None),
     ("/v1/chat/completions", {"messages": MSGS, "model": "nope"}, 404, "model"),
     ("/v1/chat/completions", {}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": 7, "content": "x"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ("/v1/chat/completions", {"messages": MSGS, "temperature": "1"}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": MSGS, "temperature": -0.5}, 400, "temperature"),
