@@ -905,6 +905,10 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         rope_params = cfg.get("rope_parameters") or {}
+        if isinstance(rope_params.get("full_attention"), dict):
+            # per layer type (Gemma 3 as transformers 5 writes it): the global layers' rope is
+            # the model's; model/gemma3.py reads the local layers' own
+            rope_params = rope_params["full_attention"]
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
@@ -927,7 +931,8 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # HF's Gemma configs tie the LM head to the embedding unless they say otherwise
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch.startswith("Gemma"))),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),

@@ -30,7 +30,10 @@ c2m64) measured 273.6 us per 32 layers against 239.1 with the grid planned from 
 
 Used only where every op on the decode path is a graph-safe kernel: a CUDA device, the
 radixserve._C extension, bf16/fp16 (float32 attention runs the torch reference, which syncs),
-and not --disable-cuda-graph. The returned logits are a view of static memory, valid until the
+no attention layer with a sliding window shorter than the context or with soft-capping (the
+kernels take neither yet, so such layers run the reference: runner.reference_attention), and
+not --disable-cuda-graph. A graph's ForwardBatch carries its capacity as max_seq_len, so a
+window at least that long attends as a full layer, on the kernels. The returned logits are a view of static memory, valid until the
 next replay (the sampler never writes them).
 """
 from __future__ import annotations
@@ -119,7 +122,7 @@ class CudaGraphRunner:
             self.out_cache_loc[:bs], self.kv_indptr[:bs + 1], kv_indices)
         fb = ForwardBatch(ForwardMode.DECODE, bs, input_ids, positions, self.out_cache_loc[:bs],
                           self.kv_indptr[:bs + 1], self.kv_indptr[:bs + 1], kv_indices,
-                          self.seq_lens[:bs], None, r.kv_pool)
+                          self.seq_lens[:bs], None, r.kv_pool, capacity)
         hidden = r.model(fb)                                       # [bs, hidden]
         return r.model.compute_logits(hidden).float()              # [bs, vocab]
 
@@ -241,7 +244,7 @@ class TPCudaGraphRunner(CudaGraphRunner):
         kv_indptr = p32[bs:2 * bs + 1]
         fb = ForwardBatch(ForwardMode.DECODE, bs, p64[:bs], p64[bs:2 * bs], p64[2 * bs:],
                           kv_indptr, kv_indptr, p32[2 * bs + 1:], p32[:bs], None,
-                          run.kv_pool.shard(r))
+                          run.kv_pool.shard(r), cap)
         shard = tp.shards[r]
         logits = shard.compute_logits(shard(fb))                   # rank 0: [bs, vocab]
         return None if logits is None else logits.float()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -34,6 +35,10 @@ class ForwardBatch:
     seq_lens: torch.Tensor        # [batch] int32, prefix + new tokens per request
     logits_indices: torch.Tensor  # [num_logit_rows] int64, rows of the hidden states that get logits
     kv_pool: KVPool
+    # an upper bound of seq_lens known on the host, None when unknown: a sliding-window layer
+    # whose window holds max_seq_len positions attends as a full one (the window hides
+    # nothing), which keeps it on the attention kernels (ops.attention_kernel_takes)
+    max_seq_len: Optional[int] = None
 
 
 def decode_prologue(req_to_token: torch.Tensor, next_ids: torch.Tensor, rows: torch.Tensor,

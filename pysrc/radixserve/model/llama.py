@@ -25,13 +25,21 @@ are gathered on rank 0. The collectives are parallel/group.py's, run by the rank
 model/tensor_parallel.TensorParallelModel (N shards in one process); with tp_size 1 no
 collective runs.
 
-Mistral (and Phi-3): HF applies a sliding-window mask when config.sliding_window is set; we
-attend to the whole context, which is identical for every sequence no longer than the window
-(4096 or more in released Mistral checkpoints; 2047 in Phi-3-mini-4k's). Longer contexts would
-differ from HF.
+Sliding windows, per layer as HF transformers applies them (layer_windows): Mistral and Phi-3
+on every layer when config.sliding_window is set (4096 in Mistral-7B-v0.1, 2047 in
+Phi-3-mini-4k); Qwen2 / Qwen3 only with use_sliding_window, on the layers config.layer_types
+marks "sliding_attention" (else those from max_window_layers on); Llama never (HF's Llama
+ignores the field). A windowed layer's query at position p attends KV positions
+(p - window, p] (ops.paged_extend_attention); the KV before that stays in the pool (the radix
+cache shares it with full-context layers and other requests) but is not read. On CUDA the
+attention kernels take no window yet: windowed calls run the torch reference there (ops), and
+the runner keeps CUDA graphs off for such models.
 
 Qwen3 (dense): Llama-shaped without biases, plus an RMSNorm over head_dim applied to every query
 and key head before rope (q_norm / k_norm, one weight [head_dim] each, shared by the heads).
+
+The first block that is not the Llama block, Gemma 2 / 3's, lives in model/gemma3.py, built
+from this file's linears, attention and CausalLM base by import.
 """
 from __future__ import annotations
 
@@ -432,11 +440,14 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool,
                  params_dtype: torch.dtype, tp_rank: int, tp_size: int, qk_norm: bool = False,
-                 quant_config: Optional[QuantConfig] = None):
+                 quant_config: Optional[QuantConfig] = None, window: int = 0):
         """qk_norm: Qwen3's per-head RMSNorm of q and k before rope (q_norm, k_norm).
-        quant_config: which of q|k|v and o are FP8 (quant/fp8.py), None: none."""
+        quant_config: which of q|k|v and o are FP8 (quant/fp8.py), None: none.
+        window: this layer's sliding window (0: the whole context; see layer_windows)."""
         super().__init__()
         self.layer_id = layer_id
+        self.window = int(window or 0)
+        self.softcap = 0.0              # attention logit soft-capping (Gemma 2: gemma3.py)
         self.head_dim = config.head_dim
         prefix = f"model.layers.{layer_id}.self_attn."
         qkv_quant = o_quant = None
@@ -483,15 +494,36 @@ class LlamaAttention(nn.Module):
         ks, vs = self.k_scale, self.v_scale
         ops.rotary_embedding_store_kv(fb.positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                                       fb.out_cache_loc, ks, vs)
-        if cpu_attn is not None:
-            out = cpu_attn(q, k_cache, v_cache, self.scaling, ks, vs)
-        elif fb.mode is ForwardMode.DECODE:
-            out = ops.paged_decode_attention(q, k_cache, v_cache, fb.kv_indptr, fb.kv_indices,
-                                             self.scaling, ks, vs)
-        else:
-            out = ops.paged_extend_attention(q, k_cache, v_cache, fb.qo_indptr, fb.kv_indptr,
-                                             fb.kv_indices, self.scaling, ks, vs)
+        out = self.attend(fb, q, k_cache, v_cache, cpu_attn)
         return self.o_proj(out.view(num_tokens, self.q_size))     # [num_tokens, hidden_size]
+
+    def attention_options(self) -> Tuple[int, float]:
+        """(window, softcap) of this layer's attention, 0 for none (runner.reference_attention
+        reads them: the kernels take neither yet)."""
+        return self.window, self.softcap
+
+    def step_window(self, fb: ForwardBatch) -> Optional[int]:
+        """The window to attend with in this step: None when the layer has none, or when no
+        request of fb is longer than it (fb.max_seq_len), where it hides nothing."""
+        if not self.window or (fb.max_seq_len is not None and fb.max_seq_len <= self.window):
+            return None
+        return self.window
+
+    def attend(self, fb: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, cpu_attn: Optional[CpuDecodeAttention]) -> torch.Tensor:
+        """The paged attention of q over the step's KV (K/V already stored), with this layer's
+        scale, FP8 scales, window and soft-cap -> [num_tokens, heads, head_dim]."""
+        ks, vs = self.k_scale, self.v_scale
+        window, softcap = self.step_window(fb), self.softcap or None
+        if cpu_attn is not None:
+            return cpu_attn(q, k_cache, v_cache, self.scaling, ks, vs, window, softcap)
+        if fb.mode is ForwardMode.DECODE:
+            return ops.paged_decode_attention(q, k_cache, v_cache, fb.kv_indptr, fb.kv_indices,
+                                              self.scaling, ks, vs, window=window,
+                                              softcap=softcap)
+        return ops.paged_extend_attention(q, k_cache, v_cache, fb.qo_indptr, fb.kv_indptr,
+                                          fb.kv_indices, self.scaling, ks, vs, window=window,
+                                          softcap=softcap)
 
     def _norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Qwen3: q [num_tokens, heads, head_dim] and k [num_tokens, kv_heads, head_dim] (views
@@ -538,10 +570,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool,
                  mlp_bias: bool, params_dtype: torch.dtype, tp_rank: int, tp_size: int,
-                 qk_norm: bool = False, quant_config: Optional[QuantConfig] = None):
+                 qk_norm: bool = False, quant_config: Optional[QuantConfig] = None,
+                 window: int = 0):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, params_dtype,
-                                        tp_rank, tp_size, qk_norm, quant_config)
+                                        tp_rank, tp_size, qk_norm, quant_config, window)
         self.mlp = LlamaMLP(config, mlp_bias, params_dtype, tp_rank, tp_size, quant_config,
                             f"model.layers.{layer_id}.mlp.")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
@@ -591,13 +624,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
                  params_dtype: torch.dtype, tp_rank: int, tp_size: int, qk_norm: bool = False,
-                 quant_config: Optional[QuantConfig] = None):
+                 quant_config: Optional[QuantConfig] = None,
+                 windows: Optional[Sequence[int]] = None):
+        """windows: each layer's sliding window (0: none); None: no layer has one."""
         super().__init__()
+        windows = list(windows) if windows is not None else [0] * config.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    params_dtype, tp_rank, tp_size)
         self.layers = nn.ModuleList([
             LlamaDecoderLayer(config, i, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size,
-                              qk_norm, quant_config)
+                              qk_norm, quant_config, windows[i])
             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
         # [max_context, head_dim] float32 = [cos | sin]
@@ -659,47 +695,41 @@ def set_kv_cache_scales(model: nn.Module) -> int:
     return count
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama 2/3/3.1 and SmolLM2 (also the base of Mistral and Qwen2). See the module docstring."""
+def hf_layer_types(config: ModelConfig, default: Sequence[str]) -> List[str]:
+    """config.json's layer_types ("sliding_attention" / "full_attention" per layer), else
+    default; ValueError when its length is not the layer count."""
+    types = config.hf_config.get("layer_types") or list(default)
+    if len(types) != config.num_hidden_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {config.num_hidden_layers} "
+                         f"layers")
+    return list(types)
 
-    qkv_bias_default = False   # q/k/v bias when config.json says nothing (Llama: attention_bias)
-    o_proj_follows_attention_bias = True
-    qk_norm = False            # per-head RMSNorm of q and k before rope (Qwen3)
 
-    def __init__(self, config: ModelConfig, params_dtype: torch.dtype = torch.float32,
-                 tp_rank: int = 0, tp_size: int = 1, quant_config: Optional[QuantConfig] = None):
-        """quant_config: the FP8 linear layers (quant/fp8.py; model/loader.py resolves it from
-        --quantization and the checkpoint); None: what config.json's quantization_config says
-        (none without one). The LM head and the embeddings stay in params_dtype."""
-        super().__init__()
-        self.config = config
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        if quant_config is None:
-            quant_config = checkpoint_quant_config(config.hf_config)
-        self.quant_config = quant_config
-        # KV-cache scales an FP8 checkpoint carries that no parameter of ours takes
-        # ({self_attn name + ".k_scale" / ".v_scale": value}), for the KV cache's use
-        self.checkpoint_kv_scales: Dict[str, float] = {}
-        qkv_bias = self._qkv_bias(config)
-        o_bias = config.attention_bias and self.o_proj_follows_attention_bias
-        mlp_bias = bool(config.hf_config.get("mlp_bias", False))
-        self.model = LlamaModel(config, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size,
-                                self.qk_norm, quant_config)
-        # False when the checkpoint had no LM head (model/loader.py: lm_head_optional, an
-        # embedding model's backbone): compute_logits must not be used then
-        self.lm_head_loaded = True
-        if config.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype,
-                                          tp_rank, tp_size)
-        window = config.hf_config.get("sliding_window")
-        if window and config.hf_config.get("use_sliding_window", True):
-            logger.info("sliding_window=%s is not applied: outputs match HF for contexts up to "
-                        "%s tokens", window, window)
+def windows_of_types(types: Sequence[str], window: Optional[int]) -> List[int]:
+    """Per layer: window for a "sliding_attention" layer, 0 for any other (or without a window)."""
+    return [int(window or 0) if t == "sliding_attention" else 0 for t in types]
 
-    def _qkv_bias(self, config: ModelConfig) -> bool:
-        return config.attention_bias
+
+def log_windows(config: ModelConfig, windows: Sequence[int]) -> None:
+    if any(windows):
+        sizes = sorted({w for w in windows if w})
+        logger.info("%s: sliding window of %s positions on %d of %d layers",
+                    config.architecture, "/".join(map(str, sizes)), sum(1 for w in windows if w),
+                    len(windows))
+
+
+class CausalLM(nn.Module):
+    """What every decoder here shares (LlamaForCausalLM, model/gemma3.py's Gemma3ForCausalLM):
+    the forward / compute_logits contract of the module docstring over self.model and
+    self.lm_head, and HF-named weight loading into the fused, sliced parameters. A subclass
+    builds self.config, tp_rank / tp_size, quant_config, checkpoint_kv_scales, self.model (with
+    .layers[i].self_attn) and self.lm_head."""
+
+    # the final logits' soft-capping (Gemma 2): logits -> c * tanh(logits / c); 0: none
+    final_logit_softcap = 0.0
+    # False when the checkpoint had no LM head (model/loader.py: lm_head_optional, an
+    # embedding model's backbone): compute_logits must not be used then
+    lm_head_loaded = True
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """fb -> hidden [num_tokens, hidden_size] (final norm applied); writes K/V into fb.kv_pool."""
@@ -710,7 +740,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32 (None on a tensor-parallel
         rank other than 0, which only sends its LM-head shard to rank 0)."""
         with torch.inference_mode():
-            return lm_head_logits(self.lm_head, hidden)
+            logits = lm_head_logits(self.lm_head, hidden)
+            cap = self.final_logit_softcap
+            if cap and logits is not None:
+                logits = torch.tanh(logits / cap) * cap
+            return logits
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[Tuple[str, int]]:
         """Copy HF-named tensors into our (fused, sliced) parameters.
@@ -745,13 +779,61 @@ class LlamaForCausalLM(nn.Module):
         return expected
 
 
+class LlamaForCausalLM(CausalLM):
+    """Llama 2/3/3.1 and SmolLM2 (also the base of Mistral and Qwen2). See the module docstring."""
+
+    qkv_bias_default = False   # q/k/v bias when config.json says nothing (Llama: attention_bias)
+    o_proj_follows_attention_bias = True
+    qk_norm = False            # per-head RMSNorm of q and k before rope (Qwen3)
+
+    def __init__(self, config: ModelConfig, params_dtype: torch.dtype = torch.float32,
+                 tp_rank: int = 0, tp_size: int = 1, quant_config: Optional[QuantConfig] = None):
+        """quant_config: the FP8 linear layers (quant/fp8.py; model/loader.py resolves it from
+        --quantization and the checkpoint); None: what config.json's quantization_config says
+        (none without one). The LM head and the embeddings stay in params_dtype."""
+        super().__init__()
+        self.config = config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        if quant_config is None:
+            quant_config = checkpoint_quant_config(config.hf_config)
+        self.quant_config = quant_config
+        # KV-cache scales an FP8 checkpoint carries that no parameter of ours takes
+        # ({self_attn name + ".k_scale" / ".v_scale": value}), for the KV cache's use
+        self.checkpoint_kv_scales: Dict[str, float] = {}
+        qkv_bias = self._qkv_bias(config)
+        o_bias = config.attention_bias and self.o_proj_follows_attention_bias
+        mlp_bias = bool(config.hf_config.get("mlp_bias", False))
+        windows = self.layer_windows(config)
+        log_windows(config, windows)
+        self.model = LlamaModel(config, qkv_bias, o_bias, mlp_bias, params_dtype, tp_rank, tp_size,
+                                self.qk_norm, quant_config, windows)
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype,
+                                          tp_rank, tp_size)
+
+    def _qkv_bias(self, config: ModelConfig) -> bool:
+        return config.attention_bias
+
+    @classmethod
+    def layer_windows(cls, config: ModelConfig) -> List[int]:
+        """Each layer's sliding window (0: none), as HF transformers applies config.json's for
+        this architecture. Llama: none (HF's Llama ignores sliding_window)."""
+        if config.hf_config.get("sliding_window"):
+            logger.info("%s: sliding_window=%s is ignored, as HF transformers ignores it for "
+                        "this architecture", config.architecture,
+                        config.hf_config["sliding_window"])
+        return [0] * config.num_hidden_layers
+
+
 class WeightLoader:
-    """LlamaForCausalLM.load_weights, fed one checkpoint tensor at a time (feed), so several
+    """CausalLM.load_weights, fed one checkpoint tensor at a time (feed), so several
     tensor-parallel shards can load from one read of each tensor (model/loader.py); finish()
     loads what waited for a later tensor (an FP8 weight of a layer kept in the model dtype and
     its weight_scale) and returns the (parameter name, shard id) pairs filled."""
 
-    def __init__(self, model: "LlamaForCausalLM"):
+    def __init__(self, model: "CausalLM"):
         self.model = model
         self.params: Dict[str, nn.Parameter] = dict(model.named_parameters())
         self.loaded: Set[Tuple[str, int]] = set()
@@ -815,24 +897,56 @@ class WeightLoader:
         return self.loaded
 
 
+def _every_layer_window(config: ModelConfig) -> List[int]:
+    """config.sliding_window on every layer (HF's Mistral and Phi-3), none when it is unset."""
+    return [int(config.hf_config.get("sliding_window") or 0)] * config.num_hidden_layers
+
+
+def _qwen_layer_windows(config: ModelConfig) -> List[int]:
+    """HF's Qwen2 / Qwen3: a window only with use_sliding_window, on the layers layer_types
+    marks sliding, else on those from max_window_layers (default 28) on."""
+    cfg = config.hf_config
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    if not window:
+        return [0] * config.num_hidden_layers
+    first = cfg.get("max_window_layers", 28)
+    default = ["sliding_attention" if i >= first else "full_attention"
+               for i in range(config.num_hidden_layers)]
+    return windows_of_types(hf_layer_types(config, default), window)
+
+
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama-shaped (no biases); sliding window ignored (see the module docstring)."""
+    """Mistral: Llama-shaped (no biases); config.sliding_window on every layer, as HF applies it
+    (it reads no use_sliding_window)."""
+
+    @classmethod
+    def layer_windows(cls, config: ModelConfig) -> List[int]:
+        return _every_layer_window(config)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2: bias on q/k/v (always), none on o_proj; usually tied embeddings."""
+    """Qwen2: bias on q/k/v (always), none on o_proj; usually tied embeddings. A sliding window
+    only with use_sliding_window (false in released checkpoints): _qwen_layer_windows."""
 
     o_proj_follows_attention_bias = False
 
     def _qkv_bias(self, config: ModelConfig) -> bool:
         return True
 
+    @classmethod
+    def layer_windows(cls, config: ModelConfig) -> List[int]:
+        return _qwen_layer_windows(config)
+
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 / Phi-4: Llama-shaped; the checkpoint stores q|k|v and gate|up fused (loaded by
     splitting, ColumnParallelLinear.load_fused). Rope over part of the head
     (partial_rotary_factor, Phi-4-mini) and longrope scaling (the 128k variants) are refused;
-    a sliding_window is not applied, as for Mistral (see the module docstring)."""
+    config.sliding_window applies to every layer, as in HF (2047 in Phi-3-mini-4k)."""
+
+    @classmethod
+    def layer_windows(cls, config: ModelConfig) -> List[int]:
+        return _every_layer_window(config)
 
     def __init__(self, config: ModelConfig, params_dtype: torch.dtype = torch.float32,
                  tp_rank: int = 0, tp_size: int = 1, quant_config: Optional[QuantConfig] = None):
@@ -847,9 +961,13 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense): q_norm / k_norm on every head before rope; biases as attention_bias says
-    (false in released checkpoints), on q/k/v and o alike."""
+    (false in released checkpoints), on q/k/v and o alike. Windows as Qwen2's."""
 
     qk_norm = True
+
+    @classmethod
+    def layer_windows(cls, config: ModelConfig) -> List[int]:
+        return _qwen_layer_windows(config)
 
 
 MODEL_REGISTRY: Dict[str, Type[LlamaForCausalLM]] = {
@@ -869,7 +987,8 @@ MODEL_REGISTRY: Dict[str, Type[LlamaForCausalLM]] = {
 
 
 def get_model_class(architecture: str) -> Type[LlamaForCausalLM]:
-    """The model class for a config.json architecture name; ValueError naming the supported ones."""
+    """The Llama-family class for a config.json architecture name; ValueError naming the
+    supported ones. The loader asks model/architectures.get_model_class, which adds Gemma."""
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:

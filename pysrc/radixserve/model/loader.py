@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from radixserve.config import ModelConfig
-from radixserve.model.llama import get_model_class
+from radixserve.model.architectures import get_model_class
 from radixserve.quant.fp8 import FP8_DTYPE, init_dummy_fp8, resolve_quant_config
 
 logger = logging.getLogger(__name__)

@@ -52,6 +52,29 @@ CPU_MEM_FRACTION = 0.10
 GPU_MEM_FRACTION = 0.85
 
 
+def reference_attention(model: torch.nn.Module, max_seq_len: int) -> Optional[str]:
+    """Why some attention layer of model runs the torch reference (ops.attention_kernel_takes)
+    for a request of up to max_seq_len KV positions, or None when every layer takes the
+    kernels. Layers say what they need through attention_options() -> (window, softcap); a
+    window of max_seq_len positions or more hides nothing (ForwardBatch.max_seq_len)."""
+    windows, capped = set(), False
+    for module in model.modules():
+        options = getattr(module, "attention_options", None)
+        if options is None:
+            continue
+        window, softcap = options()
+        if window and window < max_seq_len:
+            windows.add(window)
+        capped = capped or bool(softcap)
+    parts = []
+    if windows:
+        parts.append(f"sliding windows of {', '.join(map(str, sorted(windows)))} positions "
+                     f"(shorter than the context)")
+    if capped:
+        parts.append("attention soft-capping")
+    return " and ".join(parts) or None
+
+
 def _cpu_available_bytes() -> int:
     """MemAvailable from /proc/meminfo (bytes); falls back to 4 GiB where it cannot be read."""
     try:
@@ -235,6 +258,11 @@ class ModelRunner:
             logger.info("CUDA graphs off: they need radixserve._C and bf16/fp16 (dtype %s)",
                         self.dtype)
             return False
+        why = reference_attention(self.model, self.context_len + 1)
+        if why:
+            logger.warning("CUDA graphs off: %s, which the attention kernels do not take yet "
+                           "(the torch reference runs them, and it is not capturable)", why)
+            return False
         return True
 
     def _kv_pool_tokens(self) -> int:
@@ -403,7 +431,8 @@ class ModelRunner:
             self.req_to_token, self.next_ids, ints["rows"], ints["seq_lens"].to(torch.int32),
             ints["out_cache_loc"], kv_indptr, kv_indices)
         fb = ForwardBatch(ForwardMode.DECODE, bs, input_ids, positions, ints["out_cache_loc"],
-                          kv_indptr, kv_indptr, kv_indices, ints["seq_lens"], None, self.kv_pool)
+                          kv_indptr, kv_indptr, kv_indices, ints["seq_lens"], None, self.kv_pool,
+                          max(step.seq_lens))
         return self.compute_logits(self.model(fb))
 
     def _extend_logits(self, step: StepInput, ints: Upload):
@@ -423,7 +452,8 @@ class ModelRunner:
                              kv_indices)
         fb = ForwardBatch(step.mode, bs, input_ids, ints["positions"], ints["out_cache_loc"],
                           ints["qo_indptr"].to(torch.int32), kv_indptr, kv_indices,
-                          ints["seq_lens"].to(torch.int32), ints["logits_indices"], self.kv_pool)
+                          ints["seq_lens"].to(torch.int32), ints["logits_indices"], self.kv_pool,
+                          max(step.seq_lens, default=0))
         if not step.logits_indices and not step.pool_counts:
             self.model(fb)     # a chunk that only fills the KV cache
             return None, None, None

@@ -10,6 +10,14 @@ long prompt fits where the kernels are missing.
 Index dtypes: slot indices and indptrs are int32 on the kernel path; references accept
 int32 or int64. Naming: *_indptr has length batch + 1; *_indices are KV pool slots.
 
+Sliding windows and soft-capping (model/llama.py's Mistral / Phi-3 / Qwen windows,
+model/gemma3.py): paged_decode_attention and paged_extend_attention take window (a query at
+position p attends KV positions (p - window, p], the window counting itself; None or 0: the
+whole context) and softcap (scores -> softcap * tanh(scores / softcap) before the mask; None or
+0: none). The CUDA kernels take neither yet: a call with either runs the torch reference on
+CUDA too (correct, slower, and not capturable in a CUDA graph: the runner keeps graphs off for
+such models), logged once per process (attention_kernel_takes).
+
 FP8 KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): the pool's pages are torch.float8_e4m3fn /
 float8_e5m2. store_kv (and rotary_embedding_store_kv) write x / scale, saturated to the format's
 largest finite value (reference.quantize_fp8), with the layer's k_scale / v_scale (fp32 scalars,
@@ -22,6 +30,7 @@ ignored.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple, Optional
 
 import torch
@@ -31,6 +40,8 @@ from radixserve.ops import reference as ref
 from radixserve.ops._ext import kernels_available
 from radixserve.ops.reference import KV_FP8_DTYPES, is_fp8  # noqa: F401  (re-exported)
 
+
+logger = logging.getLogger(__name__)
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -51,6 +62,27 @@ def _kernel_q(q: torch.Tensor) -> torch.Tensor:
     if q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0:
         return q
     return q.contiguous()
+
+
+def attention_kernel_takes(window: Optional[int] = None, softcap: Optional[float] = None) -> bool:
+    """Whether the attention kernels serve a call with this window and soft-capping: today only
+    with neither (the kernels take no window and no cap yet). False: paged_decode_attention and
+    paged_extend_attention run the torch reference, on CUDA too."""
+    return not window and not softcap
+
+
+_REFERENCE_ROUTES_LOGGED = set()
+
+
+def _log_reference_route(op: str, window: Optional[int], softcap: Optional[float]) -> None:
+    """Say once per op and option that a CUDA call ran the reference for want of a kernel."""
+    what = " and ".join(w for w, on in (("a sliding window", window), ("soft-capping", softcap))
+                        if on)
+    if (op, what) in _REFERENCE_ROUTES_LOGGED:
+        return
+    _REFERENCE_ROUTES_LOGGED.add((op, what))
+    logger.warning("%s with %s runs the torch reference on CUDA: the attention kernels take "
+                   "no window or soft-cap yet (correct, slower)", op, what)
 
 
 class SampleOutput(NamedTuple):
@@ -102,7 +134,9 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                            sm_scale: float, k_scale: float = 1.0,
-                           v_scale: float = 1.0, kernel: Optional[str] = None) -> torch.Tensor:
+                           v_scale: float = 1.0, kernel: Optional[str] = None,
+                           window: Optional[int] = None,
+                           softcap: Optional[float] = None) -> torch.Tensor:
     """One query token per request over its paged KV (page size 1).
 
     q:        [batch, num_q_heads, head_dim]; num_q_heads % num_kv_heads == 0 (GQA)
@@ -121,7 +155,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
               --debug-decode-kernel flag, else the environment, else auto), read per call and
               passed to the op with RADIXSERVE_DECODE_NO_SPLIT_TOKENS (requests this short are
               never split; None: the kernel's 256). A CUDA graph replays what it captured.
+    window:   None or 0: the whole KV; w > 0: only the request's last w KV positions (its own
+              and the w - 1 before it: HF's sliding_window convention, Mistral's and Gemma's);
+              the reference reads no slot before them
+    softcap:  None or 0; c > 0: scores -> c * tanh(scores / c) before the softmax (Gemma 2)
+    With a window or a cap the reference runs, on CUDA too (attention_kernel_takes), logged once.
     """
+    if not attention_kernel_takes(window, softcap):
+        if _use_attention_kernel(q):
+            _log_reference_route("paged_decode_attention", window, softcap)
+        return ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale,
+                                          k_scale, v_scale, window, softcap)
     if _use_attention_kernel(q):
         return torch.ops.radixserve.paged_decode_attention(
             _kernel_q(q), k_cache, v_cache, kv_indptr, kv_indices, sm_scale, k_scale, v_scale,
@@ -134,7 +178,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                            kv_indices: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
-                           v_scale: float = 1.0, kernel: Optional[str] = None) -> torch.Tensor:
+                           v_scale: float = 1.0, kernel: Optional[str] = None,
+                           window: Optional[int] = None,
+                           softcap: Optional[float] = None) -> torch.Tensor:
     """New query tokens over [cached prefix + themselves], causal among the new tokens.
 
     q:         [num_q_tokens, num_q_heads, head_dim], requests concatenated
@@ -149,7 +195,18 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     its products in fp16 (K/V converted from FP8 exactly, Q and P rounded to fp16).
     kernel:    "auto" (wgmma on sm_90a where the build has it, else mma.sync) or "mma" (mma.sync
                always); None: the knob RADIXSERVE_EXTEND_KERNEL (knobs.py), read per call.
+    window:    None or 0: causal over the whole KV; w > 0: the query at position p attends KV
+               positions (p - w, p] only (w positions, itself included); the reference slices
+               each request's KV from its first query's window start (nothing before it is
+               read) and masks the rest of the band
+    softcap:   as for paged_decode_attention
+    With a window or a cap the reference runs, on CUDA too (attention_kernel_takes), logged once.
     """
+    if not attention_kernel_takes(window, softcap):
+        if _use_attention_kernel(q):
+            _log_reference_route("paged_extend_attention", window, softcap)
+        return ref.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
+                                          sm_scale, k_scale, v_scale, window, softcap)
     if _use_attention_kernel(q):
         return torch.ops.radixserve.paged_extend_attention(
             _kernel_q(q), k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale, k_scale,
@@ -241,8 +298,11 @@ def skinny_gated_linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [num_tokens, hidden], weight: [hidden] -> [num_tokens, hidden] (new tensor)."""
-    if _use_kernel(x):
+    """x: [num_tokens, hidden], weight: [hidden] -> [num_tokens, hidden] (new tensor):
+    x * rsqrt(mean(x^2) + eps) * weight in fp32, rounded once to x's dtype. weight: x's dtype,
+    or float32 beside a bf16/fp16 x (Gemma's 1 + w, model/gemma3.py), which the reference
+    computes (on CUDA too: the kernel reads weights of x's dtype only)."""
+    if _use_kernel(x) and weight.dtype == x.dtype:
         return torch.ops.radixserve.rms_norm(x, weight, eps)
     return ref.rms_norm(x, weight, eps)
 
@@ -254,12 +314,12 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     x:        [num_tokens, hidden] bf16/fp16/fp32, contiguous
     residual: [num_tokens, hidden] contiguous, dtype of x or float32 (half-precision models keep
               their residual stream in fp32: model/llama.py)
-    weight:   [hidden], dtype of x
+    weight:   [hidden], dtype of x, or float32 (then the reference runs, as for rms_norm)
     The sum is formed in fp32 and rounded once into residual's dtype; the norm is taken of the
     fp32 sum (not of the rounded residual) and rounded once into x's dtype.
     Raises (ValueError on the reference, RuntimeError on the kernel) for any other residual dtype.
     """
-    if _use_kernel(x):
+    if _use_kernel(x) and weight.dtype == x.dtype:
         torch.ops.radixserve.fused_add_rms_norm(x, residual, weight, eps)
     else:
         ref.fused_add_rms_norm(x, residual, weight, eps)
@@ -305,6 +365,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _use_kernel(x):
         return torch.ops.radixserve.silu_and_mul(x)
     return ref.silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * inter] = [gate | up] -> gelu_tanh(gate) * up: [num_tokens, inter]
+    (Gemma's MLP: HF's gelu_pytorch_tanh), computed in fp32 and rounded once to x's dtype.
+    The reference only (torch ops, on CUDA too: no kernel yet)."""
+    return ref.gelu_tanh_and_mul(x)
 
 
 # ----------------------------------------------------------------------------- FP8 linear layers

@@ -98,8 +98,10 @@ class AttentionTile(NamedTuple):
 
     Requests [req_start, req_end), padded together; query rows [q_start, q_end) of each (a tile
     of several requests holds all their rows, padded to the longest); KV heads
-    [head_start, head_end), each with its query heads; the first kv_len KV positions of each
-    request (all that a row of the tile can see)."""
+    [head_start, head_end), each with its query heads; KV positions [kv_start, kv_len) of each
+    request (all that a row of the tile can see). kv_start is 0 but in the row ranges of one
+    request under a sliding window (attention_plan's window), where the tile's first row sees
+    no position before it."""
     req_start: int
     req_end: int
     q_start: int
@@ -107,6 +109,7 @@ class AttentionTile(NamedTuple):
     head_start: int
     head_end: int
     kv_len: int
+    kv_start: int = 0
 
 
 def attention_tile_bytes(num_reqs: int, rows: int, kv_len: int, kv_heads: int, group: int,
@@ -135,9 +138,14 @@ def attention_tile_bytes(num_reqs: int, rows: int, kv_len: int, kv_heads: int, g
 
 def attention_plan(q_lens: Sequence[int], kv_lens: Sequence[int], num_q_heads: int,
                    num_kv_heads: int, head_dim: int, kv_elem_size: int,
-                   tile_bytes: Optional[int] = None) -> List[AttentionTile]:
+                   tile_bytes: Optional[int] = None, window: int = 0) -> List[AttentionTile]:
     """Tiles that cover every (request, query row, query head) of a batch once, in request
     order, each within tile_bytes (default TILE_BYTES) by attention_tile_bytes.
+
+    window > 0 (a sliding window, see paged_extend_attention): the row ranges of a request cut
+    into several tiles start their KV at kv_start = the first position their first row sees
+    (row i at position p sees (p - window, p]). kv_lens are then the positions the request's
+    queries read: PagedAttention drops the ones before its first query's window first.
 
     q_lens[b] <= kv_lens[b]: request b's query row i sits at KV position
     kv_lens[b] - q_lens[b] + i and sees the positions up to it. Consecutive requests share a
@@ -160,7 +168,7 @@ def attention_plan(q_lens: Sequence[int], kv_lens: Sequence[int], num_q_heads: i
     while b < batch:
         max_q, max_kv = q_lens[b], kv_lens[b]
         if cost(1, max_q, max_kv, num_kv_heads) > budget:
-            tiles += _split_request(b, q_lens[b], kv_lens[b], num_kv_heads, budget, cost)
+            tiles += _split_request(b, q_lens[b], kv_lens[b], num_kv_heads, budget, cost, window)
             b += 1
             continue
         end = b + 1
@@ -175,10 +183,11 @@ def attention_plan(q_lens: Sequence[int], kv_lens: Sequence[int], num_q_heads: i
 
 
 def _split_request(b: int, q_len: int, kv_len: int, num_kv_heads: int, budget: int,
-                   cost) -> List[AttentionTile]:
+                   cost, window: int = 0) -> List[AttentionTile]:
     """attention_plan's tiles of one request that does not fit one: ranges of `heads` KV heads,
     each over ranges of `rows` query rows, with the (heads, rows) that fit and make the fewest
-    tiles (1 and 1 when nothing fits)."""
+    tiles (1 and 1 when nothing fits). The cost counts the request's whole KV (its tiles share
+    one gather of it); with a window, a row range reads from its first row's window start."""
     best = (None, 1, 1)                                   # (tiles, heads, rows)
     for heads in range(1, num_kv_heads + 1):
         fixed = cost(1, 0, kv_len, heads)
@@ -192,7 +201,8 @@ def _split_request(b: int, q_len: int, kv_len: int, num_kv_heads: int, budget: i
     _, heads, rows = best
     prefix = kv_len - q_len
     return [AttentionTile(b, b + 1, q0, min(q0 + rows, q_len), h0,
-                          min(h0 + heads, num_kv_heads), prefix + min(q0 + rows, q_len))
+                          min(h0 + heads, num_kv_heads), prefix + min(q0 + rows, q_len),
+                          max(0, prefix + q0 - window + 1) if window > 0 else 0)
             for h0 in range(0, num_kv_heads, heads) for q0 in range(0, q_len, rows)]
 
 
@@ -212,33 +222,53 @@ _MASK_CACHE_BYTES = 16 << 20
 class PagedAttention:
     """paged_extend_attention / paged_decode_attention of one batch, in tiles (attention_plan).
 
-    The plan and each tile's index tables depend only on the batch's indptrs, so a caller may
-    build this once per step and call it for every layer (model/cpu_attention.py does, for
-    decode on the CPU). Each tile gathers its requests' K/V heads padded to its longest request
-    (the padding repeats a request's last KV row, so no other slot's values are read), then runs
-    one fused softmax(q k^T * sm_scale) v (SDPA) with the causal mask, a KV head's query heads
-    folded into its query rows: the same math per (row, head) as one untiled call. Consecutive
-    tiles of one request and one head range reuse its gathered K/V. Beside a tile's
-    intermediates it holds O(tokens) index tables and, when they total at most
-    _MASK_CACHE_BYTES, every tile's mask.
+    The plan and each tile's index tables depend only on the batch's indptrs (and the window),
+    so a caller may build this once per step and call it for every layer of one window
+    (model/cpu_attention.py does, for decode on the CPU). Each tile gathers its requests' K/V
+    heads padded to its longest request (the padding repeats a request's last KV row, so no
+    other slot's values are read), then runs one fused softmax(q k^T * sm_scale) v (SDPA) with
+    the causal mask, a KV head's query heads folded into its query rows: the same math per
+    (row, head) as one untiled call. Consecutive tiles of one request and one head range reuse
+    its gathered K/V. Beside a tile's intermediates it holds O(tokens) index tables and, when
+    they total at most _MASK_CACHE_BYTES, every tile's mask.
+
+    Sliding window (window > 0): query row at position p sees KV positions (p - window, p].
+    Each request's KV is sliced, not masked, before anything is gathered: its slots start at
+    the first position its first query sees (kv_skip), so a decode row reads at most `window`
+    positions and no slot before a request's window is ever read; within that slice, rows of a
+    long request cut into row ranges start theirs at their own first row's window
+    (AttentionTile.kv_start), and the mask hides what lies before each row's window.
+    Soft-capping (softcap > 0, Gemma 2): scores become softcap * tanh(scores / softcap) before
+    the mask and the softmax (then the scores are made explicitly, not by SDPA).
     """
 
     def __init__(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                  qo_indptr: Optional[torch.Tensor], num_q_heads: int, num_kv_heads: int,
-                 head_dim: int, kv_elem_size: int):
+                 head_dim: int, kv_elem_size: int, window: Optional[int] = None):
         """kv_indptr [batch + 1], kv_indices [nnz]: each request's KV slots (int32 or int64);
         qo_indptr [batch + 1]: its query tokens (paged_extend_attention's contract), or None for
         decode (one query per request, at its last KV position). kv_elem_size: bytes per element
-        of the KV cache."""
+        of the KV cache. window: the sliding window (None or 0: the whole context)."""
+        self.window = int(window or 0)
         kv_starts = kv_indptr.tolist()
         q_starts = list(range(len(kv_starts))) if qo_indptr is None else qo_indptr.tolist()
         self.q_lens = [e - s for s, e in zip(q_starts, q_starts[1:])]
-        self.kv_lens = [e - s for s, e in zip(kv_starts, kv_starts[1:])]
+        full_lens = [e - s for s, e in zip(kv_starts, kv_starts[1:])]
+        # a window no request is longer than hides nothing: the plain causal plan
+        if self.window > 0 and max(full_lens, default=0) <= self.window:
+            self.window = 0
+        # KV positions of each request before its first query's window: never read
+        w = self.window
+        self.kv_skip = [max(0, kv - q - w + 1) if w > 0 else 0
+                        for q, kv in zip(self.q_lens, full_lens)]
+        # from here on a request's KV positions count from its first one read
+        self.kv_lens = [kv - skip for kv, skip in zip(full_lens, self.kv_skip)]
+        kv_starts = [s + skip for s, skip in zip(kv_starts, self.kv_skip)]
         self.num_tokens = q_starts[-1] - q_starts[0] if q_starts else 0
         self.group = num_q_heads // num_kv_heads
         self.num_q_heads, self.head_dim = num_q_heads, head_dim
         self.tiles = attention_plan(self.q_lens, self.kv_lens, num_q_heads, num_kv_heads,
-                                    head_dim, kv_elem_size)
+                                    head_dim, kv_elem_size, window=w)
         dev = kv_indices.device
         kv_idx = kv_indices.long()
         # (req_start, req_end) -> [reqs * max_kv] int64 slots: each request's KV padded with
@@ -254,8 +284,8 @@ class PagedAttention:
             flat = torch.minimum(pos, last[:, None]).clamp(min=0).flatten().to(dev)
             self._slots[(t.req_start, t.req_end)] = kv_idx[flat] if kv_idx.numel() else flat
         self._index = [self._tile_index(t, q_starts, dev) for t in self.tiles]
-        mask_bytes = sum((t.req_end - t.req_start) * (t.q_end - t.q_start) * t.kv_len *
-                         4 * self.group for t in self.tiles)
+        mask_bytes = sum((t.req_end - t.req_start) * (t.q_end - t.q_start) *
+                         (t.kv_len - t.kv_start) * 4 * self.group for t in self.tiles)
         self._masks = ([self._mask(t, i) for t, i in zip(self.tiles, self._index)]
                        if mask_bytes <= _MASK_CACHE_BYTES else None)
         # one tile whose rows are every token, in order: its output is the result as it is
@@ -278,18 +308,23 @@ class PagedAttention:
                           (kv_lens - q_lens + qpos).to(dev))
 
     def _mask(self, t: AttentionTile, index: _TileIndex) -> torch.Tensor:
-        """[reqs, 1, group * rows, kv_len] fp32, added to the scores: 0 where a row may look
-        (KV positions up to its own, which leaves out every padded position of a real row),
-        -inf elsewhere. An additive mask, as SDPA's CPU and math backends would make of a bool
-        one (at a cost per element several times that of the memset here)."""
+        """[reqs, 1, group * rows, kv_len - kv_start] fp32, added to the scores: 0 where a row
+        may look (KV positions up to its own, and with a window after its own minus the window;
+        which leaves out every padded position of a real row), -inf elsewhere. An additive mask,
+        as SDPA's CPU and math backends would make of a bool one (at a cost per element several
+        times that of the memset here)."""
         reqs, rows, group = t.req_end - t.req_start, t.q_end - t.q_start, self.group
+        width = t.kv_len - t.kv_start
         dev = index.query_pos.device
-        if reqs > 1:
-            kpos = torch.arange(t.kv_len, device=dev)
-            hidden = kpos > index.query_pos[:, :, None]                      # [reqs, rows, kv_len]
-            mask = torch.zeros(reqs, group, rows, t.kv_len, device=dev)
+        if reqs > 1 or self.window > 0:
+            kpos = torch.arange(t.kv_start, t.kv_len, device=dev)
+            qpos = index.query_pos[:, :, None]                               # [reqs, rows, 1]
+            hidden = kpos > qpos                                             # [reqs, rows, width]
+            if self.window > 0:
+                hidden |= kpos <= qpos - self.window
+            mask = torch.zeros(reqs, group, rows, width, device=dev)
             return mask.masked_fill_(hidden[:, None], float("-inf")) \
-                .view(reqs, 1, group * rows, t.kv_len)
+                .view(reqs, 1, group * rows, width)
         # one request: row r sees positions < first + r, so only a triangle right of `first`
         # (rows x (rows - 1) at most) is hidden
         first = self.kv_lens[t.req_start] - self.q_lens[t.req_start] + t.q_start + 1
@@ -300,11 +335,12 @@ class PagedAttention:
         return mask.view(1, 1, group * rows, t.kv_len)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                 sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                 softcap: Optional[float] = None) -> torch.Tensor:
         """q [num_tokens, num_q_heads, head_dim]; k_cache, v_cache [num_slots, num_kv_heads,
         head_dim] -> [num_tokens, num_q_heads, head_dim] in q's dtype (computed in fp32).
         An FP8 cache is dequantized as it is gathered (dequantize_fp8: times k_scale, v_scale);
-        other caches ignore the scales."""
+        other caches ignore the scales. softcap: None or 0, or the soft-capping of the scores."""
         whole = self._whole and q.shape[0] == self.num_tokens
         out = None if whole else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         group, d = self.group, self.head_dim
@@ -318,14 +354,17 @@ class PagedAttention:
                 kv = (key, _gather_heads(k_cache, slots, reqs, t.head_start, t.head_end, k_scale),
                       _gather_heads(v_cache, slots, reqs, t.head_start, t.head_end, v_scale))
             k, v = kv[1], kv[2]
-            if k.shape[2] > t.kv_len:
-                k, v = k[:, :, :t.kv_len], v[:, :, :t.kv_len]          # [reqs, heads, kv_len, d]
+            if k.shape[2] > t.kv_len or t.kv_start:
+                k, v = k[:, :, t.kv_start:t.kv_len], v[:, :, t.kv_start:t.kv_len]
             qh = q if heads * group == q.shape[1] else q[:, t.head_start * group:t.head_end * group]
             qt = (qh if whole else qh.index_select(0, index.rows)).float()
             qt = qt.reshape(reqs, rows, heads, group, d)
             qt = qt.permute(0, 2, 3, 1, 4).reshape(reqs, heads, group * rows, d)
             mask = self._masks[n] if self._masks is not None else self._mask(t, index)
-            o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=sm_scale)
+            if softcap:
+                o = _softcapped_attention(qt, k, v, mask, sm_scale, float(softcap))
+            else:
+                o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=sm_scale)
             o = o.reshape(reqs, heads, group, rows, d).permute(0, 3, 1, 2, 4) \
                 .reshape(reqs * rows, heads * group, d)                  # [reqs * rows, hq_tile, d]
             if out is None:                               # one tile, every token in order
@@ -335,6 +374,16 @@ class PagedAttention:
             out[:, t.head_start * group:t.head_end * group].index_copy_(0, index.dest,
                                                                        o.to(q.dtype))
         return out
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                          sm_scale: float, softcap: float) -> torch.Tensor:
+    """softmax(softcap * tanh(q k^T * sm_scale / softcap) + mask) v, in fp32: q [..., n, d],
+    k, v [..., len, d], mask broadcast to [..., n, len] -> [..., n, d] (HF's Gemma 2 order:
+    scale, cap, then the mask)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(sm_scale)
+    scores = scores.div_(softcap).tanh_().mul_(softcap).add_(mask)
+    return torch.matmul(scores.softmax(-1), v)
 
 
 def _gather_heads(cache: torch.Tensor, slots: torch.Tensor, reqs: int, h0: int,
@@ -352,27 +401,31 @@ def _gather_heads(cache: torch.Tensor, slots: torch.Tensor, reqs: int, h0: int,
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                           sm_scale: float, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                           window: Optional[int] = None,
+                           softcap: Optional[float] = None) -> torch.Tensor:
     # q: [batch, num_q_heads, head_dim] -> out: [batch, num_q_heads, head_dim]
-    # an FP8 cache: dequantized (times k_scale, v_scale), then attended
+    # an FP8 cache: dequantized (times k_scale, v_scale), then attended; window: each row
+    # reads only its last `window` KV positions (PagedAttention slices them); softcap: the
+    # scores soft-capped
     if q.shape[0] == 0:
         return torch.empty_like(q)
     attn = PagedAttention(kv_indptr, kv_indices, None, q.shape[1], k_cache.shape[1], q.shape[2],
-                          k_cache.element_size())
-    return attn(q, k_cache, v_cache, sm_scale, k_scale, v_scale)
+                          k_cache.element_size(), window)
+    return attn(q, k_cache, v_cache, sm_scale, k_scale, v_scale, softcap)
 
 
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                            kv_indices: torch.Tensor, sm_scale: float, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
-    # q: [num_q_tokens, num_q_heads, head_dim] -> out: same shape
+                           v_scale: float = 1.0, window: Optional[int] = None,
+                           softcap: Optional[float] = None) -> torch.Tensor:
+    # q: [num_q_tokens, num_q_heads, head_dim] -> out: same shape; window, softcap as for decode
     if qo_indptr.shape[0] <= 1 or q.shape[0] == 0:
         return torch.empty_like(q)
     attn = PagedAttention(kv_indptr, kv_indices, qo_indptr, q.shape[1], k_cache.shape[1],
-                          q.shape[2], k_cache.element_size())
-    return attn(q, k_cache, v_cache, sm_scale, k_scale, v_scale)
+                          q.shape[2], k_cache.element_size(), window)
+    return attn(q, k_cache, v_cache, sm_scale, k_scale, v_scale, softcap)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -529,6 +582,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
     for start, end in tiles:
         out[start:end] = _silu_and_mul_rows(x[start:end])
+    return out
+
+
+def _gelu_tanh_and_mul_rows(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return (F.gelu(x[..., :d].float(), approximate="tanh") * x[..., d:].float()).to(x.dtype)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, 2 * inter] -> [num_tokens, inter]; in tiles of rows (_row_tiles)
+    tiles = _row_tiles(x.shape[0], x[0].numel()) if x.dim() > 1 and x.shape[0] else []
+    if len(tiles) <= 1:
+        return _gelu_tanh_and_mul_rows(x)
+    out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
+    for start, end in tiles:
+        out[start:end] = _gelu_tanh_and_mul_rows(x[start:end])
     return out
 
 

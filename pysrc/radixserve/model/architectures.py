@@ -1,0 +1,37 @@
+"""The architecture registry: config.json's architecture name -> the model class that serves it.
+
+model/llama.py's Llama family (its MODEL_REGISTRY) and model/gemma3.py's Gemma 2 / 3; the loader
+(model/loader.py) builds models through get_model_class. It lives in a module of its own because
+gemma3.py imports llama.py, so llama.py cannot name the Gemma classes.
+"""
+from __future__ import annotations
+
+from typing import Dict, Type
+
+from torch import nn
+
+from radixserve.model.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
+from radixserve.model.llama import MODEL_REGISTRY as LLAMA_FAMILY
+
+MODEL_REGISTRY: Dict[str, Type[nn.Module]] = {
+    **LLAMA_FAMILY,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+}
+
+# architectures we know of and do not serve, with the reason
+_NOT_SERVED = {
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 checkpoints (4B / 12B / 27B) are "
+    "not supported yet: their text_config and language_model.* weights would need mapping "
+    "onto Gemma3ForCausalLM (model/gemma3.py)",
+}
+
+
+def get_model_class(architecture: str) -> Type[nn.Module]:
+    """The model class for a config.json architecture name; ValueError naming the supported ones."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        why = f" ({_NOT_SERVED[architecture]})" if architecture in _NOT_SERVED else ""
+        raise ValueError(f"model architecture {architecture!r} is not supported{why}; supported: "
+                         f"{', '.join(sorted(MODEL_REGISTRY))}") from None
