@@ -163,3 +163,27 @@ def test_schemathesis_over_the_fake_engine(asgi_schema, path, method):
             case.call_and_validate(checks=[not_a_server_error, status_code_conformance,
                                            content_type_conformance, response_schema_conformance])
         fuzz()
+
+
+def test_the_dashboard_routes_are_documented_exactly_when_served():
+    from radixserve.server import dashboard as D
+    engine = FakeEngine()
+    engine.server_args = ServerArgs(model_path="/models/fake", enable_dashboard=True)
+    app = create_app(engine)
+    served = {route.path for route in app.routes if isinstance(route, Route)}
+    doc = openapi_document(api_key=False, dashboard=True)
+    assert {p for p in doc["paths"] if p.startswith("/dashboard")} == \
+        {p for p in served if p.startswith("/dashboard")} == {path for path, _ in D.ROUTES}
+    assert not any(p.startswith("/dashboard") for p in DOC["paths"])
+    data = doc["paths"]["/dashboard/data"]["get"]
+    assert {p["name"]: (p["schema"]["type"], p["schema"]["maximum"]) for p in data["parameters"]} \
+        == {"window": ("integer", D.HISTORY_SAMPLES * D.SAMPLE_INTERVAL_S),
+            "since": ("number", 1e12), "tree_since": ("number", 1e12)}
+    # with an admin key the dashboard takes only that key, as /metrics does
+    locked = openapi_document(api_key=True, admin_key=True, dashboard=True)
+    for path in ("/dashboard", "/dashboard/advice", "/metrics"):
+        assert locked["paths"][path]["get"]["security"] == [{"bearer": []}]
+    assert "security" not in locked["paths"]["/v1/completions"]["post"]
+    with TestClient(app, base_url=LOCAL) as client:
+        served_doc = client.get("/openapi.json").json()
+    assert "/dashboard/advice" in served_doc["paths"]

@@ -463,6 +463,16 @@ def _check_access(request: Request, view: Any) -> None:
                    "'Authorization: Bearer <key>'", 401, headers={"WWW-Authenticate": "Bearer"})
 
 
+# the query parameters of /dashboard/data and /dashboard/advice: name -> (type, low, high);
+# server/openapi.py documents them from these tables
+DATA_QUERY: Dict[str, Tuple[type, float, float]] = {
+    "window": (int, 1, int(HISTORY_SAMPLES * SAMPLE_INTERVAL_S)),
+    "since": (float, 0, 1e12), "tree_since": (float, 0, 1e12)}
+ADVICE_QUERY: Dict[str, Tuple[type, float, float]] = {
+    "last": (int, 1, RECENT_PROMPTS), "min_members": (int, 2, RECENT_PROMPTS),
+    "min_tail": (int, 1, 4096)}
+
+
 def _query(request: Request, allowed: Dict[str, Tuple[type, float, float]]) -> Dict[str, Any]:
     """The query's parameters, each of its type (int or float) within its [low, high]; 400
     naming an unknown parameter, a repeated one or a bad value."""
@@ -500,8 +510,7 @@ async def data(request: Request, engine: Any) -> Response:
     dash = _dashboard(request)
     with dash.account("polls"):
         _check_access(request, engine)
-        q = _query(request, {"window": (int, 1, int(HISTORY_SAMPLES * SAMPLE_INTERVAL_S)),
-                             "since": (float, 0, 1e12), "tree_since": (float, 0, 1e12)})
+        q = _query(request, DATA_QUERY)
     body = await dash.data(q.get("since"), q.get("window"), q.get("tree_since"))
     with dash.account("polls"):
         return JSONResponse(body, headers=_NO_STORE)
@@ -511,8 +520,7 @@ async def advice(request: Request, engine: Any) -> Response:
     dash = _dashboard(request)
     with dash.account("polls"):
         _check_access(request, engine)
-        q = _query(request, {"last": (int, 1, RECENT_PROMPTS),
-                             "min_members": (int, 2, RECENT_PROMPTS), "min_tail": (int, 1, 4096)})
+        q = _query(request, ADVICE_QUERY)
         defaults = advisor.AdvisorParams()
         page_size = int(getattr(getattr(engine, "server_args", None), "page_size", 1) or 1)
         params = advisor.AdvisorParams(min_members=q.get("min_members", defaults.min_members),

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.server import anthropic_schemas as AS
+from radixserve.server import dashboard as D
 from radixserve.server import responses_schemas as RS
 from radixserve.server import schemas as S
 from radixserve.server import tokenize_schemas as TS
@@ -376,6 +377,40 @@ def _paths() -> Dict[str, dict]:
     }
 
 
+def _query_parameters(table: Dict[str, tuple]) -> List[dict]:
+    """A dashboard route's query table (name -> (int | float, low, high)) as OpenAPI parameters."""
+    return [{"name": name, "in": "query", "required": False,
+             "schema": {"type": "integer" if kind is int else "number",
+                        "minimum": low, "maximum": high}}
+            for name, (kind, low, high) in table.items()]
+
+
+def _dashboard_paths() -> Dict[str, dict]:
+    """--enable-dashboard's routes (server/dashboard.py); absent from the document without it."""
+    bad_query = _error("an unknown, repeated or out-of-range query parameter (names it)")
+    return {
+        "/dashboard": {"get": {
+            "summary": "the cache dashboard page (HTML, no external fetches)",
+            "responses": {"200": {"description": "the page",
+                                  "content": {"text/html": {"schema": {"type": "string"}}}},
+                          "400": _error("any query parameter (the page takes none)")}}},
+        "/dashboard/data": {"get": {
+            "summary": "the dashboard's time series, totals and radix-tree summary",
+            "parameters": _query_parameters(D.DATA_QUERY),
+            "responses": {"200": _json({"type": "object"}, "{now, model, interval_s, totals, "
+                                                           "series: {columns, rows}, tree, "
+                                                           "tree_unchanged, ...}"),
+                          "400": bad_query}}},
+        "/dashboard/advice": {"get": {
+            "summary": "the prefix-cache advisor's report over the recent prompts",
+            "parameters": _query_parameters(D.ADVICE_QUERY),
+            "responses": {"200": _json({"type": "object"}, "{prompts, prompt_tokens, overall, "
+                                                           "suggestions (ranked by prompt "
+                                                           "tokens saved), ...}"),
+                          "400": bad_query}}},
+    }
+
+
 def component_schemas() -> Dict[str, Any]:
     """The JSON schemas of every request and response model, keyed by model name."""
     _, top = models_json_schema([(m, "validation") for m in
@@ -386,10 +421,17 @@ def component_schemas() -> Dict[str, Any]:
     return top["$defs"]
 
 
-def openapi_document(api_key: bool, version: str = "0", admin_key: bool = False) -> dict:
+def openapi_document(api_key: bool, version: str = "0", admin_key: bool = False,
+                     dashboard: bool = False) -> dict:
     """The whole document; `api_key`: the server requires a Bearer key (all but /health);
-    `admin_key`: the server-wide routes (security.ADMIN_PATHS) take only the admin key."""
+    `admin_key`: the server-wide routes (security.ADMIN_PATHS, and the dashboard's) take only
+    the admin key; `dashboard`: --enable-dashboard's routes are served."""
     paths = _paths()
+    admin_paths = set(ADMIN_PATHS)
+    if dashboard:
+        dash = _dashboard_paths()
+        paths.update(dash)
+        admin_paths.update(dash)
     door = _door_errors(api_key)
     anthropic_door = _door_errors(api_key, lambda description: AS.error_doc(_ref, description))
     for path, item in paths.items():
@@ -398,7 +440,7 @@ def openapi_document(api_key: bool, version: str = "0", admin_key: bool = False)
             if api_key and path in OPEN_PATHS:
                 op["security"] = []
                 op["responses"].pop("401", None)
-            if admin_key and path in ADMIN_PATHS:
+            if admin_key and path in admin_paths:
                 op["security"] = [{"bearer": []}]
                 op["responses"]["401"] = _error("missing or wrong admin key")
                 op["responses"]["403"] = _error("a client key on a server-wide route, or a "
@@ -424,6 +466,7 @@ async def openapi_json(request: Request, engine) -> Response:
     if doc is None:
         policy = state.door_policy
         doc = openapi_document(api_key=policy.requires_key, version=__version__,
-                               admin_key=policy.admin_key is not None)
+                               admin_key=policy.admin_key is not None,
+                               dashboard=getattr(state, "dashboard", None) is not None)
         state.openapi_document = doc
     return JSONResponse(doc)
