@@ -73,6 +73,8 @@ def test_score_refuses_bad_requests(server, body, param):
     r = httpx.post(server.url + "/v1/score", timeout=60, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    # SGLang's flat error fields beside OpenAI's (SGLang's score clients read these)
+    assert (r.json()["type"], r.json()["param"]) == ("BadRequestError", param)
 
 
 def test_cache_salt_keeps_sharing_inside_one_salt(server):

@@ -3,6 +3,7 @@ and the default model: chat and completions, streamed and not, usage, n>1, logpr
 strings across token boundaries, UTF-8 boundaries in streamed deltas."""
 import math
 
+import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -30,6 +31,12 @@ def _stream_chat(oai, **kw):
 def test_models_list(oai, server):
     models = oai.models.list().data
     assert [m.id for m in models] == [server.model] and models[0].owned_by == "radixserve"
+    assert isinstance(models[0].max_model_len, int)                     # SGLang's test reads it
+    card = oai.models.retrieve(server.model)
+    assert (card.id, card.root) == (server.model, server.model)
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.models.retrieve("non-existent-model")
+    assert e.value.body["type"] == "not_found_error"
 
 
 def test_chat_capital_of_france(oai, server):
@@ -87,6 +94,34 @@ def test_completions_batch_of_token_prompts(oai, server, http):
     assert [c.text for c in by_ids.choices] == [c.text for c in by_text.choices]
     assert "Paris" in by_ids.choices[0].text and "4" in by_ids.choices[1].text
     assert by_ids.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+
+
+def test_batched_completions_with_logprobs_and_echo_match_each_prompt_alone(oai, server):
+    """SGLang's and vLLM's batched completions: several prompts in one call with logprobs and
+    echo; each choice is what its prompt gives alone (text, tokens, logprobs), streamed too."""
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    kw = dict(model=server.model, temperature=0, max_tokens=3, logprobs=2, echo=True)
+    batch = oai.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in batch.choices] == [0, 1]
+    alone = [oai.completions.create(prompt=p, **kw) for p in prompts]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    for c, a, p in zip(batch.choices, alone, prompts):
+        single = a.choices[0]
+        assert c.text.startswith(p) and c.text == single.text
+        assert c.logprobs.tokens == single.logprobs.tokens
+        assert "".join(c.logprobs.tokens) == c.text
+        assert c.logprobs.token_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(single.logprobs.token_logprobs[1:],
+                                                              abs=2e-3)
+    texts, usage = {}, []
+    for chunk in oai.completions.create(prompt=prompts, stream=True,
+                                        stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage.append(chunk.usage)
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in batch.choices}
+    assert [u.completion_tokens for u in usage] == [batch.usage.completion_tokens]
 
 
 def test_n_choices(oai, server):

@@ -190,6 +190,19 @@ def test_retrieve_delete_and_404s(oai, server):
     assert e.value.param == "model"
 
 
+def test_sglangs_penalty_and_bad_previous_id_expectations(oai, server):
+    """SGLang's /v1/responses tests: frequency_penalty is accepted, usage also has
+    prompt_tokens; a previous_response_id that is no response id is a 400 in OpenAI's shape."""
+    r = oai.responses.create(model=server.model, input=FRANCE, temperature=0, max_output_tokens=4,
+                             extra_body={"frequency_penalty": 1.0})
+    assert r.object == "response" and r.output_text
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == \
+        (r.usage.input_tokens, r.usage.output_tokens)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model=server.model, input="Hi", previous_response_id="bad")
+    assert e.value.param == "previous_response_id" and e.value.body["type"] == "invalid_request_error"
+
+
 @pytest.mark.parametrize("field, kwargs", [
     ("tools", {"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}),
     ("tool_choice", {"tool_choice": "required"}),

@@ -149,7 +149,8 @@ def test_create_answers_a_response_object(client, engine):
     assert body["usage"] == {"input_tokens": len(prompt), "output_tokens": 5,
                              "total_tokens": len(prompt) + 5,
                              "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                             "output_tokens_details": {"reasoning_tokens": 0}}
+                             "output_tokens_details": {"reasoning_tokens": 0},
+                             "prompt_tokens": len(prompt), "completion_tokens": 5}   # SGLang's names
     assert engine.seen[-1].rid == body["id"]
 
 

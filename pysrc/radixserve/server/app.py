@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[Request, object], Awaitable[Response]]
 
 # paths whose every error (the door's, the guard's, 404 / 405) takes another shape than OpenAI's
-ERROR_SHAPES = {path: anthropic_render.error_response for path in anthropic_schemas.PATHS}
+ERROR_SHAPES = {**{path: anthropic_render.error_response for path in anthropic_schemas.PATHS},
+                "/v1/score": score_api.error_response}     # OpenAI's plus SGLang's fields
 
 # Seconds uvicorn gives open connections to close once the engine has drained (SIGTERM). The
 # whole shutdown takes --shutdown-timeout plus this (plus well under a second of the engine's

@@ -272,12 +272,13 @@ def _responses_paths() -> Dict[str, dict]:
                             "previous_response_id names no stored response of this client")
     response_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     missing = _error("no stored response of this client has this id")
+    malformed = _error("response_id is not a response id (it does not begin with resp_)")
     return {
         "/v1/responses": create,
         "/v1/responses/{response_id}": {
             "get": {"summary": "a stored response", "parameters": response_id,
                     "responses": {"200": _json(_ref(ResponseObject), "the Response object"),
-                                  "404": missing}},
+                                  "400": malformed, "404": missing}},
             "delete": {"summary": "delete a stored response", "parameters": response_id,
                        "responses": {"200": _json(_ref(ResponseDeleted), "deleted"),
                                      "404": missing}}},
@@ -306,7 +307,10 @@ def _paths() -> Dict[str, dict]:
             "requestBody": {"required": True, "content": {JSON: {"schema": _ref(S.ScoreRequest)}}},
             "responses": {"200": _json(obj, "{object: scoring, model, scores: [[p per label] "
                                             "per item], usage}"),
-                          "400": _error("an invalid request (names the field)")}}},
+                          "400": _error("an invalid request (names the field); every error "
+                                        "body of this path also has SGLang's flat fields "
+                                        "(object, message, type: BadRequestError, param, code)"),
+                          "404": _error("model names a model this server does not serve")}}},
         "/v1/embeddings": _pooling_route("OpenAI embeddings (--is-embedding)",
                                          S.EmbeddingRequest, EmbeddingList),
         "/v1/rerank": _pooling_route("rerank documents by relevance to a query (Cohere / Jina "

@@ -4,7 +4,8 @@ A request runs like a chat completion with one answer: `input` (a string: one us
 a list of message items with text content) after `instructions` (a system message, for this
 request only: it is not carried to follow-ups) and after the stored conversation of
 `previous_response_id`, rendered with the model's chat template (openai_api.render_messages),
-sampled with `temperature` / `top_p` for at most `max_output_tokens` tokens (default: up to the
+sampled with `temperature` / `top_p` (and SGLang's extensions: frequency_penalty,
+presence_penalty, repetition_penalty, top_k, min_p, stop) for at most `max_output_tokens` tokens (default: up to the
 context length), constrained by `text.format` (json_object / json_schema become the same
 json_schema grammar as chat's response_format: requests.json_format_schema, compiled up front by
 generation.check_grammars). The answer is a Response object whose output is one assistant
@@ -15,7 +16,9 @@ text.format's grammar then constrains the answer after it); status "completed", 
 token limit (or the context). usage: input_tokens (prompt), input_tokens_details.cached_tokens (prompt tokens
 served from the radix cache), output_tokens, output_tokens_details.reasoning_tokens (with a
 reasoning parser: reasoning.reasoning_token_count, else 0), total_tokens; cache_write_tokens is
-not tracked and always 0.
+not tracked and always 0. usage also carries prompt_tokens and completion_tokens (the same counts
+as input_tokens and output_tokens) for clients written against SGLang, whose Responses usage
+has those names.
 
 stream: true sends the typed events the openai client parses, each as `event: <type>` plus
 `data: <json>` with a sequence_number counting from 0: response.created, response.in_progress,
@@ -78,7 +81,7 @@ from radixserve.server.generation import (ClientDisconnected, check_grammars, co
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import RequestMetrics, request_metrics
 from radixserve.server.openai_api import _model_aliases, _raise_if_aborted, render_messages
-from radixserve.server.responses_schemas import ResponseCreateRequest
+from radixserve.server.responses_schemas import RESPONSE_ID_PREFIX, ResponseCreateRequest
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import EventStreamResponse, encode_event
 
@@ -208,10 +211,15 @@ def _input_messages(value) -> List[dict]:
 
 
 def _sampling(req: ResponseCreateRequest) -> SamplingParams:
+    """max_output_tokens, temperature, top_p, SGLang's extensions (penalties, top_k, min_p,
+    stop) and text.format's grammar as SamplingParams."""
     d: Dict[str, object] = {"max_new_tokens": req.max_output_tokens}
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty", "top_k", "min_p"):
         if getattr(req, name) is not None:
             d[name] = getattr(req, name)
+    if req.stop:
+        d["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type != "text":
         if fmt.type == "json_schema" and fmt.schema_ is None:
@@ -314,7 +322,9 @@ def _usage(result: O.SeqResult, reasoning_tokens: int = 0) -> dict:
                                      "cache_write_tokens": 0},
             "output_tokens": u["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": u["total_tokens"]}
+            "total_tokens": u["total_tokens"],
+            # SGLang's names for the same counts (see the module docstring)
+            "prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"]}
 
 
 def _ending(result: O.SeqResult) -> tuple:
@@ -366,7 +376,7 @@ async def create_response(request: Request, engine) -> Response:
     prompt_ids = await render_messages(engine, messages, param="input")
     R.check_prompt_ids(prompt_ids, engine.model_config.vocab_size, engine.context_len,
                        sampling.max_new_tokens, "input", "max_output_tokens")
-    rid = f"resp_{uuid.uuid4().hex}"
+    rid = f"{RESPONSE_ID_PREFIX}{uuid.uuid4().hex}"
     stream = bool(req.stream)
     reqs = expand_requests(rid, [prompt_ids], 1, [sampling], stream, return_logprob=[False],
                            logprob_start_len=[-1], top_logprobs_num=[0],
@@ -526,7 +536,14 @@ async def _response_events(engine, shape: _Shape, reqs: Sequence[GenerateReqInpu
 
 
 def _path_id(request: Request) -> str:
-    return request.path_params["response_id"]
+    """The {response_id} of the path; one that cannot be a response id (no "resp_" prefix) is
+    a 400, as SGLang and vLLM answer it (an id that could be one but is not stored: 404)."""
+    response_id = request.path_params["response_id"]
+    if not response_id.startswith(RESPONSE_ID_PREFIX):
+        raise bad_request(f"response_id must be a response id (it begins with "
+                          f"{RESPONSE_ID_PREFIX!r}), got {response_id[:200]!r}",
+                          param="response_id")
+    return response_id
 
 
 async def stored_response(request: Request, engine) -> Response:

@@ -9,8 +9,12 @@ document at /openapi.json says the same: such a field accepts only its neutral v
 true, include with entries, truncation "auto", top_logprobs above 0, n above 1, conversation,
 prompt, context_management, moderation; input items other than messages (function calls and
 outputs, reasoning, item references, ...) and content parts other than text (images, files,
-audio). The rules across fields (text.format json_schema needs a schema) and the ones that need
-the server (previous_response_id) are responses_api.py's.
+audio). A previous_response_id that cannot be a response id (it does not begin with "resp_",
+as every id this server makes does) is a 400 here, as SGLang and vLLM answer it; whether such
+an id is stored (else 404) needs the server. Beyond OpenAI's fields, SGLang's sampling
+extensions are accepted with chat's types and bounds: frequency_penalty, presence_penalty,
+repetition_penalty, top_k, min_p, stop. The rules across fields (text.format json_schema needs a
+schema) and the ones that need the server are responses_api.py's.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from pydantic import Field
 from typing_extensions import Annotated
 
 from radixserve.server.schemas import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, FormatType, JsonObject,
-                                       MaxTokens, N, Name, Temperature, Text, TokenCount, TopLogprobs, TopP,
+                                       MaxTokens, MinP, N, Name, Penalty, RepetitionPenalty, Stop,
+                                       Temperature, Text, TokenCount, TopK, TopLogprobs, TopP,
                                        _Body, _Closed, _ignored, _literal, _only, _refused,
                                        described, either)
 
@@ -28,6 +33,7 @@ MAX_METADATA = 16                  # metadata pairs (OpenAI's limits)
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 MAX_INCLUDE = 64
+RESPONSE_ID_PREFIX = "resp_"       # every response id this server makes begins with it (as OpenAI's)
 
 
 # --------------------------------------------------------------------------- unsupported fields
@@ -59,6 +65,12 @@ NoConversation = _refused("is not supported (no Conversations API here); chain r
 NoPrompt = _refused("is not supported (no stored prompt templates); send input and instructions")
 NoContextManagement = _refused("is not supported (no context compaction); leave it out")
 NoModeration = _refused("is not supported (no moderation here); leave it out")
+
+
+ResponseId = _only(Annotated[Name, Field(min_length=1)],
+                   lambda v: v.startswith(RESPONSE_ID_PREFIX),
+                   f"must be a response id (it begins with {RESPONSE_ID_PREFIX!r})",
+                   {"pattern": f"^{RESPONSE_ID_PREFIX}"})
 
 
 # --------------------------------------------------------------------------- input
@@ -129,7 +141,7 @@ class ResponseCreateRequest(_Closed):
     model: Optional[Name] = None
     input: Input
     instructions: Optional[Text] = None
-    previous_response_id: Optional[Annotated[Name, Field(min_length=1)]] = None
+    previous_response_id: Optional[ResponseId] = None
     max_output_tokens: Optional[MaxTokens] = None
     temperature: Optional[Temperature] = None
     top_p: Optional[TopP] = None
@@ -140,6 +152,13 @@ class ResponseCreateRequest(_Closed):
     user: Optional[Name] = None
     parallel_tool_calls: Optional[bool] = None
     max_tool_calls: Optional[TokenCount] = None
+    # SGLang's sampling extensions of /v1/responses (the same types and bounds as on chat)
+    frequency_penalty: Optional[Penalty] = None
+    presence_penalty: Optional[Penalty] = None
+    repetition_penalty: Optional[RepetitionPenalty] = None
+    top_k: Optional[TopK] = None
+    min_p: Optional[MinP] = None
+    stop: Optional[Stop] = None
     # accepted and ignored (schemas.IGNORED_FIELDS says why)
     safety_identifier: Optional[_ignored(Name, "safety_identifier")] = None
     service_tier: Optional[_ignored(Name, "service_tier")] = None

@@ -10,18 +10,26 @@ and the prompt logprob of its last position: log P(label | query + item). The se
 item share everything but their last token, so the radix cache computes query + item once per
 item (and the query once for all). apply_softmax normalises over the labels (softmax of their
 logits); without it the scores are the labels' probabilities over the whole vocabulary.
+
+`model`, when given, must name the served model (else 404), as on every OpenAI route. Errors on
+this path (the route's and the door's) carry OpenAI's {"error": {...}} and, at the top level,
+SGLang's flat error fields, which SGLang's own clients of /v1/score read (error_response):
+
+    {"error": {"message", "type": "invalid_request_error", "param", "code": 400},
+     "object": "error", "message", "type": "BadRequestError", "param", "code": 400}
 """
 from __future__ import annotations
 
 import math
 import uuid
-from typing import List
+from http import HTTPStatus
+from typing import List, Optional
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.engine.io import GenerateReqInput
-from radixserve.errors import bad_request
+from radixserve.errors import ApiError, bad_request
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import render as O
 from radixserve.server import requests as R
@@ -29,6 +37,7 @@ from radixserve.server import schemas as S
 from radixserve.server.generation import collect, encode_prompt, validate_all
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import request_metrics
+from radixserve.server.openai_api import _model_aliases
 from radixserve.server.security import read_json_object
 
 
@@ -58,13 +67,38 @@ def _scores(logprobs: List[float], apply_softmax: bool) -> List[float]:
     return [w / total for w in weights]
 
 
+def _sglang_type(status: int) -> str:
+    """SGLang's error type for an HTTP status: its phrase in CamelCase + Error
+    (BadRequestError, NotFoundError, InternalServerError)."""
+    try:
+        name = HTTPStatus(status).phrase.title().replace(" ", "").replace("-", "")
+    except ValueError:
+        return "BadRequestError" if status < 500 else "InternalServerError"
+    return name if name.endswith("Error") else name + "Error"
+
+
+def error_body(err: ApiError) -> dict:
+    """err's OpenAI body plus SGLang's flat fields (the module docstring)."""
+    return {**err.body(), "object": "error", "message": err.message,
+            "type": _sglang_type(err.status), "param": err.param, "code": err.status}
+
+
+def error_response(err: ApiError, headers: Optional[dict] = None) -> JSONResponse:
+    """jsonio.error_response's counterpart for /v1/score (app.ERROR_SHAPES)."""
+    merged = {**(err.headers or {}), **(headers or {})} or None
+    return JSONResponse(error_body(err), status_code=err.status, headers=merged)
+
+
 async def score(request: Request, engine) -> Response:
-    req = S.parse(S.ScoreRequest, await read_json_object(request))
+    body = await read_json_object(request)
+    R.check_model(body, engine.served_model_name, _model_aliases(engine))
+    req = S.parse(S.ScoreRequest, body)
     vocab = engine.model_config.vocab_size
     bad = [t for t in req.label_token_ids if t >= vocab]
     if bad:
-        raise bad_request(f"label_token_ids {bad[:4]} are outside the vocabulary "
-                          f"(size {vocab})", param="label_token_ids")
+        raise bad_request(f"label_token_ids: Token ID {bad[0]} is out of vocabulary (the "
+                          f"vocabulary has {vocab} tokens: ids 0 to {vocab - 1})",
+                          param="label_token_ids")
     prompts = await _item_prompts(engine, req)
     labels = req.label_token_ids
     if len(prompts) * len(labels) > S.MAX_SEQUENCES:
