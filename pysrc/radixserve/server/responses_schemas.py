@@ -21,8 +21,8 @@ from typing_extensions import Annotated
 
 from radixserve.server.schemas import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, FormatType, JsonObject,
                                        MaxTokens, N, Name, Temperature, Text, TokenCount, TopLogprobs, TopP,
-                                       _Body, _Closed, _ignored, _literal, _only, _refused,
-                                       described, either)
+                                       TEXT_ONLY, _Body, _Closed, _ignored, _literal, _only,
+                                       _refused, described, either)
 
 MAX_METADATA = 16                  # metadata pairs (OpenAI's limits)
 MAX_METADATA_KEY = 64
@@ -64,7 +64,7 @@ NoModeration = _refused("is not supported (no moderation here); leave it out")
 # --------------------------------------------------------------------------- input
 
 InputPartType = _literal("input_text", "output_text",
-                         note=" (only text is supported: no images, files or audio)")
+                         note=f"; only text is supported, {TEXT_ONLY}")
 ItemType = _literal("message", note=" (only message items are supported: no function calls or "
                                     "their outputs, reasoning items or item references)")
 InputRole = _literal("user", "assistant", "system", "developer")
