@@ -55,7 +55,8 @@ REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     "--model-impl": "each architecture has one implementation",
     "--json-model-override-args": "the model's config.json is used as it is",
     "--model-loader-extra-config": "the loader takes no options (--load-format)",
-    "--enable-multimodal": "only text models are served",
+    "--enable-multimodal": "only text is served (of a multimodal checkpoint such as Gemma 3 "
+                           "4B, its text model)",
     "--completion-template": "completion (fill-in-the-middle) templates are not supported",
     "--hf-chat-template-name": "of a tokenizer's named templates, chats use 'default' and "
                                "requests with tools 'tool_use'; --chat-template replaces them",

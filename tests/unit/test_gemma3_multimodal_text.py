@@ -181,6 +181,18 @@ def test_vision_weights_are_skipped_and_logged_once(layout, written, caplog):
     assert f"skipped {len(vision)} vision tower / projector tensors" in said[0]
 
 
+def test_tensor_parallel_shards_log_the_skip_once(written, caplog):
+    """Two shards each read every tensor (model/loader.py: load_model_shards): one log line."""
+    from radixserve.model.loader import load_model_shards
+
+    path = written["saved"]
+    with caplog.at_level(logging.INFO, logger="radixserve.model.gemma3"):
+        shards = load_model_shards(path, ModelConfig.from_path(path), "safetensors",
+                                   torch.float32, ["cpu", "cpu"])
+    said = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]
+    assert len(said) == 1 and [s.tp_rank for s in shards] == [0, 1]
+
+
 def test_text_weight_names():
     assert text_weight_name("language_model.model.layers.0.mlp.up_proj.weight") == \
         "model.layers.0.mlp.up_proj.weight"
