@@ -55,7 +55,8 @@ REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     "--model-impl": "each architecture has one implementation",
     "--json-model-override-args": "the model's config.json is used as it is",
     "--model-loader-extra-config": "the loader takes no options (--load-format)",
-    "--enable-multimodal": "only text models are served",
+    "--enable-multimodal": "only text is served (of a multimodal checkpoint such as Gemma 3 "
+                           "4B, its text model)",
     "--completion-template": "completion (fill-in-the-middle) templates are not supported",
     "--hf-chat-template-name": "of a tokenizer's named templates, chats use 'default' and "
                                "requests with tools 'tool_use'; --chat-template replaces them",
@@ -876,9 +877,59 @@ class ServerArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
 
+# Multimodal checkpoints whose text model is served alone (as SGLang and vLLM serve it for
+# text-only prompts): config.json nests the text model's config under "text_config", and the hub
+# files keep there only what differs from transformers' text config class defaults (gemma-3-4b's
+# lists 6 keys), so those defaults are filled in here. Gemma 3's are transformers'
+# Gemma3TextConfig defaults (gemma-3-4b's head count, head_dim, vocabulary and context come from
+# them). The rope keys among them apply only where text_config has no rope_parameters (the form
+# transformers 5 writes, which holds them). model/gemma3.py maps the weights' names.
+_TEXT_CONFIG_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "Gemma3ForConditionalGeneration": {
+        "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "pad_token_id": 0,
+        "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
+        "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "sliding_window_pattern": 6, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+    },
+}
+_ROPE_KEYS = ("rope_theta", "rope_local_base_freq", "rope_scaling")
+# keys of the outer config that speak for the whole checkpoint: they win over text_config's
+_OUTER_KEYS = ("architectures", "model_type", "eos_token_id", "bos_token_id", "pad_token_id",
+               "tie_word_embeddings", "quantization_config", "compression_config", "dtype",
+               "torch_dtype")
+
+
+def text_model_config(cfg: dict) -> dict:
+    """config.json as the text model reads it. A multimodal checkpoint whose text model is
+    served (its architecture in _TEXT_CONFIG_DEFAULTS): text_config's keys over the text config
+    class's defaults, with the outer config's _OUTER_KEYS (the architecture, the EOS ids of
+    gemma-3-*-it: [1, 106], tie_word_embeddings, quantization_config) over those; the vision
+    keys (vision_config, mm_tokens_per_image, image_token_index...) are dropped. Any other
+    config: itself. The result is a new dict; cfg is not changed."""
+    arch = (cfg.get("architectures") or [None])[0]
+    defaults = _TEXT_CONFIG_DEFAULTS.get(arch)
+    if defaults is None:
+        return cfg
+    text = cfg.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ValueError(f"{arch} config.json: text_config must be an object, got "
+                         f"{type(text).__name__}")
+    if "rope_parameters" in text:
+        defaults = {k: v for k, v in defaults.items() if k not in _ROPE_KEYS}
+    flat = {**defaults, **text}
+    flat.update({k: cfg[k] for k in _OUTER_KEYS if k in cfg})
+    return flat
+
+
 @dataclass
 class ModelConfig:
-    """The model facts the runtime needs, read from an HF config.json."""
+    """The model facts the runtime needs, read from an HF config.json (for a multimodal
+    checkpoint whose text model is served, its text part: text_model_config)."""
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -899,6 +950,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
+        cfg = text_model_config(cfg)
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads

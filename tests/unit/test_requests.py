@@ -95,7 +95,13 @@ def test_messages_content_parts_and_developer_role():
     ({"messages": [{"role": "user"}]}, "messages[0].content", "required"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content[0].type", "only text content is supported"),
+     "messages[0].content[0].type", "only text content is supported, the served model reads "
+     "text only: no images, audio or files (a multimodal checkpoint such as Gemma 3 4B / 12B / "
+     "27B is served as its text model), got"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                {"type": "image_url",
+                                                 "image_url": {"url": "data:image/png;base64,"}}]}]},
+     "messages[0].content[1].type", "got the string 'image_url'"),
     ({**CHAT, "temperature": "hot"}, "temperature", "must be a number"),
     ({**CHAT, "temperature": -1}, "temperature", "between 0 and 10000, got -1"),
     ({**CHAT, "temperature": 1e-7}, "temperature", "0 (greedy) or between 1e-05 and 10000"),

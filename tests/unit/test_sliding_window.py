@@ -437,12 +437,17 @@ def test_llama_ignores_sliding_window_as_hf_does():
     assert Qwen2ForCausalLM.layer_windows(on) == [0, 0, 8, 8]
 
 
-def test_multimodal_gemma3_is_refused_with_its_reason():
+def test_multimodal_gemma3_serves_its_text_model():
+    """Gemma3ForConditionalGeneration resolves to its text model (tests/unit/
+    test_gemma3_multimodal_text.py loads one); unknown architectures are still refused."""
     from radixserve.model.architectures import get_model_class
+    from radixserve.model.gemma3 import Gemma3ForCausalLM
 
-    with pytest.raises(ValueError, match="text_config"):
-        get_model_class("Gemma3ForConditionalGeneration")
-    assert get_model_class("Gemma3ForCausalLM").__name__ == "Gemma3ForCausalLM"
+    cls = get_model_class("Gemma3ForConditionalGeneration")
+    assert cls.__name__ == "Gemma3ForConditionalGeneration" and issubclass(cls, Gemma3ForCausalLM)
+    assert get_model_class("Gemma3ForCausalLM") is Gemma3ForCausalLM
+    with pytest.raises(ValueError, match="not supported; supported: .*Gemma3ForCausalLM"):
+        get_model_class("LlavaForConditionalGeneration")
 
 
 # ----------------------------------------------------------------------------- (d) the engine

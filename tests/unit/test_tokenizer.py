@@ -1,6 +1,7 @@
 """Tokenizer and chat template: equal to HF transformers on the default model; sandboxed
 templates; the sentencepiece backend on a tiny model trained here."""
 import io
+import os
 import json
 
 import pytest
@@ -189,6 +190,30 @@ def test_sentencepiece_backend(sp_model_dir):
     assert not tok.has_chat_template
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_chat_template_of_a_multimodal_checkpoint(sp_model_dir, tmp_path):
+    """A checkpoint whose only template is its processor's chat_template.json (multimodal ones,
+    whose text model is served) gets it; tokenizer_config.json's, when present, wins; the EOS
+    ids of the outer config.json of a text_config-nesting checkpoint are read."""
+    import shutil
+
+    for name in os.listdir(sp_model_dir):
+        shutil.copy(os.path.join(sp_model_dir, name), tmp_path)
+    processor = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": processor}))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [2, 7],
+        "text_config": {"eos_token_id": 2}}))
+    tok = Tokenizer.from_path(str(tmp_path))
+    assert tok.has_chat_template and tok.eos_token_ids == [2, 7]
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=False) == "<user>hi"
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.from_path(str(tmp_path)).apply_chat_template(
+        chat, add_generation_prompt=False) == "[hi]"
 
 
 def test_missing_tokenizer_files(tmp_path):

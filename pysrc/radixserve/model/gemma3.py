@@ -25,11 +25,17 @@ what differs from Llama lives here:
     ..}, read here too. Gemma 2: one rope for all layers.
   * final logits soft-capped where final_logit_softcapping is set (Gemma 2: 30), tied
     embeddings (the default for Gemma).
+Gemma3ForConditionalGeneration (the multimodal 4B / 12B / 27B checkpoints): their text model is
+served, for text-only prompts (as SGLang and vLLM serve it when given only text; the server
+refuses image content parts for every model). config.json nests the text model under
+text_config, flattened by config.text_model_config (with Gemma3TextConfig's defaults for the keys
+the hub files leave out); the weights are named language_model.model.* / language_model.lm_head.*
+(as transformers 4 and 5 save them) or model.language_model.* / lm_head.* (transformers 5's
+in-memory names), mapped here to model.* / lm_head.*; vision_tower.* and multi_modal_projector.*
+(either prefix) are skipped, counted and logged once.
+
 Not supported: FP8 linear layers (refused), use_bidirectional_attention (EmbeddingGemma's,
-refused). Gemma3ForConditionalGeneration (the multimodal 4B / 12B / 27B checkpoints) is not
-registered: its config.json nests the text model under text_config and its weights are named
-language_model.model.* (model.language_model.* when written by transformers 5) beside a vision
-tower; serving their text half needs that config flattened and those names mapped to model.*.
+refused), images.
 
 On CUDA these layers run slower paths until kernels take them: windowed or soft-capped attention
 and the fp32 (1 + w) norm weights run the torch references (ops), and the runner keeps CUDA
@@ -49,8 +55,8 @@ from radixserve.model.cpu_attention import CpuDecodeAttention
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.llama import (CausalLM, ColumnParallelLinear, LlamaAttention,
                                     ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                                    _check_shape, _frozen, hf_layer_types, log_windows,
-                                    windows_of_types)
+                                    WeightLoader, _check_shape, _frozen, hf_layer_types,
+                                    log_windows, windows_of_types)
 from radixserve.model.rope import build_cos_sin_cache, rope_type_of
 from radixserve.quant.fp8 import QuantConfig, checkpoint_quant_config
 
@@ -269,3 +275,64 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     @classmethod
     def ropes(cls, config: ModelConfig, types: Sequence[str]) -> Dict[str, Tuple[float, Optional[dict]]]:
         return {None: (config.rope_theta, config.rope_scaling)}
+
+
+# A multimodal Gemma 3 checkpoint's names -> ours: (prefix, replacement), the first match wins;
+# language_model.* as transformers 4 and 5 save the weights, model.language_model.* as
+# transformers 5 names them in memory (its lm_head.weight is ours already)
+TEXT_WEIGHT_PREFIXES = (("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."),
+                        ("model.language_model.", "model."))
+# the vision tower (SigLIP) and the projector into the text model's embeddings: not served
+VISION_WEIGHT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                          "model.multi_modal_projector.")
+
+
+def text_weight_name(name: str) -> Optional[str]:
+    """A Gemma3ForConditionalGeneration checkpoint tensor's name as Gemma3ForCausalLM's
+    (language_model.model.layers.0.mlp.up_proj.weight -> model.layers.0.mlp.up_proj.weight), or
+    None for a vision tower / projector tensor. Other names are returned as they are (the
+    WeightLoader refuses those that match no parameter)."""
+    if name.startswith(VISION_WEIGHT_PREFIXES):
+        return None
+    for prefix, ours in TEXT_WEIGHT_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return name
+
+
+class TextOnlyWeightLoader(WeightLoader):
+    """WeightLoader over a multimodal checkpoint's tensors: the text model's renamed
+    (text_weight_name), the vision ones skipped; finish() logs how many were skipped (tensor-
+    parallel rank 0 only, so once a load)."""
+
+    def __init__(self, model: "Gemma3ForConditionalGeneration"):
+        super().__init__(model)
+        self.skipped = 0                # vision tower / projector tensors seen
+        self.skipped_params = 0         # their elements
+
+    def feed(self, name: str, tensor: torch.Tensor) -> None:
+        text_name = text_weight_name(name)
+        if text_name is None:
+            self.skipped += 1
+            self.skipped_params += tensor.numel()
+            return
+        super().feed(text_name, tensor)
+
+    def finish(self):
+        loaded = super().finish()
+        if self.model.tp_rank == 0:
+            logger.info("%s: serving the text model only; skipped %d vision tower / projector "
+                        "tensors (%.1fM parameters)", self.model.config.architecture,
+                        self.skipped, self.skipped_params / 1e6)
+        return loaded
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of a multimodal Gemma 3 checkpoint (gemma-3-4b / 12b / 27b, -pt and -it):
+    Gemma3ForCausalLM built from the flattened text_config, loading the checkpoint's
+    language-model weights under their mapped names (see the module docstring). Text prompts
+    only."""
+
+    def weight_loader(self) -> WeightLoader:
+        return TextOnlyWeightLoader(self)

@@ -35,9 +35,9 @@ from typing_extensions import Annotated, Literal
 
 from radixserve.errors import describe
 from radixserve.server.schemas import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP, MAX_TOOLS,
-                                       JsonObject, MaxTokens, Name, StopString, Temperature, Text,
-                                       TokenCount, TopK, TopP, _Body, _Closed, _error, _literal,
-                                       _refused, described, either)
+                                       TEXT_ONLY, JsonObject, MaxTokens, Name, StopString,
+                                       Temperature, Text, TokenCount, TopK, TopP, _Body, _Closed,
+                                       _error, _literal, _refused, described, either)
 
 MAX_TOOL_NAME = 128
 
@@ -115,8 +115,8 @@ def _block_kind(v: Any, handler):
     if adapter is not None:
         return adapter.validate_python(v, strict=True)
     if kind in _NOT_TEXT:
-        raise _error(f"is a {kind} block, which is not supported: the served model reads text "
-                     f"only; send text blocks")
+        raise _error(f"is a {kind} block, which is not supported: {TEXT_ONLY}; send text "
+                     f"blocks")
     allowed = ", ".join(repr(k) for k in _BLOCKS)
     raise _error(f"has type {describe(kind)}; the content blocks served here are {allowed} "
                  f"(server tool blocks are not: no tools run on this server)")

@@ -25,8 +25,8 @@ from typing_extensions import Annotated
 
 from radixserve.server.schemas import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, FormatType, JsonObject,
                                        MaxTokens, MinP, N, Name, Penalty, RepetitionPenalty, Stop,
-                                       Temperature, Text, TokenCount, TopK, TopLogprobs, TopP,
-                                       _Body, _Closed, _ignored, _literal, _only, _refused,
+                                       TEXT_ONLY, Temperature, Text, TokenCount, TopK, TopLogprobs,
+                                       TopP, _Body, _Closed, _ignored, _literal, _only, _refused,
                                        described, either)
 
 MAX_METADATA = 16                  # metadata pairs (OpenAI's limits)
@@ -76,7 +76,7 @@ ResponseId = _only(Annotated[Name, Field(min_length=1)],
 # --------------------------------------------------------------------------- input
 
 InputPartType = _literal("input_text", "output_text",
-                         note=" (only text is supported: no images, files or audio)")
+                         note=f"; only text is supported, {TEXT_ONLY}")
 ItemType = _literal("message", note=" (only message items are supported: no function calls or "
                                     "their outputs, reasoning items or item references)")
 InputRole = _literal("user", "assistant", "system", "developer")

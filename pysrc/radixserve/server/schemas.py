@@ -449,7 +449,10 @@ def _off(problem: str) -> Any:
 
 # --------------------------------------------------------------------------- OpenAI routes
 
-TextPartType = _literal("text", note=" (only text content is supported)")
+TEXT_ONLY = ("the served model reads text only: no images, audio or files (a multimodal "
+             "checkpoint such as Gemma 3 4B / 12B / 27B is served as its text model)")
+"""Why a request's images (or other media) are refused, on every route."""
+TextPartType = _literal("text", note=f"; only text content is supported, {TEXT_ONLY}")
 TruncationSide = _literal("left", "right")
 """Which end truncate_prompt_tokens cuts (vLLM): "left" (default) drops the first tokens and
 keeps the last k, "right" keeps the first k."""
@@ -776,7 +779,7 @@ class GenerateRequest(_Closed):
     return_text_in_logprobs: Optional[bool] = None
     cache_salt: Optional[PerPromptSalt] = None     # prefix sharing only within one salt
     priority: Optional[Priority] = None            # every sequence's (as _OpenAIRequest.priority)
-    image_data: Optional[_refused("is not supported: the served models read text only")] = None
+    image_data: Optional[_refused(f"is not supported: {TEXT_ONLY}")] = None
     lora_path: Optional[_refused("is not supported: no LoRA adapters are loaded")] = None
     return_hidden_states: Optional[_off("is not supported: hidden states are not returned")] = None
     custom_logit_processor: Optional[_refused("is not supported: logit processors do not run "

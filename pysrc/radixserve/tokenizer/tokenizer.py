@@ -321,7 +321,9 @@ class Tokenizer:
     def from_path(cls, path: str) -> "Tokenizer":
         """Load from a model directory: tokenizer.json (HF tokenizers) or tokenizer.model
         (sentencepiece), plus tokenizer_config.json, chat_template.jinja, generation_config.json
-        and config.json when present. Raises ValueError when neither tokenizer file exists."""
+        and config.json when present. The chat template: chat_template.jinja, else
+        tokenizer_config.json's, else chat_template.json's (a processor's, as multimodal
+        checkpoints ship it). Raises ValueError when neither tokenizer file exists."""
         tok_config = _read_json(os.path.join(path, "tokenizer_config.json"))
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             backend = _TokenizersBackend(os.path.join(path, "tokenizer.json"))
@@ -371,6 +373,11 @@ class Tokenizer:
             chat_template = tok_config["chat_template"]
         elif isinstance(tok_config.get("chat_template"), list):
             chat_template = {t["name"]: t["template"] for t in tok_config["chat_template"]}
+        elif isinstance(_read_json(os.path.join(path, "chat_template.json"))
+                        .get("chat_template"), str):
+            # the processor's template, the only one some multimodal checkpoints ship (their
+            # text model is served: Gemma3ForConditionalGeneration)
+            chat_template = _read_json(os.path.join(path, "chat_template.json"))["chat_template"]
         return cls(backend, special, eos, bos, chat_template)
 
     def _id_of(self, token: Optional[str]) -> Optional[int]:
