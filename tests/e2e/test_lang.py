@@ -15,14 +15,14 @@ import radixserve.lang as sgl
 from radixserve.lang.backend import RuntimeEndpoint
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine_backend():
     backend = sgl.EngineBackend(device="cpu", max_total_tokens=8192)
     yield backend
     backend.shutdown()
 
 
-@pytest.fixture(scope="session", params=["http", "engine"])
+@pytest.fixture(scope="module", params=["http", "engine"])
 def backend(request, server):
     if request.param == "http":
         return sgl.RuntimeEndpoint(server.url)
