@@ -46,7 +46,8 @@ _NO_WARMUP = "radixserve sends no warmup request; drop the flag"
 REFUSED_SGLANG_FLAGS: Dict[str, str] = {
     # model and tokenizer
     "--trust-remote-code": "radixserve runs only its own model code (Llama, Mistral, Qwen2, "
-                           "Qwen3, Phi-3, SmolLM2); code from a model's repository is never run",
+                           "Qwen3, Phi-3, SmolLM2, Gemma 2 and 3); code from a model's "
+                           "repository is never run",
     "--tokenizer-mode": "the tokenizer is the model's tokenizer.json (HF tokenizers) or "
                         "tokenizer.model (sentencepiece)",
     "--skip-tokenizer-init": "the server always loads the tokenizer",
