@@ -927,6 +927,11 @@ def text_model_config(cfg: dict) -> dict:
     return flat
 
 
+# config.json fields every model config must carry (ModelConfig.from_dict)
+_REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                         "num_attention_heads")
+
+
 @dataclass
 class ModelConfig:
     """The model facts the runtime needs, read from an HF config.json (for a multimodal
@@ -953,6 +958,12 @@ class ModelConfig:
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         cfg = text_model_config(cfg)
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        missing = [k for k in _REQUIRED_CONFIG_KEYS if not isinstance(cfg.get(k), int)]
+        if missing:     # a multimodal wrapper we do not unwrap (Llava ...), an encoder, ...
+            raise ValueError(f"config.json ({arch}) has no integer {', '.join(missing)}: it is "
+                             f"not a decoder-only text model config radixserve can read (it "
+                             f"serves the Llama, Mistral, Qwen2/3, Phi-3 and Gemma 2/3 families, "
+                             f"and Gemma 3's multimodal checkpoints as text models)")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         eos = cfg.get("eos_token_id")

@@ -271,3 +271,20 @@ def test_yarn_extends_the_context_and_longer_requests_are_refused():
     assert bare.max_context == 81920
     table = build_cos_sin_cache(8, bare.max_context, 10000.0, bare.rope_scaling)
     assert table.shape == (81920, 8) and torch.isfinite(table).all()
+
+
+def test_a_config_we_cannot_read_is_a_clear_error_not_a_key_error():
+    # Llava-style: the text model nested under text_config, which we unwrap only for Gemma 3
+    llava = {"architectures": ["LlavaForConditionalGeneration"],
+             "text_config": {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+                             "num_hidden_layers": 1, "num_attention_heads": 1},
+             "vision_config": {"hidden_size": 8}}
+    with pytest.raises(ValueError, match=r"\(LlavaForConditionalGeneration\) has no integer "
+                                         r"vocab_size, hidden_size, intermediate_size, "
+                                         r"num_hidden_layers, num_attention_heads: it is not a "
+                                         r"decoder-only text model"):
+        ModelConfig.from_dict(llava)
+    bert_like = {"architectures": ["BertModel"], "vocab_size": 10, "hidden_size": 8,
+                 "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": None}
+    with pytest.raises(ValueError, match=r"\(BertModel\) has no integer num_attention_heads:"):
+        ModelConfig.from_dict(bert_like)
