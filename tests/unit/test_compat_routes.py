@@ -5,22 +5,12 @@ byte-level FakeEngine of test_server_fake_engine (token id == byte), so prompts 
 import pytest
 from starlette.testclient import TestClient
 from test_server_fake_engine import LOCAL, FakeEngine, sse_events
+from test_server_fake_engine import client, engine  # noqa: F401 (its fixtures)
 
 from radixserve.server.app import create_app
 from radixserve.server.sagemaker_api import INVOCATION_KEYS, pick_route
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-
-
-@pytest.fixture()
-def engine():
-    return FakeEngine()
-
-
-@pytest.fixture()
-def client(engine):
-    with TestClient(create_app(engine), base_url=LOCAL, raise_server_exceptions=False) as c:
-        yield c
 
 
 # ------------------------------------------------------------------------- /ping, /invocations

@@ -20,12 +20,12 @@ from radixserve.engine import policy
 from radixserve.engine.req import Req, ReqStatus
 from radixserve.engine.scheduler.priority import LEAST_URGENT, PriorityOrder
 from radixserve.errors import ApiError, RequestError
-from radixserve.model.forward_batch import ForwardMode
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import requests as R
 from radixserve.server.app import create_app
 
 from conftest import run_to_completion
+from test_fair_preemption import assert_all_slots_home, record_extends, steps_until
 from test_server_fake_engine import LOCAL, FakeEngine, err_of
 
 K_STEPS = 4       # an urgent request that may preempt has its first token within this many steps
@@ -34,14 +34,6 @@ K_STEPS = 4       # an urgent request that may preempt has its first token withi
 def req(rid, ids, n, priority=None):
     sp = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
     return Req(rid, list(ids), sp, n, priority=priority)
-
-
-def assert_all_slots_home(sched):
-    assert not sched.has_work()
-    sched.check_integrity()
-    assert sched.kv_pool.available_size() + sched.cache.evictable_size() == sched.kv_pool.num_slots
-    assert sched.cache.protected_size() == 0
-    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
 
 
 def run_counting(sched, arrivals, max_steps=2000):
@@ -66,33 +58,6 @@ def run_counting(sched, arrivals, max_steps=2000):
                 first[r.rid] = step
         assert step < max_steps, "no progress"
     return first, arrived, queued
-
-
-def record_extends(sched):
-    """Every prefill row scheduled: (req, extend start, extend length, retractions so far)."""
-    rows = []
-    schedule = sched.schedule
-
-    def recording(**kw):
-        batch = schedule(**kw)
-        if batch is not None and batch.mode is ForwardMode.EXTEND:
-            for i, r in enumerate(batch.reqs):
-                if not batch.from_device[i]:
-                    rows.append((r, batch.extend_starts[i], batch.extend_lens[i],
-                                 r.num_retractions))
-        return batch
-
-    sched.schedule = recording
-    return rows
-
-
-def steps_until(sched, cond, limit):
-    for i in range(1, limit + 1):
-        sched.step()
-        sched.check_integrity()
-        if cond():
-            return i
-    raise AssertionError(f"not within {limit} steps")
 
 
 # ------------------------------------------------------------------ (a) + (e) TTFT in steps

@@ -9,24 +9,12 @@ import itertools
 
 import openai
 import pytest
-from starlette.testclient import TestClient
 
-from radixserve.server.app import create_app
 
-from test_server_fake_engine import LOCAL, REPLY, FakeEngine, err_of, sse_events
+from test_server_fake_engine import LOCAL, REPLY, err_of, sse_events
+from test_server_fake_engine import client, engine  # noqa: F401 (its fixtures)
 
 HI = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture()
-def engine():
-    return FakeEngine()
-
-
-@pytest.fixture()
-def client(engine):
-    with TestClient(create_app(engine), base_url=LOCAL, raise_server_exceptions=False) as c:
-        yield c
 
 
 @pytest.fixture()

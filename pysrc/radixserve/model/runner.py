@@ -552,14 +552,7 @@ class ModelRunner:
         device = {"ids": out.ids, "logprobs": out.logprobs.float()}
         if out.top_values is not None:
             device["top_values"], device["top_ids"] = out.top_values, out.top_ids
-        if self.device.type != "cuda":
-            return device
-        host = {}
-        for name, t in device.items():
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            h.copy_(t, non_blocking=True)
-            host[name] = h
-        return host
+        return self._to_host(device)
 
     def run_step(self, step: StepInput, bitmask: Optional[torch.Tensor] = None) -> StepOutput:
         """launch (+ sample_masked with bitmask for grammar steps) + wait, synchronously."""
