@@ -1,0 +1,121 @@
+"""Sliding windows and soft-capping served on CUDA (issue 40 point 1), end to end through the
+scheduler and the real ModelRunner: tiny random Mistral (a window on every layer), Gemma 3
+(interleaved local / global layers, two rope bases) and Gemma 2 (attention and final-logit
+soft-capping), written by transformers (tests/unit/test_sliding_window.py builds them).
+
+  * fp32: greedy outputs equal HF's greedy (CPU, fp32) on prompts of 3.75 windows, prefilled in
+    5-token chunks, with a second prompt reusing 26 tokens (> 3 windows) from the radix cache,
+    and the two decoded side by side with a short third request. Windowed and soft-capped calls
+    take the torch reference on CUDA (the kernels take neither yet:
+    ops.attention_kernel_takes), the other layers the kernels.
+  * bf16, context longer than the window: the runner captures no CUDA graphs (the reference is
+    not capturable; model/cuda_graph_runner.py's docstring) and still serves, leaking nothing.
+  * bf16, context no longer than the window (Mistral, Gemma 3): the window hides nothing, so
+    the kernels and CUDA graphs serve every layer (ForwardBatch.max_seq_len), with the same
+    outputs as the eager runner.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, List, Sequence
+
+import pytest
+import torch
+
+from _gpu import requires_kernels
+from radixserve.config import ModelConfig, ServerArgs
+from radixserve.engine.req import Req
+from radixserve.engine.scheduler import Scheduler
+from radixserve.model.loader import load_model
+from radixserve.model.runner import ModelRunner
+from radixserve.sampling.params import SamplingParams
+
+# the tiny models and HF oracles live beside the CPU tests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "unit"))
+import test_sliding_window as sw  # noqa: E402
+from test_model_parity import _randomize  # noqa: E402
+
+pytestmark = requires_kernels
+
+
+@pytest.fixture(scope="module", params=sorted(sw.TINY))
+def tiny(request, tmp_path_factory):
+    torch.manual_seed(0)
+    hf = sw.TINY[request.param]().eval()
+    _randomize(hf, seed=1)
+    path = sw._write(hf, tmp_path_factory.mktemp(request.param))
+    return request.param, hf, ModelConfig.from_path(path), path
+
+
+def _scheduler(path: str, config: ModelConfig, dtype: str, **overrides) -> Scheduler:
+    kw = dict(model_path=path, device="cuda", dtype=dtype, max_total_tokens=512,
+              max_running_requests=4, context_length=128, chunked_prefill_size=5, random_seed=0)
+    kw.update(overrides)
+    args = ServerArgs(**kw)
+    model = load_model(path, config, "safetensors", args.resolved_dtype(), torch.device("cuda"))
+    runner = ModelRunner(args, config, path, context_len=args.context_length, model=model)
+    return Scheduler(args, runner)
+
+
+def _greedy(rid: str, prompt: Sequence[int], n: int) -> Req:
+    return Req(rid, list(prompt), SamplingParams(max_new_tokens=n, temperature=0.0,
+                                                 ignore_eos=True), n)
+
+
+def _run(sched: Scheduler, reqs: List[Req]) -> None:
+    """Step until every req finished, integrity after every step, every slot home after."""
+    for r in reqs:
+        sched.add_request(r)
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        sched.check_integrity()
+        steps += 1
+        assert steps < 2000, "the scheduler made no progress"
+    assert sched.kv_pool.available_size() + sched.cache.evictable_size() == \
+        sched.kv_pool.num_slots
+
+
+def test_fp32_greedy_matches_hf_with_chunks_and_radix_reuse(tiny):
+    _, hf, config, path = tiny
+    sched = _scheduler(path, config, "float32")
+    prompt_a = sw._seq(config, 30, 11)
+    prompt_b = prompt_a[:26] + sw._seq(config, 6, 12)
+    n = 12
+    a = _greedy("a", prompt_a, n)
+    _run(sched, [a])
+    b, c = _greedy("b", prompt_b, n), _greedy("c", sw._seq(config, 5, 13), n)
+    _run(sched, [b, c])                                 # decoded side by side
+    assert a.cached_tokens == 0 and b.cached_tokens >= 25 > 3 * sw.WINDOW
+    outputs: Dict[str, List[int]] = {r.rid: list(r.output_ids) for r in (a, b, c)}
+    for r in (a, b, c):
+        assert outputs[r.rid] == sw._hf_greedy(hf, r.origin_input_ids, n), r.rid
+
+
+def test_bf16_windowed_context_serves_without_graphs(tiny, caplog):
+    _, _, config, path = tiny
+    with caplog.at_level("WARNING", logger="radixserve.model.runner"):
+        sched = _scheduler(path, config, "bfloat16")
+    assert sched.runner.graph_runner is None
+    assert any("CUDA graphs off" in r.getMessage() for r in caplog.records)
+    reqs = [_greedy(f"r{i}", sw._seq(config, 20 + i, 20 + i), 10) for i in range(3)]
+    _run(sched, reqs)
+    assert all(len(r.output_ids) == 10 for r in reqs)
+
+
+def test_bf16_window_as_long_as_the_context_takes_the_kernels(tiny):
+    name, _, config, path = tiny
+    if name == "gemma2":
+        pytest.skip("Gemma 2's soft-capping keeps the reference whatever the context")
+    context = sw.WINDOW - 1                  # every request's KV fits in the window
+    eager = _scheduler(path, config, "bfloat16", context_length=context,
+                       disable_cuda_graph=True)
+    fast = _scheduler(path, config, "bfloat16", context_length=context)
+    assert eager.runner.graph_runner is None and fast.runner.graph_runner is not None
+    prompts = [sw._seq(config, 3, 30 + i) for i in range(3)]
+    want = [_greedy(f"e{i}", p, 4) for i, p in enumerate(prompts)]
+    got = [_greedy(f"g{i}", p, 4) for i, p in enumerate(prompts)]
+    _run(eager, want)
+    _run(fast, got)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
