@@ -47,7 +47,7 @@ from radixserve.server.generation import (ClientDisconnected, check_grammars, co
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import RequestMetrics, request_metrics
 from radixserve.server.openai_api import (_apply_reasoning_parser, _chat_tools, _ChoiceText,
-                                          _model_aliases, _raise_if_aborted, _Tools,
+                                          model_aliases, _raise_if_aborted, _Tools,
                                           render_messages)
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import EventStreamResponse
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 async def _read(request: Request, engine) -> dict:
     body = await read_json_object(request)
-    R.check_model(body, engine.served_model_name, _model_aliases(engine))
+    R.check_model(body, engine.served_model_name, model_aliases(engine))
     return body
 
 

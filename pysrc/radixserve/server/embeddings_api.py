@@ -46,7 +46,7 @@ from radixserve.server import schemas as S
 from radixserve.server.generation import ClientDisconnected, collect, encode_prompt, validate_all
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import request_metrics
-from radixserve.server.openai_api import _model_aliases
+from radixserve.server.openai_api import model_aliases
 from radixserve.server.security import read_json_object
 
 # Qwen3-Reranker's prompt (its model card): a system message asking for a yes / no judgement,
@@ -138,7 +138,7 @@ def encode_embedding(values: List[float], encoding_format: str):
 async def embeddings(request: Request, engine) -> Response:
     body = await read_json_object(request)
     require_embedding(engine, "/v1/embeddings")
-    R.check_model(body, engine.served_model_name, _model_aliases(engine))
+    R.check_model(body, engine.served_model_name, model_aliases(engine))
     req = S.parse(S.EmbeddingRequest, body)
     single = isinstance(req.input, str) or (bool(req.input) and isinstance(req.input[0], int))
     inputs = [req.input] if single else list(req.input)
@@ -221,7 +221,7 @@ def ranked(scores: Sequence[float], documents: Sequence[str], top_n: Optional[in
 async def rerank(request: Request, engine) -> Response:
     body = await read_json_object(request)
     require_embedding(engine, "/v1/rerank")
-    R.check_model(body, engine.served_model_name, _model_aliases(engine))
+    R.check_model(body, engine.served_model_name, model_aliases(engine))
     req = S.parse(S.RerankRequest, body)
     rerank_labels(engine)
     if not req.query:

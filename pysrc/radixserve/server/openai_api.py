@@ -51,7 +51,7 @@ def exposes_paths(engine) -> bool:
     return bool(engine.server_args.expose_server_info)
 
 
-def _model_aliases(engine) -> List[str]:
+def model_aliases(engine) -> List[str]:
     """Other names a request's `model` may give the served model: its path, only where the
     path may be shown (else a client could probe for it)."""
     if not exposes_paths(engine):
@@ -136,7 +136,7 @@ async def _serve(request: Request, engine, route_type: Type[_Route]) -> Response
     """The skeleton of /v1/chat/completions and /v1/completions: parse the body, build the
     engine requests, then stream or collect, rendering through the route."""
     body = await read_json_object(request)
-    R.check_model(body, engine.served_model_name, _model_aliases(engine))
+    R.check_model(body, engine.served_model_name, model_aliases(engine))
     route = route_type(engine, body)
     req = route.req
     prompt_ids = await route.prompt_ids()
@@ -593,7 +593,7 @@ async def retrieve_model(request: Request, engine) -> Response:
     """GET /v1/models/{id} (the openai client's models.retrieve): the served model's card for
     its name (or an alias), 404 in OpenAI's error shape for any other id."""
     model_id = request.path_params["model_id"]
-    if model_id != engine.served_model_name and model_id not in _model_aliases(engine):
+    if model_id != engine.served_model_name and model_id not in model_aliases(engine):
         raise ApiError(f"The model '{model_id[:200]}' does not exist; this server serves "
                        f"'{engine.served_model_name}'", status=404, param="model")
     return JSONResponse(_model_card(engine))

@@ -80,7 +80,7 @@ from radixserve.server.generation import (ClientDisconnected, check_grammars, co
                                           merge_generations, validate_all)
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import RequestMetrics, request_metrics
-from radixserve.server.openai_api import _model_aliases, _raise_if_aborted, render_messages
+from radixserve.server.openai_api import model_aliases, _raise_if_aborted, render_messages
 from radixserve.server.responses_schemas import RESPONSE_ID_PREFIX, ResponseCreateRequest
 from radixserve.server.security import read_json_object
 from radixserve.server.sse import EventStreamResponse, encode_event
@@ -358,7 +358,7 @@ def _finish(shape: _Shape, result: O.SeqResult, store: ResponseStore, owner: str
 async def create_response(request: Request, engine) -> Response:
     """POST /v1/responses."""
     body = await read_json_object(request)
-    R.check_model(body, engine.served_model_name, _model_aliases(engine))
+    R.check_model(body, engine.served_model_name, model_aliases(engine))
     req = S.parse(ResponseCreateRequest, body)
     store = _store(request)
     history: List[dict] = []

@@ -37,7 +37,7 @@ from radixserve.server import schemas as S
 from radixserve.server.generation import collect, encode_prompt, validate_all
 from radixserve.server.jsonio import JSONResponse
 from radixserve.server.metrics import request_metrics
-from radixserve.server.openai_api import _model_aliases
+from radixserve.server.openai_api import model_aliases
 from radixserve.server.security import read_json_object
 
 
@@ -91,7 +91,7 @@ def error_response(err: ApiError, headers: Optional[dict] = None) -> JSONRespons
 
 async def score(request: Request, engine) -> Response:
     body = await read_json_object(request)
-    R.check_model(body, engine.served_model_name, _model_aliases(engine))
+    R.check_model(body, engine.served_model_name, model_aliases(engine))
     req = S.parse(S.ScoreRequest, body)
     vocab = engine.model_config.vocab_size
     bad = [t for t in req.label_token_ids if t >= vocab]

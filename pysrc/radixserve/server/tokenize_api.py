@@ -34,7 +34,7 @@ from radixserve.server import schemas as S
 from radixserve.server import tokenize_schemas as T
 from radixserve.server.generation import OFF_LOOP_CHARS, encode_prompt
 from radixserve.server.jsonio import JSONResponse
-from radixserve.server.openai_api import _chat_tools, _model_aliases, render_messages
+from radixserve.server.openai_api import _chat_tools, model_aliases, render_messages
 from radixserve.server.security import read_json_object
 
 OFF_LOOP_IDS = OFF_LOOP_CHARS        # token lists this long or longer are decoded off the loop
@@ -42,7 +42,7 @@ OFF_LOOP_IDS = OFF_LOOP_CHARS        # token lists this long or longer are decod
 
 async def _body(request: Request, engine) -> dict:
     body = await read_json_object(request)
-    R.check_model(body, engine.served_model_name, _model_aliases(engine))
+    R.check_model(body, engine.served_model_name, model_aliases(engine))
     return body
 
 
