@@ -55,14 +55,9 @@ class ArrayBlock(Block):
                     return (DONE, self.item) if self.calls else (RETRY, 0)
                 self.calls += 1
                 self.between = True
-            if not cur.ws():
-                return (DONE, cur.pos) if cur.final else (MORE, 0)
-            ch = cur.text[cur.pos]
-            if ch == "]":
-                return DONE, cur.pos + 1
-            if ch != ",":
-                return DONE, cur.pos
-            cur.pos += 1
+            ended = cur.list_separator()
+            if ended is not None:
+                return ended
             self.item, self.obj, self.between = cur.pos, None, False
 
 

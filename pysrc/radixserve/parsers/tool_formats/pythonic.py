@@ -133,14 +133,9 @@ class CallListBlock(Block):
         return None
 
     def _next(self, cur: Cursor) -> Optional[Tuple[str, int]]:
-        if not cur.ws():
-            return (DONE, cur.pos) if cur.final else (MORE, 0)
-        ch = cur.text[cur.pos]
-        if ch == "]":
-            return DONE, cur.pos + 1
-        if ch != ",":
-            return DONE, cur.pos
-        cur.pos += 1
+        ended = cur.list_separator()
+        if ended is not None:
+            return ended
         self.item, self.stage = cur.pos, "name"
         return None
 

@@ -49,6 +49,21 @@ class Cursor:
         self.pos = i
         return i < n
 
+    def list_separator(self) -> Optional[Tuple[str, int]]:
+        """After an item of a bracketed list `[a, b, ...]`: consume the ',' before the next item
+        (None: the next item starts at pos); else the block's answer: (MORE, 0) while the text
+        may still go on, (DONE, index after ']') at the list's end, (DONE, pos) at anything
+        else (the list ends there unclosed)."""
+        if not self.ws():
+            return (DONE, self.pos) if self.final else (MORE, 0)
+        ch = self.text[self.pos]
+        if ch == "]":
+            return DONE, self.pos + 1
+        if ch != ",":
+            return DONE, self.pos
+        self.pos += 1
+        return None
+
     def lit(self, s: str, ws: bool = False) -> Optional[bool]:
         """Consume s (after whitespace when ws): True when consumed; False when the text
         differs (nothing consumed); None when it may still come (only when not final)."""
