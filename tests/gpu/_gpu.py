@@ -24,3 +24,16 @@ def rescale_dummy_weights(model, seed: int = 3) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device="cuda"))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device="cuda") / math.sqrt(p.shape[-1]))
+
+
+def run_until_done(sched, limit: int = 2000) -> None:
+    """Step a Scheduler until it has no work, check_integrity after every step; then every KV
+    slot is home (free or evictable in the radix cache)."""
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        sched.check_integrity()
+        steps += 1
+        assert steps < limit, "the scheduler made no progress"
+    assert sched.kv_pool.available_size() + sched.cache.evictable_size() == \
+        sched.kv_pool.num_slots

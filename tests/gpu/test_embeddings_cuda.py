@@ -5,12 +5,14 @@ prefilled in 16-token chunks equal HF's normalised final hidden states (CPU, fp3
 in fp32, 3e-2 in bf16 (unit vectors of 128 entries); every slot goes home after."""
 from __future__ import annotations
 
+import os
+import sys
 from typing import List
 
 import pytest
 import torch
 
-from _gpu import requires_kernels
+from _gpu import requires_kernels, run_until_done
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.engine.pooling import PoolParams
 from radixserve.engine.req import Req
@@ -18,6 +20,10 @@ from radixserve.engine.scheduler import Scheduler
 from radixserve.model.loader import load_model
 from radixserve.model.runner import ModelRunner
 from radixserve.sampling.params import SamplingParams
+
+# the CPU tests' weight randomizer (O(1) logits)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "unit"))
+from test_model_parity import _randomize  # noqa: E402
 
 pytestmark = requires_kernels
 VOCAB = 211
@@ -32,11 +38,7 @@ def tiny(tmp_path_factory):
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=64, max_position_embeddings=512, tie_word_embeddings=True)
     hf = Qwen3ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    _randomize(hf, seed=1)
     path = tmp_path_factory.mktemp("qwen3-embed-cuda")
     hf.save_pretrained(path, safe_serialization=True)
     return hf, str(path)
@@ -68,14 +70,7 @@ def _pool_all(sched: Scheduler, prompts: List[List[int]], method: str) -> List[t
                 pool=PoolParams(method), sink=outputs.append) for k, p in enumerate(prompts)]
     for r in reqs:
         sched.add_request(r)
-    steps = 0
-    while sched.has_work():
-        sched.step()
-        sched.check_integrity()
-        steps += 1
-        assert steps < 200
-    assert sched.kv_pool.available_size() + sched.cache.evictable_size() == \
-        sched.kv_pool.num_slots
+    run_until_done(sched, limit=200)
     final = {o.rid: o for o in outputs if o.finished}
     return [torch.tensor(final[r.rid].embedding) for r in reqs]
 

@@ -23,7 +23,7 @@ from typing import Dict, List, Sequence
 import pytest
 import torch
 
-from _gpu import requires_kernels
+from _gpu import requires_kernels, run_until_done
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.engine.req import Req
 from radixserve.engine.scheduler import Scheduler
@@ -64,17 +64,9 @@ def _greedy(rid: str, prompt: Sequence[int], n: int) -> Req:
 
 
 def _run(sched: Scheduler, reqs: List[Req]) -> None:
-    """Step until every req finished, integrity after every step, every slot home after."""
     for r in reqs:
         sched.add_request(r)
-    steps = 0
-    while sched.has_work():
-        sched.step()
-        sched.check_integrity()
-        steps += 1
-        assert steps < 2000, "the scheduler made no progress"
-    assert sched.kv_pool.available_size() + sched.cache.evictable_size() == \
-        sched.kv_pool.num_slots
+    run_until_done(sched)
 
 
 def test_fp32_greedy_matches_hf_with_chunks_and_radix_reuse(tiny):
