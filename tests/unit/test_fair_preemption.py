@@ -5,6 +5,7 @@ client's latest-admitted requests are retracted with their KV kept in the radix 
 counts scheduler steps (Scheduler.step(): one pipeline turn), never seconds, and checks
 integrity after every step and that every slot and row comes back at the end."""
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,6 +63,18 @@ def steps_until(sched, cond, limit):
         if cond():
             return i
     raise AssertionError(f"not within {limit} steps")
+
+
+def scrape(sched) -> str:
+    """The /metrics text (prefix radixserve:, model "m") of sched's counters."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from radixserve.server.metrics import EngineCollector
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(SimpleNamespace(served_model_name="m",
+                                                      metrics=sched.metrics), "radixserve:"))
+    return generate_latest(registry).decode()
 
 
 def fill_with(sched, client, prompts, n, count):
@@ -243,19 +256,10 @@ def test_kv_memory_taken_by_a_client_over_its_cap(make_scheduler, greedy_alone, 
 def test_fair_retractions_are_a_metric(make_scheduler):
     """num_fair_retractions is a scheduler counter next to num_retractions, and /metrics serves
     it as the counter num_fair_retractions_total."""
-    from types import SimpleNamespace
-
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from radixserve.server.metrics import EngineCollector
-
     sched = make_scheduler()
     assert sched.metrics()["num_fair_retractions"] == 0
     sched.counters["num_fair_retractions"] = 3
-    registry = CollectorRegistry()
-    registry.register(EngineCollector(SimpleNamespace(served_model_name="m",
-                                                      metrics=sched.metrics), "radixserve:"))
-    text = generate_latest(registry).decode()
+    text = scrape(sched)
     assert "# TYPE radixserve:num_fair_retractions_total counter" in text
     assert 'radixserve:num_fair_retractions_total{model_name="m"} 3.0' in text
     assert 'radixserve:num_retractions_total{model_name="m"} 0.0' in text

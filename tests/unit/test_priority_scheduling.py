@@ -25,7 +25,7 @@ from radixserve.server import requests as R
 from radixserve.server.app import create_app
 
 from conftest import run_to_completion
-from test_fair_preemption import assert_all_slots_home, record_extends, steps_until
+from test_fair_preemption import assert_all_slots_home, record_extends, scrape, steps_until
 from test_server_fake_engine import LOCAL, FakeEngine, err_of
 
 K_STEPS = 4       # an urgent request that may preempt has its first token within this many steps
@@ -280,17 +280,10 @@ def test_retraction_for_memory_takes_the_least_urgent_first(make_scheduler, text
 
 
 def test_priority_retractions_are_a_metric(make_scheduler):
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from radixserve.server.metrics import EngineCollector
-
     sched = make_scheduler()
     assert sched.metrics()["num_priority_retractions"] == 0
     sched.counters["num_priority_retractions"] = 2
-    registry = CollectorRegistry()
-    registry.register(EngineCollector(SimpleNamespace(served_model_name="m",
-                                                      metrics=sched.metrics), "radixserve:"))
-    text = generate_latest(registry).decode()
+    text = scrape(sched)
     assert 'radixserve:num_priority_retractions_total{model_name="m"} 2.0' in text
 
 
