@@ -22,7 +22,8 @@ TORCH_LIBRARY(radixserve, m) {
         "Tensor top_p, Tensor min_p, Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, bool gated) -> Tensor");
-  m.def("fp8_skinny_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor");
+  m.def("fp8_skinny_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, "
+        "bool gated=False) -> Tensor");
   m.def("fp8_quantize(Tensor x, Tensor? input_scale) -> (Tensor, Tensor)");
   m.def("rmsnorm_quant_fp8(Tensor x, Tensor(a!)? residual, Tensor weight, float eps, "
         "Tensor? input_scale) -> (Tensor, Tensor)");

@@ -14,7 +14,8 @@
 namespace radixserve {
 
 at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
-                             const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias) {
+                             const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                             bool gated) {
   RS_CHECK(x.is_cuda() && weight.is_cuda() && weight_scale.is_cuda() &&
                weight.device() == x.device() && weight_scale.device() == x.device(),
            "x, weight and weight_scale must be CUDA tensors on one device");
@@ -25,7 +26,10 @@ at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   RS_CHECK(weight_scale.scalar_type() == at::kFloat, "weight_scale must be float32, got ",
            weight_scale.scalar_type());
   RS_CHECK(x.dim() == 2 && weight.dim() == 2, "x must be [m, k] and weight [n, k]");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  // rows: the weight's (gated: [gate | up], 2 n of them); n: the output's columns
+  const int64_t m = x.size(0), k = x.size(1), rows = weight.size(0);
+  RS_CHECK(!gated || rows % 2 == 0, "a gated weight holds [gate | up]: an even row count, got ", rows);
+  const int64_t n = gated ? rows / 2 : rows;
   RS_CHECK(m >= 1 && m <= fp8_gemv::kMaxRows, "fp8_skinny_linear serves 1..", fp8_gemv::kMaxRows,
            " rows, got ", m);
   RS_CHECK(weight.size(1) == k, "weight must be [n, k=", k, "], got ", weight.sizes());
@@ -35,13 +39,13 @@ at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   RS_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
                (reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0,
            "x rows must be contiguous and start at 16-byte boundaries");
-  RS_CHECK(weight_scale.is_contiguous() && (weight_scale.numel() == n || weight_scale.numel() == 1),
-           "weight_scale must hold one scale per output channel [", n, "] or one in all");
+  RS_CHECK(weight_scale.is_contiguous() && (weight_scale.numel() == rows || weight_scale.numel() == 1),
+           "weight_scale must hold one scale per weight row [", rows, "] or one in all");
   if (bias) {
     RS_CHECK(bias->is_cuda() && bias->device() == x.device() && bias->scalar_type() == at::kBFloat16,
              "bias must be a bf16 CUDA tensor on x's device");
-    RS_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
-             "bias must be contiguous [", n, "]");
+    RS_CHECK(bias->dim() == 1 && bias->size(0) == rows && bias->is_contiguous(),
+             "bias must be contiguous [", rows, "]");
   }
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({m, n}, x.options());  // [m, n]
@@ -50,7 +54,7 @@ at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   p.x_stride = x.stride(0);
   p.w = reinterpret_cast<const uint8_t*>(weight.data_ptr());
   p.w_scale = weight_scale.data_ptr<float>();
-  p.scale_stride = weight_scale.numel() == 1 && n != 1 ? 0 : 1;
+  p.scale_stride = weight_scale.numel() == 1 && rows != 1 ? 0 : 1;
   p.bias = bias ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr;
   p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
   p.out_stride = out.stride(0);
@@ -58,6 +62,7 @@ at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   p.n = n;
   p.k = k;
   p.pdl = at::cuda::getCurrentDeviceProperties()->major >= 9;
+  p.gated = gated;
   const cudaError_t err = fp8_gemv::launch(p, at::cuda::getCurrentCUDAStream());
   RS_CHECK(err == cudaSuccess, "fp8_skinny_linear launch failed: ", cudaGetErrorString(err));
   return out;

@@ -46,7 +46,8 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
 
 // fp8_gemv.cu
 at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
-                             const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias);
+                             const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                             bool gated);
 
 // fp8_quant.cu
 std::tuple<at::Tensor, at::Tensor> fp8_quantize(const at::Tensor& x,

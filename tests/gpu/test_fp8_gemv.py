@@ -68,3 +68,33 @@ def test_fp8_skinny_linear_refuses_what_it_cannot_serve():
         torch.ops.radixserve.fp8_skinny_linear(x[:2, :40], q[:, :40].contiguous(), scale, None)
     with pytest.raises(RuntimeError, match="float8_e4m3fn"):
         torch.ops.radixserve.fp8_skinny_linear(x[:2], q.view(torch.uint8), scale, None)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("inter,k", [(24, 80), (989, 4096), (14336, 4096)])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_gated_form_equals_the_projection_then_silu_and_mul_bit_for_bit(m, inter, k, per_channel):
+    """The gated kernel (gate|up fused with the activation) gives exactly the bits of the plain
+    kernel's [m, 2 inter] projection followed by the silu_and_mul kernel, and so tracks the
+    dequantized reference as closely as those two do."""
+    from radixserve import ops
+
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + inter + k)
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    w = torch.randn(2 * inter, k, generator=g, device="cuda") / k ** 0.5
+    q, scale = _quantize(w, per_channel)
+    b = torch.randn(2 * inter, generator=g, device="cuda").to(torch.bfloat16)
+    for bias in (None, b):
+        fused = torch.ops.radixserve.fp8_skinny_linear(x, q, scale, bias, True)
+        assert fused.shape == (m, inter) and fused.dtype == torch.bfloat16
+        proj = torch.ops.radixserve.fp8_skinny_linear(x, q, scale, bias)
+        _check(proj, x, q, scale, bias)
+        assert torch.equal(fused, ops.silu_and_mul(proj))
+        assert torch.equal(ops.fp8_skinny_gated_linear(x, q, scale, bias), fused)
+
+
+def test_gated_form_refuses_an_odd_weight():
+    x = torch.randn(2, 64, device="cuda").to(torch.bfloat16)
+    q, scale = _quantize(torch.randn(33, 64, device="cuda"), True)
+    with pytest.raises(RuntimeError, match="even row count"):
+        torch.ops.radixserve.fp8_skinny_linear(x, q, scale, None, True)

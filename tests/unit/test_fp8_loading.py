@@ -558,3 +558,31 @@ def test_quantization_flag(capsys):
     assert "invalid choice: 'int8'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--quantization"):
         ServerArgs(quantization="awq").check()
+
+
+def test_fp8_mlp_takes_the_gated_op_for_decode_sized_batches(tmp_path, monkeypatch):
+    """The MLP of an FP8 model sends a decode-sized input (<= FP8_SKINNY_ROWS rows: weight-only
+    math) through ops.fp8_skinny_gated_linear, whose CUDA form is one kernel, and a larger one
+    through the projection then silu_and_mul; both give what the two separate layers give."""
+    from radixserve import ops
+    from radixserve.model import llama
+
+    cfg = _tiny_config("llama")
+    path = _write_dir(tmp_path, cfg, _tiny_weights(cfg, seed=11))
+    model = load_model(path, ModelConfig.from_path(path), "auto", torch.bfloat16, "cpu",
+                       quantization="fp8")
+    mlp = model.model.layers[0].mlp
+    calls = []
+    real = ops.fp8_skinny_gated_linear
+
+    def recorder(x, *args):
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(ops, "fp8_skinny_gated_linear", recorder)
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, llama.FP8_SKINNY_ROWS, llama.FP8_SKINNY_ROWS + 1):
+        x = torch.randn(rows, cfg["hidden_size"], generator=g).to(torch.bfloat16)
+        want = mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(x)))
+        assert torch.equal(mlp(x), want)
+    assert calls == [1, llama.FP8_SKINNY_ROWS]

@@ -35,6 +35,13 @@
 // 16 x 16 tiles are summed through shared memory in a fixed order (deterministic), scaled, biased
 // and written by the first 16 x m threads. Launched with programmatic dependent launch on sm_90+
 // (pdl.cuh): the first trip's weight loads go out before waiting for the kernel that writes x.
+//
+// GATED (the MLP's gate|up projection fused with silu_and_mul, as gemv.cuh's GATED): w is
+// [2 n, k] = [gate | up] rows and the CTA of output columns j..j+15 streams gate rows j.. and up
+// rows n + j.. (two A tiles per warp, the same x fragments); each sum is scaled, biased and
+// rounded to bf16 as the unfused kernel's output would be, then out = silu(g) * u exactly as
+// silu_and_mul computes it, so the fused and unfused paths agree bit for bit (an MMA's sum over
+// its k does not depend on the tile's other rows). The [m, 2 n] projection is never written.
 #pragma once
 
 #include <cstdint>
@@ -60,6 +67,7 @@ struct Params {
   int64_t n;
   int64_t k;               // a multiple of 16
   bool pdl;
+  bool gated = false;      // w is [2 n, k] = [gate | up], out = silu(gate) * up (GATED above)
 };
 
 constexpr int kMaxRows = 16;   // two n-tiles of m16n8k16
@@ -88,30 +96,41 @@ __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s
   return __byte_perm(a, b, sel);
 }
 
-// NT n-tiles of 8 batch rows (m <= 8 * NT); UNROLL k blocks' loads in flight per warp.
-template <int NT, int UNROLL>
+// NT n-tiles of 8 batch rows (m <= 8 * NT); UNROLL k blocks' loads in flight per warp; GATED:
+// two A tiles (gate rows, up rows) per warp and the activation in the epilogue.
+template <int NT, int UNROLL, bool GATED>
 __global__ void __launch_bounds__(kWarps * 32) fp8_skinny_kernel(Params p) {
-  __shared__ float red[kWarps][kCols][8 * NT];
+  constexpr int TILES = GATED ? 2 : 1;  // A tiles per warp: [gate, up] or the plain rows
+  __shared__ float red[kWarps][TILES][kCols][8 * NT];
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int64_t col0 = (int64_t)blockIdx.x * kCols;
-  // rows g and g + 8 of the tile; past n, re-read the last row (never stored)
-  const int64_t r0 = min(col0 + g, p.n - 1), r1 = min(col0 + g + 8, p.n - 1);
-  const uint4* w0 = reinterpret_cast<const uint4*>(p.w + r0 * p.k);
-  const uint4* w1 = reinterpret_cast<const uint4*>(p.w + r1 * p.k);
+  // rows g and g + 8 of each tile; past n, re-read the tile's last row (never stored)
+  const uint4* w0[TILES];
+  const uint4* w1[TILES];
+#pragma unroll
+  for (int ti = 0; ti < TILES; ++ti) {
+    const int64_t base = ti * p.n;  // the up rows follow the n gate rows
+    const int64_t r0 = base + min(col0 + g, p.n - 1), r1 = base + min(col0 + g + 8, p.n - 1);
+    w0[ti] = reinterpret_cast<const uint4*>(p.w + r0 * p.k);
+    w1[ti] = reinterpret_cast<const uint4*>(p.w + r1 * p.k);
+  }
   const int64_t chunks = p.k / 16;                 // 16-byte chunks of a weight row
   const int64_t blocks = (chunks + 3) / 4;         // 64-wide k blocks
 
-  float c[NT][4] = {};
-  uint4 wa[UNROLL], wb[UNROLL];
+  float c[TILES][NT][4] = {};
+  uint4 wa[TILES][UNROLL], wb[TILES][UNROLL];
   auto load_w = [&](int64_t b0) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int64_t ch = (b0 + (int64_t)u * kWarps) * 4 + t;
       const bool ok = b0 + (int64_t)u * kWarps < blocks && ch < chunks;
-      wa[u] = ok ? __ldcs(w0 + ch) : make_uint4(0, 0, 0, 0);
-      wb[u] = ok ? __ldcs(w1 + ch) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int ti = 0; ti < TILES; ++ti) {
+        wa[ti][u] = ok ? __ldcs(w0[ti] + ch) : make_uint4(0, 0, 0, 0);
+        wb[ti][u] = ok ? __ldcs(w1[ti] + ch) : make_uint4(0, 0, 0, 0);
+      }
     }
   };
   load_w(warp);
@@ -135,54 +154,74 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_skinny_kernel(Params p) {
           xa[nt] = xb[nt] = make_uint4(0, 0, 0, 0);
         }
       }
-      const uint32_t wav[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w};
-      const uint32_t wbv[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint32_t a0, a2, a1, a3;
-        dequant4(wav[i], a0, a2);   // row g:     (q0, q2), (q1, q3)
-        dequant4(wbv[i], a1, a3);   // row g + 8
+      for (int ti = 0; ti < TILES; ++ti) {
+        const uint32_t wav[4] = {wa[ti][u].x, wa[ti][u].y, wa[ti][u].z, wa[ti][u].w};
+        const uint32_t wbv[4] = {wb[ti][u].x, wb[ti][u].y, wb[ti][u].z, wb[ti][u].w};
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          // x words of physical k 4i..4i+3 of this chunk: (x0, x1), (x2, x3)
-          const uint32_t xw[8] = {xa[nt].x, xa[nt].y, xa[nt].z, xa[nt].w,
-                                  xb[nt].x, xb[nt].y, xb[nt].z, xb[nt].w};
-          const uint32_t x01 = xw[2 * i], x23 = xw[2 * i + 1];
-          const uint32_t b0 = byte_perm(x01, x23, 0x5410);  // (x0, x2)
-          const uint32_t b1 = byte_perm(x01, x23, 0x7632);  // (x1, x3)
-          mma_bf16(c[nt], a0, a1, a2, a3, b0, b1);
+        for (int i = 0; i < 4; ++i) {
+          uint32_t a0, a2, a1, a3;
+          dequant4(wav[i], a0, a2);   // row g:     (q0, q2), (q1, q3)
+          dequant4(wbv[i], a1, a3);   // row g + 8
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            // x words of physical k 4i..4i+3 of this chunk: (x0, x1), (x2, x3)
+            const uint32_t xw[8] = {xa[nt].x, xa[nt].y, xa[nt].z, xa[nt].w,
+                                    xb[nt].x, xb[nt].y, xb[nt].z, xb[nt].w};
+            const uint32_t x01 = xw[2 * i], x23 = xw[2 * i + 1];
+            const uint32_t b0 = byte_perm(x01, x23, 0x5410);  // (x0, x2)
+            const uint32_t b1 = byte_perm(x01, x23, 0x7632);  // (x1, x3)
+            mma_bf16(c[ti][nt], a0, a1, a2, a3, b0, b1);
+          }
         }
       }
     }
   }
-  // c[nt]: (col g, batch 8nt + 2t), (col g, 8nt + 2t + 1), (col g + 8, 8nt + 2t), (col g + 8, ...)
+  // c[ti][nt]: (col g, batch 8nt + 2t), (col g, 8nt + 2t + 1), (col g + 8, 8nt + 2t), (col g + 8, ...)
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    red[warp][g][8 * nt + 2 * t] = c[nt][0];
-    red[warp][g][8 * nt + 2 * t + 1] = c[nt][1];
-    red[warp][g + 8][8 * nt + 2 * t] = c[nt][2];
-    red[warp][g + 8][8 * nt + 2 * t + 1] = c[nt][3];
-  }
+  for (int ti = 0; ti < TILES; ++ti)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      red[warp][ti][g][8 * nt + 2 * t] = c[ti][nt][0];
+      red[warp][ti][g][8 * nt + 2 * t + 1] = c[ti][nt][1];
+      red[warp][ti][g + 8][8 * nt + 2 * t] = c[ti][nt][2];
+      red[warp][ti][g + 8][8 * nt + 2 * t + 1] = c[ti][nt][3];
+    }
   __syncthreads();
   const int tid = threadIdx.x;
   if (tid >= kCols * p.m) return;
   const int col = tid % kCols, row = tid / kCols;
   const int64_t j = col0 + col;
   if (j >= p.n) return;
-  float s = 0.f;
+  float v[TILES];
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) s += red[w][col][row];
-  float v = s * (p.w_scale[j * p.scale_stride] * kDequantScale);
-  if (p.bias) v += __bfloat162float(p.bias[j]);
-  p.out[row * p.out_stride + j] = __float2bfloat16_rn(v);
+  for (int ti = 0; ti < TILES; ++ti) {
+    const int64_t jr = ti * p.n + j;  // the weight row (GATED: gate j, up n + j)
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += red[w][ti][col][row];
+    v[ti] = s * (p.w_scale[jr * p.scale_stride] * kDequantScale);
+    if (p.bias) v[ti] += __bfloat162float(p.bias[jr]);
+  }
+  if constexpr (GATED) {
+    // the unfused path rounds each projection to bf16, then silu_and_mul computes in fp32
+    const float gate = __bfloat162float(__float2bfloat16_rn(v[0]));
+    const float up = __bfloat162float(__float2bfloat16_rn(v[1]));
+    v[0] = gate / (1.f + __expf(-gate)) * up;
+  }
+  p.out[row * p.out_stride + j] = __float2bfloat16_rn(v[0]);
 }
 
 inline cudaError_t launch(const Params& p, cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return cudaSuccess;
   if (p.m < 1 || p.m > kMaxRows || p.k % 16 != 0) return cudaErrorInvalidValue;
   const dim3 grid((unsigned)((p.n + kCols - 1) / kCols)), block(kWarps * 32);
-  if (p.m <= 8) return launch_with_pdl(p.pdl, fp8_skinny_kernel<1, 4>, grid, block, 0, stream, p);
-  return launch_with_pdl(p.pdl, fp8_skinny_kernel<2, 4>, grid, block, 0, stream, p);
+  if (p.gated) {
+    if (p.m <= 8) return launch_with_pdl(p.pdl, fp8_skinny_kernel<1, 2, true>, grid, block, 0, stream, p);
+    return launch_with_pdl(p.pdl, fp8_skinny_kernel<2, 2, true>, grid, block, 0, stream, p);
+  }
+  if (p.m <= 8) return launch_with_pdl(p.pdl, fp8_skinny_kernel<1, 4, false>, grid, block, 0, stream, p);
+  return launch_with_pdl(p.pdl, fp8_skinny_kernel<2, 4, false>, grid, block, 0, stream, p);
 }
 
 }  // namespace fp8_gemv

@@ -559,8 +559,12 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden_size], or an Fp8Activation for an FP8 gate|up."""
         weight, bias = self.gate_up_proj.weight, self.gate_up_proj.bias
-        if self.gate_up_proj.quant is None and skinny_gemm_ok(x, weight):   # batch-1 decode, GPU
+        quant = self.gate_up_proj.quant
+        if quant is None and skinny_gemm_ok(x, weight):   # batch-1 decode, GPU
             act = ops.skinny_gated_linear(x, weight, bias)  # [num_tokens, inter / tp]
+        elif (quant is not None and not isinstance(x, Fp8Activation)
+              and fp8_act_quant(quant, x.shape[0]) == "none"):   # FP8 weights, decode batch
+            act = ops.fp8_skinny_gated_linear(x, weight, self.gate_up_proj.weight_scale, bias)
         else:
             gate_up = self.gate_up_proj(x, contiguous=False)   # [num_tokens, 2 * inter / tp]
             act = ops.silu_and_mul(gate_up)                    # [num_tokens, inter / tp]

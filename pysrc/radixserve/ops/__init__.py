@@ -536,6 +536,26 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return fp8_scaled_mm(x_fp8, x_scale, weight, weight_scale, bias, x.dtype)
 
 
+def fp8_skinny_gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The MLP's FP8 gate|up projection and activation in one, weight-only (W8A16):
+    silu_and_mul(fp8_linear(x, weight, weight_scale, bias, act_quant="none")).
+
+    x:            [m, k] bf16
+    weight:       [2 * inter, k] float8_e4m3fn = [gate rows | up rows]
+    weight_scale: [2 * inter] fp32 (per weight row) or [1]
+    bias:         None or [2 * inter] bf16
+    returns       [m, inter] in x's dtype
+    CUDA: the fp8_skinny_linear kernel's gated form where fp8_skinny_linear_fits and the row
+    count is even; it rounds each projection to bf16 before the activation, as the two separate
+    ops do, so both paths give the same bits, and never writes the [m, 2 * inter] projection.
+    Elsewhere the two ops (the reference on a CPU).
+    """
+    if fp8_skinny_linear_fits(x, weight, weight_scale, bias) and weight.shape[0] % 2 == 0:
+        return torch.ops.radixserve.fp8_skinny_linear(x, weight, weight_scale, bias, True)
+    return silu_and_mul(fp8_linear(x, weight, weight_scale, bias, act_quant="none"))
+
+
 def rmsnorm_quant_fp8(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                       eps: float, input_scale: Optional[torch.Tensor] = None):
     """RMSNorm (with the residual add, when residual is given) fused with the FP8 quantization
