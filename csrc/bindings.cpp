@@ -13,7 +13,7 @@ TORCH_LIBRARY(radixserve, m) {
   // kernel / no_split_tokens: the seam's knobs (pysrc/radixserve/knobs.py), passed per call
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, "
         "Tensor kv_indices, float sm_scale, float k_scale=1.0, float v_scale=1.0, "
-        "str kernel=\"auto\", int? no_split_tokens=None) -> Tensor");
+        "str kernel=\"auto\", int? no_split_tokens=None, int window=0) -> Tensor");
   m.def("paged_extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor qo_indptr, "
         "Tensor kv_indptr, Tensor kv_indices, float sm_scale, float k_scale=1.0, "
         "float v_scale=1.0, str kernel=\"auto\") -> Tensor");

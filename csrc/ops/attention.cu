@@ -187,7 +187,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& v_cache, const at::Tensor& kv_indptr,
                                   const at::Tensor& kv_indices, double sm_scale, double k_scale,
                                   double v_scale, c10::string_view kernel,
-                                  std::optional<int64_t> no_split_tokens) {
+                                  std::optional<int64_t> no_split_tokens, int64_t window) {
   check_cache(q, k_cache, v_cache);
   check_index(kv_indptr, q, "kv_indptr");
   check_index(kv_indices, q, "kv_indices");
@@ -198,6 +198,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(std::isfinite(sm_scale) && sm_scale > 0, "sm_scale must be finite and > 0");
   TORCH_CHECK(batch <= 65535, "batch must be <= 65535");
   TORCH_CHECK(kv_indices.numel() < (int64_t(1) << 31), "kv_indices too long for int32");
+  TORCH_CHECK(window >= 0 && window < (int64_t(1) << 31), "window must be >= 0 (0: none), got ",
+              num(window));
 
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty({batch, q.size(1), q.size(2)}, q.options());  // [batch, hq, d]
@@ -211,8 +213,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int no_split = decode_no_split_tokens(no_split_tokens);
-  const int num_splits =
-      attn::decode_num_splits(batch, hkv, num_sub, kv_indices.numel(), sms, no_split);
+  // a window bounds every request's attended length (attn::decode_kv_range)
+  const int64_t nnz = window > 0 ? std::min<int64_t>(kv_indices.numel(), batch * window)
+                                 : kv_indices.numel();
+  const int num_splits = attn::decode_num_splits(batch, hkv, num_sub, nnz, sms, no_split);
 
   at::Tensor part_o, part_lse;
   if (num_splits > 1) {
@@ -242,6 +246,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.num_sms = sms;
   std::tie(p.scale_log2, p.v_scale) = kv_scales(k_cache, sm_scale, k_scale, v_scale);
   p.no_split_tokens = no_split;
+  p.window = (int)window;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_dtype_dim_kv(q.scalar_type(), q.size(2), k_cache.scalar_type(),

@@ -450,3 +450,80 @@ def test_decode_tensor_cores(dtype, head_dim, gqa, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, tc), "a replay differs from the eager call"
+
+
+# ----------------------------------------------------------------------------- sliding windows
+
+
+@pytest.mark.parametrize("lens,window", [([4097], 1), ([4097], 1000), ([4097], 4096),
+                                         ([300, 17, 4097, 1], 256), ([5, 2000], 5000)],
+                         ids=["b1_w1", "b1_w1000", "b1_w4096", "b4_w256", "b2_w_longer"])
+@pytest.mark.parametrize("gqa", [(8, 8), (32, 8), (16, 2)], ids=lambda g: f"hq{g[0]}_hkv{g[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", ["auto", "simt"])
+def test_decode_window_reads_only_the_window(dtype, gqa, lens, window, kernel):
+    """A windowed decode call (Mistral's and Gemma's sliding windows) attends each request's
+    last `window` KV tokens: close to the windowed reference, and every slot before the window
+    is poisoned with NaN, so a kernel that read one would return NaN. Windows shorter than,
+    equal to and longer than the requests; one split and many; both kernels."""
+    hq, hkv = gqa
+    head_dim = 128
+    gen = torch.Generator(device="cuda").manual_seed(hq + hkv + window + len(lens))
+    k_cache, v_cache, kv_indptr, kv_indices = _pool(lens, hkv, head_dim, dtype, gen)
+    q = torch.randn(len(lens), hq, head_dim, generator=gen, device="cuda").to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    expect = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), kv_indptr,
+                                        kv_indices, scale, window=window)
+    for b, n in enumerate(lens):                     # the slots outside every window
+        start = int(kv_indptr[b])
+        hidden = kv_indices[start:start + max(0, n - window)].long()
+        hidden = hidden[hidden != 0]   # slot 0 is the pool's padding slot, which kernels may read
+        k_cache[hidden] = float("nan")
+        v_cache[hidden] = float("nan")
+    _poison((len(lens), hq, head_dim), dtype)
+    out = ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, scale,
+                                     kernel=kernel, window=window)
+    _check(out, expect, dtype)
+
+
+def test_decode_window_in_a_cuda_graph_and_tensor_cores():
+    """160 requests x 8 kv heads fill the device without splits (the tensor-core kernel) and a
+    window of 100 cuts most of them: close to the reference, and a CUDA graph replay gives the
+    eager bits (the window is a launch argument)."""
+    dtype, hq, hkv, head_dim, window = torch.bfloat16, 32, 8, 128, 100
+    lens_gen = torch.Generator(device="cpu").manual_seed(4)
+    lens = [1, 99, 100, 101, 1500] + torch.randint(1, 900, (155,), generator=lens_gen).tolist()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    k_cache, v_cache, kv_indptr, kv_indices = _pool(lens, hkv, head_dim, dtype, gen)
+    q = torch.randn(len(lens), hq, head_dim, generator=gen, device="cuda").to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    expect = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), kv_indptr,
+                                        kv_indices, scale, window=window)
+
+    def call():
+        return ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, scale,
+                                          window=window)
+
+    eager = call()
+    _check(eager, expect, dtype)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_decode_window_must_not_be_negative():
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    k_cache, v_cache, kv_indptr, kv_indices = _pool([10], 2, 64, torch.bfloat16, gen)
+    q = torch.randn(1, 4, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="window"):
+        torch.ops.radixserve.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices,
+                                                    0.125, 1.0, 1.0, "auto", None, -1)

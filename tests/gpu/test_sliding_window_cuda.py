@@ -5,11 +5,12 @@ soft-capping), written by transformers (tests/unit/test_sliding_window.py builds
 
   * fp32: greedy outputs equal HF's greedy (CPU, fp32) on prompts of 3.75 windows, prefilled in
     5-token chunks, with a second prompt reusing 26 tokens (> 3 windows) from the radix cache,
-    and the two decoded side by side with a short third request. Windowed and soft-capped calls
-    take the torch reference on CUDA (the kernels take neither yet:
-    ops.attention_kernel_takes), the other layers the kernels.
-  * bf16, context longer than the window: the runner captures no CUDA graphs (the reference is
-    not capturable; model/cuda_graph_runner.py's docstring) and still serves, leaking nothing.
+    and the two decoded side by side with a short third request. fp32 attention runs the torch
+    reference on any device (the kernels take bf16/fp16).
+  * bf16, context longer than the window: Gemma 2's soft-cap keeps CUDA graphs off (the
+    reference is not capturable; model/cuda_graph_runner.py's docstring) and it still serves;
+    Mistral and Gemma 3 decode in CUDA graphs (the decode kernel takes the window) with the
+    eager runner's outputs.
   * bf16, context no longer than the window (Mistral, Gemma 3): the window hides nothing, so
     the kernels and CUDA graphs serve every layer (ForwardBatch.max_seq_len), with the same
     outputs as the eager runner.
@@ -85,15 +86,28 @@ def test_fp32_greedy_matches_hf_with_chunks_and_radix_reuse(tiny):
         assert outputs[r.rid] == sw._hf_greedy(hf, r.origin_input_ids, n), r.rid
 
 
-def test_bf16_windowed_context_serves_without_graphs(tiny, caplog):
-    _, _, config, path = tiny
+def test_bf16_windowed_context_keeps_graphs_unless_soft_capped(tiny, caplog):
+    """Context longer than the window. Gemma 2 (soft-capped) captures no CUDA graphs and still
+    serves. Mistral and Gemma 3 capture them (the decode kernel takes the window), and their
+    replayed greedy outputs equal the eager runner's: windowed prefill on the reference in
+    both, windowed decode on the kernel in both."""
+    name, _, config, path = tiny
     with caplog.at_level("WARNING", logger="radixserve.model.runner"):
-        sched = _scheduler(path, config, "bfloat16")
-    assert sched.runner.graph_runner is None
-    assert any("CUDA graphs off" in r.getMessage() for r in caplog.records)
-    reqs = [_greedy(f"r{i}", sw._seq(config, 20 + i, 20 + i), 10) for i in range(3)]
-    _run(sched, reqs)
-    assert all(len(r.output_ids) == 10 for r in reqs)
+        fast = _scheduler(path, config, "bfloat16")
+    prompts = [sw._seq(config, 20 + i, 20 + i) for i in range(3)]
+    got = [_greedy(f"g{i}", p, 10) for i, p in enumerate(prompts)]
+    if name == "gemma2":
+        assert fast.runner.graph_runner is None
+        assert any("CUDA graphs off" in r.getMessage() for r in caplog.records)
+        _run(fast, got)
+        assert all(len(r.output_ids) == 10 for r in got)
+        return
+    assert fast.runner.graph_runner is not None
+    eager = _scheduler(path, config, "bfloat16", disable_cuda_graph=True)
+    want = [_greedy(f"e{i}", p, 10) for i, p in enumerate(prompts)]
+    _run(eager, want)
+    _run(fast, got)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
 
 
 def test_bf16_window_as_long_as_the_context_takes_the_kernels(tiny):

@@ -67,7 +67,23 @@ struct DecodeParams {
   // multiplies every normalised output (and split partial): an FP8 pool's v_scale, else 1 (the
   // FP8 pool's k_scale is folded into scale_log2 by the host)
   float v_scale = 1.f;
+  // a sliding window: > 0 attends only each request's last `window` KV tokens (the query's own
+  // and the window - 1 before it); 0 the whole KV (decode_kv_range)
+  int window = 0;
 };
+
+// The KV tokens request b attends: kv_indices[start, start + len). With a window, the last
+// `window` of its kv_indptr range (the slots before it are never read); every kernel and the
+// split plan work on this range alone, so a windowed request is planned, split and merged as
+// a request of len tokens.
+struct KvRange {
+  int start, len;
+};
+__device__ __forceinline__ KvRange decode_kv_range(const DecodeParams& p, int b) {
+  const int start = p.kv_indptr[b], len = p.kv_indptr[b + 1] - start;
+  const int skip = p.window > 0 && len > p.window ? len - p.window : 0;
+  return {start + skip, len - skip};
+}
 
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeUnroll = 4;   // tokens per row group per step
@@ -282,8 +298,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int qh0 = kvh * p.group + sg * kGroupMax;
   const int gcount = min(kGroupMax, p.group - sg * kGroupMax);
 
-  const int kv_start = p.kv_indptr[b];
-  const int kv_len = p.kv_indptr[b + 1] - kv_start;
+  const KvRange range = decode_kv_range(p, b);  // the whole KV, or its window
+  const int kv_start = range.start;
+  const int kv_len = range.len;
   // The split plan comes from the real length, on the device (a CUDA graph's grid is fixed at
   // capture, sized for the longest requests): splits past the request's plan exit here, and a
   // request planned as one split writes its output directly, as the unsplit kernel does.

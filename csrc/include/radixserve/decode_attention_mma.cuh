@@ -76,8 +76,9 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
   const int b = blockIdx.z;
   const int qh0 = kvh * p.group + sg * kGroupMax;
   const int gcount = min(kGroupMax, p.group - sg * kGroupMax);
-  const int kv_start = p.kv_indptr[b];
-  const int kv_len = p.kv_indptr[b + 1] - kv_start;
+  const KvRange range = decode_kv_range(p, b);  // the whole KV, or its window
+  const int kv_start = range.start;
+  const int kv_len = range.len;
 
   // q as the A operand: row h = lane / 4 (rows >= gcount and 8..15 are zero), per k-step the
   // two registers of columns (lane % 4) * 2 and + 8

@@ -83,8 +83,9 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
   const int b = blockIdx.z;
   const int qh0 = kvh * p.group + sg * kGroupMax;
   const int gcount = min(kGroupMax, p.group - sg * kGroupMax);
-  const int kv_start = p.kv_indptr[b];
-  const int kv_len = p.kv_indptr[b + 1] - kv_start;
+  const KvRange range = decode_kv_range(p, b);  // the whole KV, or its window
+  const int kv_start = range.start;
+  const int kv_len = range.len;
 
   // q as the A operand (row g; rows >= gcount and 8..15 zero), fp16, in the permuted k order:
   // k-step kk takes physical dims t * D/4 + 4 kk + {0, 2} (qa[kk][0]) and {1, 3} (qa[kk][1])

@@ -52,18 +52,22 @@ CPU_MEM_FRACTION = 0.10
 GPU_MEM_FRACTION = 0.85
 
 
-def reference_attention(model: torch.nn.Module, max_seq_len: int) -> Optional[str]:
-    """Why some attention layer of model runs the torch reference (ops.attention_kernel_takes)
-    for a request of up to max_seq_len KV positions, or None when every layer takes the
-    kernels. Layers say what they need through attention_options() -> (window, softcap); a
-    window of max_seq_len positions or more hides nothing (ForwardBatch.max_seq_len)."""
+def reference_attention(model: torch.nn.Module, max_seq_len: int,
+                        phase: str = "decode") -> Optional[str]:
+    """Why some attention layer of model runs the torch reference in phase ("decode" or
+    "extend": ops.attention_kernel_takes) for a request of up to max_seq_len KV positions, or
+    None when every layer takes the kernels. Layers say what they need through
+    attention_options() -> (window, softcap); a window of max_seq_len positions or more hides
+    nothing (ForwardBatch.max_seq_len). The decode kernels take windows, so there only
+    soft-capping (Gemma 2) answers."""
     windows, capped = set(), False
     for module in model.modules():
         options = getattr(module, "attention_options", None)
         if options is None:
             continue
         window, softcap = options()
-        if window and window < max_seq_len:
+        window = window if window and window < max_seq_len else 0
+        if window and not ops.attention_kernel_takes(window, None, phase):
             windows.add(window)
         capped = capped or bool(softcap)
     parts = []
@@ -258,10 +262,10 @@ class ModelRunner:
             logger.info("CUDA graphs off: they need radixserve._C and bf16/fp16 (dtype %s)",
                         self.dtype)
             return False
-        why = reference_attention(self.model, self.context_len + 1)
+        why = reference_attention(self.model, self.context_len + 1, "decode")
         if why:
-            logger.warning("CUDA graphs off: %s, which the attention kernels do not take yet "
-                           "(the torch reference runs them, and it is not capturable)", why)
+            logger.warning("CUDA graphs off: %s, which the decode attention kernels do not take "
+                           "yet (the torch reference runs them, and it is not capturable)", why)
             return False
         return True
 

@@ -14,9 +14,11 @@ Sliding windows and soft-capping (model/llama.py's Mistral / Phi-3 / Qwen window
 model/gemma3.py): paged_decode_attention and paged_extend_attention take window (a query at
 position p attends KV positions (p - window, p], the window counting itself; None or 0: the
 whole context) and softcap (scores -> softcap * tanh(scores / softcap) before the mask; None or
-0: none). The CUDA kernels take neither yet: a call with either runs the torch reference on
-CUDA too (correct, slower, and not capturable in a CUDA graph: the runner keeps graphs off for
-such models), logged once per process (attention_kernel_takes).
+0: none). The decode kernels take the window (they attend each request's last `window` KV
+tokens); the extend kernels take no window yet and no kernel takes a soft-cap: such a call runs
+the torch reference on CUDA too (correct, slower, and not capturable in a CUDA graph; the
+decode steps that CUDA graphs replay stay on the kernels unless a layer soft-caps), logged once
+per process (attention_kernel_takes).
 
 FP8 KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): the pool's pages are torch.float8_e4m3fn /
 float8_e5m2. store_kv (and rotary_embedding_store_kv) write x / scale, saturated to the format's
@@ -64,11 +66,15 @@ def _kernel_q(q: torch.Tensor) -> torch.Tensor:
     return q.contiguous()
 
 
-def attention_kernel_takes(window: Optional[int] = None, softcap: Optional[float] = None) -> bool:
-    """Whether the attention kernels serve a call with this window and soft-capping: today only
-    with neither (the kernels take no window and no cap yet). False: paged_decode_attention and
-    paged_extend_attention run the torch reference, on CUDA too."""
-    return not window and not softcap
+def attention_kernel_takes(window: Optional[int] = None, softcap: Optional[float] = None,
+                           phase: str = "extend") -> bool:
+    """Whether the attention kernels of phase ("decode": paged_decode_attention, "extend":
+    paged_extend_attention) serve a call with this window and soft-capping: decode with any
+    window and no cap, extend with neither (its kernels take no window yet; no kernel takes a
+    cap). False: the op runs the torch reference, on CUDA too."""
+    if phase not in ("decode", "extend"):
+        raise ValueError(f"phase must be 'decode' or 'extend', not {phase!r}")
+    return not softcap and (phase == "decode" or not window)
 
 
 _REFERENCE_ROUTES_LOGGED = set()
@@ -81,8 +87,8 @@ def _log_reference_route(op: str, window: Optional[int], softcap: Optional[float
     if (op, what) in _REFERENCE_ROUTES_LOGGED:
         return
     _REFERENCE_ROUTES_LOGGED.add((op, what))
-    logger.warning("%s with %s runs the torch reference on CUDA: the attention kernels take "
-                   "no window or soft-cap yet (correct, slower)", op, what)
+    logger.warning("%s with %s runs the torch reference on CUDA: its kernels take no %s yet "
+                   "(correct, slower)", op, what, what)
 
 
 class SampleOutput(NamedTuple):
@@ -157,11 +163,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
               never split; None: the kernel's 256). A CUDA graph replays what it captured.
     window:   None or 0: the whole KV; w > 0: only the request's last w KV positions (its own
               and the w - 1 before it: HF's sliding_window convention, Mistral's and Gemma's);
-              the reference reads no slot before them
+              neither the kernel nor the reference reads a slot before them
     softcap:  None or 0; c > 0: scores -> c * tanh(scores / c) before the softmax (Gemma 2)
-    With a window or a cap the reference runs, on CUDA too (attention_kernel_takes), logged once.
+    With a cap the reference runs, on CUDA too (attention_kernel_takes), logged once.
     """
-    if not attention_kernel_takes(window, softcap):
+    if window is not None and window < 0:
+        raise ValueError(f"window must be >= 0 (0 or None: none), got {window}")
+    if not attention_kernel_takes(window, softcap, "decode"):
         if _use_attention_kernel(q):
             _log_reference_route("paged_decode_attention", window, softcap)
         return ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale,
@@ -170,9 +178,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return torch.ops.radixserve.paged_decode_attention(
             _kernel_q(q), k_cache, v_cache, kv_indptr, kv_indices, sm_scale, k_scale, v_scale,
             kernel or knobs.value("RADIXSERVE_DECODE_KERNEL"),
-            knobs.value("RADIXSERVE_DECODE_NO_SPLIT_TOKENS"))
+            knobs.value("RADIXSERVE_DECODE_NO_SPLIT_TOKENS"), int(window or 0))
     return ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale,
-                                      k_scale, v_scale)
+                                      k_scale, v_scale, window)
 
 
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -202,7 +210,7 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     softcap:   as for paged_decode_attention
     With a window or a cap the reference runs, on CUDA too (attention_kernel_takes), logged once.
     """
-    if not attention_kernel_takes(window, softcap):
+    if not attention_kernel_takes(window, softcap, "extend"):
         if _use_attention_kernel(q):
             _log_reference_route("paged_extend_attention", window, softcap)
         return ref.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
