@@ -16,7 +16,7 @@ TORCH_LIBRARY(radixserve, m) {
         "str kernel=\"auto\", int? no_split_tokens=None, int window=0) -> Tensor");
   m.def("paged_extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor qo_indptr, "
         "Tensor kv_indptr, Tensor kv_indices, float sm_scale, float k_scale=1.0, "
-        "float v_scale=1.0, str kernel=\"auto\") -> Tensor");
+        "float v_scale=1.0, str kernel=\"auto\", int window=0) -> Tensor");
   m.def("extend_attention_kernel(Tensor q, str kernel=\"auto\") -> str");
   m.def("bitmask_sample(Tensor logits, Tensor? bitmask, Tensor temperature, Tensor top_k, "
         "Tensor top_p, Tensor min_p, Tensor seeds, Tensor offsets) -> (Tensor, Tensor)");

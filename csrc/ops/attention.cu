@@ -263,9 +263,11 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& v_cache, const at::Tensor& qo_indptr,
                                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                                   double sm_scale, double k_scale, double v_scale,
-                                  c10::string_view kernel) {
+                                  c10::string_view kernel, int64_t window) {
   check_cache(q, k_cache, v_cache);
   const bool force_mma = extend_forces_mma(kernel);
+  TORCH_CHECK(window >= 0 && window < (int64_t(1) << 31), "window must be >= 0 (0: none), got ",
+              num(window));
   check_index(qo_indptr, q, "qo_indptr");
   check_index(kv_indptr, q, "kv_indptr");
   check_index(kv_indices, q, "kv_indices");
@@ -301,6 +303,7 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.work_counters = nullptr;
   p.num_slots = k_cache.size(0);
   p.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  p.window = (int)window;
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_dtype_dim_kv(q.scalar_type(), q.size(2), k_cache.scalar_type(),
@@ -308,8 +311,9 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
     using T = decltype(tag);
     using KV = decltype(kv);
     constexpr int D = decltype(dim)::value;
-    // an FP8 pool runs the mma.sync kernel (the wgmma kernel's tiles are 16-bit, by TMA)
-    const bool wgmma = !fp8::is_fp8<KV>() && use_wgmma_kernel<T, D>(force_mma);
+    // an FP8 pool runs the mma.sync kernel (the wgmma kernel's tiles are 16-bit, by TMA), and so
+    // does a sliding window (the wgmma kernel takes none)
+    const bool wgmma = !fp8::is_fp8<KV>() && window == 0 && use_wgmma_kernel<T, D>(force_mma);
     if (wgmma)
       p.work_counters = left_zero_counters(q, kExtendItems, 2,
                                            "paged_extend_attention: the work-item counters");

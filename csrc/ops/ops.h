@@ -18,8 +18,8 @@ void build_kv_indices(const at::Tensor& req_to_token, const at::Tensor& req_pool
                       const at::Tensor& seq_lens, at::Tensor kv_indptr, at::Tensor kv_indices);
 
 // attention.cu (kernel: "auto", or "simt" / "mma" forcing the CUDA-core decode / mma.sync extend
-// kernel; no_split_tokens: none = attn::kDecodeNoSplitTokens; window: decode's sliding window, 0
-// none. The kernels read no environment.)
+// kernel; no_split_tokens: none = attn::kDecodeNoSplitTokens; window: a sliding window, 0 none
+// (extend: the mma.sync kernel). The kernels read no environment.)
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& kv_indptr,
                                   const at::Tensor& kv_indices, double sm_scale, double k_scale,
@@ -29,7 +29,7 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& v_cache, const at::Tensor& qo_indptr,
                                   const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                                   double sm_scale, double k_scale, double v_scale,
-                                  c10::string_view kernel);
+                                  c10::string_view kernel, int64_t window);
 // which kernel paged_extend_attention runs for q's dtype / head_dim on q's device with this
 // kernel argument: "wgmma_sm90" or "mma_sm80"
 std::string extend_attention_kernel(const at::Tensor& q, c10::string_view kernel);

@@ -527,3 +527,42 @@ def test_decode_window_must_not_be_negative():
     with pytest.raises(RuntimeError, match="window"):
         torch.ops.radixserve.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices,
                                                     0.125, 1.0, 1.0, "auto", None, -1)
+
+
+@pytest.mark.parametrize("case,window", [("q989_p0", 100), ("q989_p0", 1), ("q17_p4080", 64),
+                                         ("q17_p4080", 1000), ("q1_p988", 300),
+                                         ("b19_mixed", 130), ("b99_small", 37),
+                                         ("q989_p0", 5000)])
+@pytest.mark.parametrize("gqa", [(8, 8), (32, 8), (16, 2)], ids=lambda g: f"hq{g[0]}_hkv{g[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extend_window(dtype, head_dim, gqa, case, window, extend_kernel):
+    """A windowed extend call (the query at position p attends (p - window, p]; the mma.sync
+    kernel runs it whichever kernel is asked for) is close to the windowed reference: windows of 1,
+    inside one 64-token KV tile, across many, and longer than every request. The slots of the
+    KV tiles wholly before each request's first query's window are poisoned with NaN: the kernel
+    must not load them (the tile that holds the window's edge is loaded and masked)."""
+    hq, hkv = gqa
+    gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{case}{head_dim}{gqa}w".encode()))
+    qo_lens, prefix_lens = _extend_case(case, gen)
+    cgen = torch.Generator(device="cuda").manual_seed(head_dim + window)
+    kv_lens = [a + b for a, b in zip(qo_lens, prefix_lens)]
+    k_cache, v_cache, kv_indptr, kv_indices = _pool(kv_lens, hkv, head_dim, dtype, cgen)
+    qo_indptr = torch.zeros(len(qo_lens) + 1, dtype=torch.int32, device="cuda")
+    qo_indptr[1:] = torch.tensor(qo_lens, device="cuda").cumsum(0)
+    q = torch.randn(sum(qo_lens), hq, head_dim, generator=cgen, device="cuda").to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    expect = ref.paged_extend_attention(q.float(), k_cache.float(), v_cache.float(), qo_indptr,
+                                        kv_indptr, kv_indices, scale, window=window)
+    tile = 64                                            # the mma.sync kernel's KV tile
+    for b, prefix in enumerate(prefix_lens):
+        unread = max(0, prefix - window + 1) // tile * tile
+        start = int(kv_indptr[b])
+        hidden = kv_indices[start:start + unread].long()
+        hidden = hidden[hidden != 0]
+        k_cache[hidden] = float("nan")
+        v_cache[hidden] = float("nan")
+    _poison((sum(qo_lens), hq, head_dim), dtype)
+    out = ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
+                                     scale, window=window)
+    _check(out, expect, dtype)

@@ -7,9 +7,9 @@ a query at position p attends KV positions (p - window, p], `window` positions, 
     mask is HF's own mask function: decode and extend, slots scattered through the pool (page
     size 1), lengths on both sides of the window edge, windows of 1 and of exactly a request's
     length, tiled (rows of one long request cut, requests padded together); slots before every
-    query's window hold NaN, so reading one would show; the ops' CUDA routing (windowed decode
-    takes the kernel, windowed extend and soft-caps the reference, logged once) with the kernel
-    path faked; CPU decode tables per window.
+    query's window hold NaN, so reading one would show; the ops' CUDA routing (windowed calls
+    take the kernels, soft-capped ones the reference, logged once) with the kernel path faked;
+    CPU decode tables per window.
 (b) Mistral with sliding_window 8, a tiny random model written by transformers: our logits within
     1e-4 of HF MistralForCausalLM's (fp32) over 3.75x the window: a prefill, a chunked prefill
     over a cached prefix across the window edge, and decode steps batched with a second request.
@@ -196,55 +196,55 @@ def test_softcap_matches_the_oracle(window):
     assert (uncapped.double() - want).abs().max() > 1e-2
 
 
-def test_windowed_calls_route_to_the_kernels_that_take_them(monkeypatch, caplog):
-    """With the kernel path on (faked: no GPU here): a windowed decode call reaches the decode
-    kernel with its window as the last argument; a windowed extend call and a soft-capped call
-    of either op run the reference, never torch.ops.radixserve, and say so once per op and
-    option."""
-    assert ops.attention_kernel_takes(None, None, "decode")
-    assert ops.attention_kernel_takes(0, 0.0, "extend")
-    assert ops.attention_kernel_takes(WINDOW, None, "decode")
-    assert not ops.attention_kernel_takes(WINDOW, None, "extend")
-    assert not ops.attention_kernel_takes(None, 50.0, "decode")
-    assert not ops.attention_kernel_takes(WINDOW, 50.0, "decode")
-    with pytest.raises(ValueError, match="phase"):
-        ops.attention_kernel_takes(None, None, "prefill")
+def test_windowed_calls_take_the_kernels_and_capped_calls_the_reference(monkeypatch, caplog):
+    """With the kernel path on (faked: no GPU here): windowed decode and extend calls reach the
+    kernels with their window as the last argument; a soft-capped call of either op runs the
+    reference, never torch.ops.radixserve, and says so once per op."""
+    assert ops.attention_kernel_takes(None, None) and ops.attention_kernel_takes(0, 0.0)
+    assert ops.attention_kernel_takes(WINDOW, None)
+    assert not ops.attention_kernel_takes(None, 50.0)
+    assert not ops.attention_kernel_takes(WINDOW, 50.0)
     monkeypatch.setattr(ops, "_use_attention_kernel", lambda q: True)
     monkeypatch.setattr(ops, "_REFERENCE_ROUTES_LOGGED", set())
-    decode_calls = []
+    calls = {"paged_decode_attention": [], "paged_extend_attention": []}
 
-    class DecodeKernelOnly:
+    class AttentionKernelsOnly:
         def __getattr__(self, name):
-            if name != "paged_decode_attention":
-                raise AssertionError(f"kernel {name} called for a windowed or capped layer")
-            return lambda *args: decode_calls.append(args) or torch.zeros(1)
+            if name not in calls:
+                raise AssertionError(f"kernel {name} called")
+            return lambda *args: calls[name].append(args) or torch.zeros(1)
 
-    monkeypatch.setattr(torch.ops, "radixserve", DecodeKernelOnly(), raising=False)
+    monkeypatch.setattr(torch.ops, "radixserve", AttentionKernelsOnly(), raising=False)
     hq, hk, d = 4, 2, 16
     k_cache, v_cache, kv_indptr, kv_indices, g = _paged(KV_LENS, hk, d, 3)
     q = torch.randn(sum(Q_LENS), hq, d, generator=g)
     qd = q[:len(KV_LENS)]
     with caplog.at_level(logging.WARNING, logger="radixserve.ops"):
         for _ in range(2):
-            got = ops.paged_extend_attention(q, k_cache, v_cache, _indptr(Q_LENS), kv_indptr,
-                                             kv_indices, 0.25, window=WINDOW)
-            capped = ops.paged_decode_attention(qd, k_cache, v_cache, kv_indptr, kv_indices,
-                                                0.25, window=WINDOW, softcap=50.0)
+            capped_e = ops.paged_extend_attention(q, k_cache, v_cache, _indptr(Q_LENS),
+                                                  kv_indptr, kv_indices, 0.25, window=WINDOW,
+                                                  softcap=50.0)
+            capped_d = ops.paged_decode_attention(qd, k_cache, v_cache, kv_indptr, kv_indices,
+                                                  0.25, window=WINDOW, softcap=50.0)
             ops.paged_decode_attention(qd, k_cache, v_cache, kv_indptr, kv_indices, 0.25,
                                        window=WINDOW)
-    assert torch.equal(got, ref.paged_extend_attention(q, k_cache, v_cache, _indptr(Q_LENS),
-                                                       kv_indptr, kv_indices, 0.25,
-                                                       window=WINDOW))
-    assert torch.equal(capped, ref.paged_decode_attention(qd, k_cache, v_cache, kv_indptr,
-                                                          kv_indices, 0.25, window=WINDOW,
-                                                          softcap=50.0))
-    assert len(decode_calls) == 2 and all(c[-1] == WINDOW for c in decode_calls)
+            ops.paged_extend_attention(q, k_cache, v_cache, _indptr(Q_LENS), kv_indptr,
+                                       kv_indices, 0.25, window=WINDOW)
+    assert torch.equal(capped_e, ref.paged_extend_attention(
+        q, k_cache, v_cache, _indptr(Q_LENS), kv_indptr, kv_indices, 0.25, window=WINDOW,
+        softcap=50.0))
+    assert torch.equal(capped_d, ref.paged_decode_attention(
+        qd, k_cache, v_cache, kv_indptr, kv_indices, 0.25, window=WINDOW, softcap=50.0))
+    for name, made in calls.items():
+        assert len(made) == 2 and all(c[-1] == WINDOW for c in made), name
     routes = [r.getMessage() for r in caplog.records if "torch reference on CUDA" in r.getMessage()]
-    assert len(routes) == 2, routes                  # once per op and option
-    assert any("extend" in r and "window" in r for r in routes)
-    assert any("decode" in r and "soft-capping" in r for r in routes)
+    assert len(routes) == 2, routes                  # once per op
+    assert all("soft-capping" in r for r in routes)
     with pytest.raises(ValueError, match="window"):
         ops.paged_decode_attention(qd, k_cache, v_cache, kv_indptr, kv_indices, 0.25, window=-1)
+    with pytest.raises(ValueError, match="window"):
+        ops.paged_extend_attention(q, k_cache, v_cache, _indptr(Q_LENS), kv_indptr, kv_indices,
+                                   0.25, window=-1)
 
 
 def test_cpu_decode_tables_per_window_are_the_reference():
@@ -432,21 +432,12 @@ def test_gemma3_nested_rope_parameters_are_read(tiny):
 
 
 def test_only_soft_capping_keeps_cuda_graphs_off(tiny):
-    """The decode kernels take windows, so a windowed model's decode steps (what CUDA graphs
-    replay) need no reference; its prefill does while a window is shorter than the context.
-    Gemma 2's soft-cap needs the reference in both."""
+    """The attention kernels take windows, so a windowed model (Mistral, Gemma 3) runs every
+    layer on them and in CUDA graphs; Gemma 2's soft-cap needs the reference."""
     from radixserve.model.runner import reference_attention
 
     name, _, ours, _, _ = tiny
-    extend = reference_attention(ours, 1025, "extend")
-    assert extend and f"{WINDOW}" in extend
-    decode = reference_attention(ours, 1025, "decode")
-    if name == "gemma2":
-        assert "soft-capping" in extend and decode == "attention soft-capping"
-    else:
-        assert decode is None
-        # windows as long as the context hide nothing: the extend kernels serve them too
-        assert reference_attention(ours, WINDOW, "extend") is None
+    assert reference_attention(ours) == ("attention soft-capping" if name == "gemma2" else None)
 
 
 def test_llama_ignores_sliding_window_as_hf_does():

@@ -183,12 +183,13 @@ inline bool encode_kv_map(CUtensorMap* map, const void* base, int64_t num_slots,
 // p.work_counters (2 int32, zero; left zero); its whole, consecutive-slot K/V tiles load by TMA
 // when p.num_slots is set and the pools' strides allow (sm90::KvMaps), the rest by cp.async.
 // KV: the pools' element type, T or an FP8 type; FP8 pools run the mma.sync kernel only (wgmma
-// must be false: its tiles are 16-bit, loaded by TMA).
+// must be false: its tiles are 16-bit, loaded by TMA), and so does a sliding window (p.window).
 template <typename T, int D, typename KV = T>
 cudaError_t launch_paged_extend(const ExtendParams& p, int64_t num_q_tokens, bool wgmma,
                                 cudaStream_t stream) {
   if (p.num_q_heads > 65535) return cudaErrorInvalidValue;
   if (fp8::is_fp8<KV>() && wgmma) return cudaErrorInvalidValue;
+  if (p.window > 0 && wgmma) return cudaErrorInvalidValue;   // the wgmma kernel takes no window
   cudaError_t err;
   if constexpr (!fp8::is_fp8<KV>()) {  // no wgmma instantiation for FP8 pools
     if (wgmma) {

@@ -49,6 +49,10 @@ struct ExtendParams {
   int num_sms;         // multiprocessors of the device (the sm_90a kernel's persistent grid)
   // multiplies the output's normalisation: an FP8 pool's v_scale (mma.sync kernel), else 1
   float v_scale = 1.f;
+  // a sliding window (mma.sync kernel only): > 0, the query at position p attends KV positions
+  // (p - window, p]; 0 causal over the whole KV. The tiles wholly before a tile's window are
+  // never loaded (ExtendTile::first_tile) and the band's lower edge is masked.
+  int window = 0;
 };
 
 // Variable lengths in one launch: query tile `tile_id` of the concatenation of all requests'
@@ -106,9 +110,14 @@ __device__ __forceinline__ void find_extend_tile(const ExtendParams& p, int lane
 // Where a query tile sits: its request's query and KV ranges (the request's queries are the
 // last qo_len of its kv_len positions), the KV tiles of BN rows the tile's causal window needs
 // (its last query, at prefix + m0 + rows_here - 1, sees KV positions up to itself), and the
-// first KV tile where the causal / length mask can cut.
+// first KV tile where the causal / length mask can cut. With a sliding window (p.window > 0):
+// first_tile, the first KV tile that holds a position of the tile's first query's window (the
+// tiles before it hold none of any row's: never loaded), and low_masked_end, the first KV tile
+// whose positions are all inside the last query's window (the tiles before it need the band's
+// lower mask). Without one, both 0.
 struct ExtendTile {
   int qo_start, qo_len, kv_start, kv_len, prefix, m0, rows_here, n_tiles, first_masked;
+  int first_tile, low_masked_end;
 };
 
 // Tile `tile` of bm tokens of request b.
@@ -124,6 +133,14 @@ __device__ __forceinline__ ExtendTile extend_tile(const ExtendParams& p, int b, 
   t.rows_here = min(bm, t.qo_len - t.m0);
   t.n_tiles = (t.prefix + t.m0 + t.rows_here + BN - 1) / BN;
   t.first_masked = (t.prefix + t.m0) / BN;
+  t.first_tile = t.low_masked_end = 0;
+  if (p.window > 0) {
+    // row r (query position prefix + m0 + r) attends positions >= prefix + m0 + r - window + 1
+    const int lo = t.prefix + t.m0 - p.window + 1;              // row 0's lowest
+    const int hi = t.prefix + t.m0 + t.rows_here - p.window;    // the last row's lowest
+    t.first_tile = lo > 0 ? lo / BN : 0;
+    t.low_masked_end = hi > 0 ? (hi + BN - 1) / BN : 0;
+  }
   return t;
 }
 // the same with a compile-time BM (the mma.sync kernel's)
@@ -186,6 +203,7 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
   const int m0 = tl.m0, qo_start = tl.qo_start, qo_len = tl.qo_len, kv_start = tl.kv_start;
   const int kv_len = tl.kv_len, prefix = tl.prefix, n_tiles = tl.n_tiles;
   const int first_masked = tl.first_masked;
+  const int n0 = tl.first_tile, low_masked_end = tl.low_masked_end;   // 0, 0 without a window
 
   const T* qg = static_cast<const T*>(p.q);
   const KvElem* kg = static_cast<const KvElem*>(p.k) + (int64_t)kvh * p.kv_stride_h;
@@ -251,7 +269,8 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
     }
   };
 
-  fetch_slots(0);
+  // KV tiles n0 .. n_tiles - 1 (n0 > 0 only with a window), tile n in stage (n - n0) & 1
+  fetch_slots(n0);
   if constexpr (kFp8) {
     load_kv_regs();
     store_kv_regs(0);   // visible to all after the first iteration's barrier
@@ -259,7 +278,7 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
     load_kv(0);
   }
   cp_async_commit();
-  if (n_tiles > 1) fetch_slots(1);
+  if (n0 + 1 < n_tiles) fetch_slots(n0 + 1);
 
   uint32_t qf[kKS][4];
   float o[kDT][4];
@@ -274,8 +293,8 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
   const int qpos0 = prefix + m0 + q_row0;               // kv position of those queries
   const float sl2 = p.scale_log2;
 
-  for (int n = 0; n < n_tiles; ++n) {
-    const int stage = n & 1;
+  for (int n = n0; n < n_tiles; ++n) {
+    const int stage = (n - n0) & 1;
     if constexpr (kFp8) {
       if (n + 1 < n_tiles) {
         load_kv_regs();   // tile n + 1, in flight under this tile's products
@@ -292,7 +311,7 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
     }
     __syncthreads();
 
-    if (n == 0) {
+    if (n == n0) {
 #pragma unroll
       for (int kk = 0; kk < kKS; ++kk) {
         const int r = warp * 16 + (lane & 15);
@@ -325,15 +344,16 @@ __global__ void __launch_bounds__(kExtendThreads, 1)
       }
     }
 
-    // ---- mask (causal and kv length), only on tiles that can need it
-    if (n >= first_masked) {
+    // ---- mask (causal and kv length; a window's lower edge), only on tiles that can need it
+    if (n >= first_masked || n < low_masked_end) {
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int kpos = n * BN + j * 8 + 2 * t4 + (e & 1);
           const int qpos = qpos0 + (e >> 1) * 8;
-          if (kpos > qpos || kpos >= kv_len) s[j][e] = -INFINITY;
+          if (kpos > qpos || kpos >= kv_len || (p.window > 0 && kpos <= qpos - p.window))
+            s[j][e] = -INFINITY;
         }
       }
     }

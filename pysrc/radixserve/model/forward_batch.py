@@ -37,7 +37,7 @@ class ForwardBatch:
     kv_pool: KVPool
     # an upper bound of seq_lens known on the host, None when unknown: a sliding-window layer
     # whose window holds max_seq_len positions attends as a full one (the window hides
-    # nothing), which keeps its prefill on the extend kernels (ops.attention_kernel_takes)
+    # nothing: the kernels skip its mask, and extend keeps the sm_90a kernel)
     max_seq_len: Optional[int] = None
 
 

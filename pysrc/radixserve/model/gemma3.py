@@ -37,9 +37,9 @@ in-memory names), mapped here to model.* / lm_head.*; vision_tower.* and multi_m
 Not supported: FP8 linear layers (refused), use_bidirectional_attention (EmbeddingGemma's,
 refused), images.
 
-On CUDA these layers run slower paths until kernels take them: windowed prefill, soft-capped
-attention (Gemma 2) and the fp32 (1 + w) norm weights run the torch references (ops), and the
-runner keeps CUDA graphs off for a soft-capped model; windowed decode runs the kernels.
+On CUDA these layers run slower paths until kernels take them: soft-capped attention (Gemma 2)
+and the fp32 (1 + w) norm weights run the torch references (ops), and the runner keeps CUDA
+graphs off for a soft-capped model; windowed attention runs the kernels.
 """
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ marks "sliding_attention" (else those from max_window_layers on); Llama never (H
 ignores the field). A windowed layer's query at position p attends KV positions
 (p - window, p] (ops.paged_extend_attention); the KV before that stays in the pool (the radix
 cache shares it with full-context layers and other requests) but is not read. On CUDA the
-decode kernels take the window (decode steps stay in CUDA graphs); the extend kernels take none
-yet, so a windowed layer's prefill runs the torch reference there (ops).
+attention kernels take the window (the extend kernel then is the mma.sync one; ops), and
+decode steps stay in CUDA graphs.
 
 Qwen3 (dense): Llama-shaped without biases, plus an RMSNorm over head_dim applied to every query
 and key head before rope (q_norm / k_norm, one weight [head_dim] each, shared by the heads).

@@ -52,31 +52,19 @@ CPU_MEM_FRACTION = 0.10
 GPU_MEM_FRACTION = 0.85
 
 
-def reference_attention(model: torch.nn.Module, max_seq_len: int,
-                        phase: str = "decode") -> Optional[str]:
-    """Why some attention layer of model runs the torch reference in phase ("decode" or
-    "extend": ops.attention_kernel_takes) for a request of up to max_seq_len KV positions, or
-    None when every layer takes the kernels. Layers say what they need through
-    attention_options() -> (window, softcap); a window of max_seq_len positions or more hides
-    nothing (ForwardBatch.max_seq_len). The decode kernels take windows, so there only
-    soft-capping (Gemma 2) answers."""
-    windows, capped = set(), False
+def reference_attention(model: torch.nn.Module) -> Optional[str]:
+    """Why some attention layer of model runs the torch reference (ops.attention_kernel_takes),
+    or None when every layer takes the kernels. Layers say what they need through
+    attention_options() -> (window, softcap); the kernels take any window, so only a soft-cap
+    (Gemma 2) answers."""
     for module in model.modules():
         options = getattr(module, "attention_options", None)
         if options is None:
             continue
         window, softcap = options()
-        window = window if window and window < max_seq_len else 0
-        if window and not ops.attention_kernel_takes(window, None, phase):
-            windows.add(window)
-        capped = capped or bool(softcap)
-    parts = []
-    if windows:
-        parts.append(f"sliding windows of {', '.join(map(str, sorted(windows)))} positions "
-                     f"(shorter than the context)")
-    if capped:
-        parts.append("attention soft-capping")
-    return " and ".join(parts) or None
+        if not ops.attention_kernel_takes(window, softcap):
+            return "attention soft-capping"
+    return None
 
 
 def _cpu_available_bytes() -> int:
@@ -262,10 +250,10 @@ class ModelRunner:
             logger.info("CUDA graphs off: they need radixserve._C and bf16/fp16 (dtype %s)",
                         self.dtype)
             return False
-        why = reference_attention(self.model, self.context_len + 1, "decode")
+        why = reference_attention(self.model)
         if why:
-            logger.warning("CUDA graphs off: %s, which the decode attention kernels do not take "
-                           "yet (the torch reference runs them, and it is not capturable)", why)
+            logger.warning("CUDA graphs off: %s, which the attention kernels do not take yet "
+                           "(the torch reference runs them, and it is not capturable)", why)
             return False
         return True
 

@@ -14,11 +14,12 @@ Sliding windows and soft-capping (model/llama.py's Mistral / Phi-3 / Qwen window
 model/gemma3.py): paged_decode_attention and paged_extend_attention take window (a query at
 position p attends KV positions (p - window, p], the window counting itself; None or 0: the
 whole context) and softcap (scores -> softcap * tanh(scores / softcap) before the mask; None or
-0: none). The decode kernels take the window (they attend each request's last `window` KV
-tokens); the extend kernels take no window yet and no kernel takes a soft-cap: such a call runs
-the torch reference on CUDA too (correct, slower, and not capturable in a CUDA graph; the
-decode steps that CUDA graphs replay stay on the kernels unless a layer soft-caps), logged once
-per process (attention_kernel_takes).
+0: none). The kernels take the window: decode attends each request's last `window` KV tokens,
+extend runs its mma.sync kernel (the sm_90a wgmma kernel takes none), skipping the KV tiles
+before a query tile's window and masking the band's lower edge. No kernel takes a soft-cap yet:
+such a call runs the torch reference on CUDA too (correct, slower, and not capturable in a CUDA
+graph: the runner keeps graphs off for such models), logged once per process
+(attention_kernel_takes).
 
 FP8 KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): the pool's pages are torch.float8_e4m3fn /
 float8_e5m2. store_kv (and rotary_embedding_store_kv) write x / scale, saturated to the format's
@@ -66,15 +67,11 @@ def _kernel_q(q: torch.Tensor) -> torch.Tensor:
     return q.contiguous()
 
 
-def attention_kernel_takes(window: Optional[int] = None, softcap: Optional[float] = None,
-                           phase: str = "extend") -> bool:
-    """Whether the attention kernels of phase ("decode": paged_decode_attention, "extend":
-    paged_extend_attention) serve a call with this window and soft-capping: decode with any
-    window and no cap, extend with neither (its kernels take no window yet; no kernel takes a
-    cap). False: the op runs the torch reference, on CUDA too."""
-    if phase not in ("decode", "extend"):
-        raise ValueError(f"phase must be 'decode' or 'extend', not {phase!r}")
-    return not softcap and (phase == "decode" or not window)
+def attention_kernel_takes(window: Optional[int] = None, softcap: Optional[float] = None) -> bool:
+    """Whether the attention kernels (decode and extend) serve a call with this window and
+    soft-capping: any window, no cap (no kernel takes one yet). False: the op runs the torch
+    reference, on CUDA too."""
+    return not softcap
 
 
 _REFERENCE_ROUTES_LOGGED = set()
@@ -87,8 +84,8 @@ def _log_reference_route(op: str, window: Optional[int], softcap: Optional[float
     if (op, what) in _REFERENCE_ROUTES_LOGGED:
         return
     _REFERENCE_ROUTES_LOGGED.add((op, what))
-    logger.warning("%s with %s runs the torch reference on CUDA: its kernels take no %s yet "
-                   "(correct, slower)", op, what, what)
+    logger.warning("%s with %s runs the torch reference on CUDA: the attention kernels take "
+                   "no soft-cap yet (correct, slower)", op, what)
 
 
 class SampleOutput(NamedTuple):
@@ -169,7 +166,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     if window is not None and window < 0:
         raise ValueError(f"window must be >= 0 (0 or None: none), got {window}")
-    if not attention_kernel_takes(window, softcap, "decode"):
+    if not attention_kernel_takes(window, softcap):
         if _use_attention_kernel(q):
             _log_reference_route("paged_decode_attention", window, softcap)
         return ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale,
@@ -206,11 +203,14 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     window:    None or 0: causal over the whole KV; w > 0: the query at position p attends KV
                positions (p - w, p] only (w positions, itself included); the reference slices
                each request's KV from its first query's window start (nothing before it is
-               read) and masks the rest of the band
+               read) and masks the rest of the band; the kernel is then the mma.sync one, which
+               loads no KV tile wholly before a query tile's window
     softcap:   as for paged_decode_attention
-    With a window or a cap the reference runs, on CUDA too (attention_kernel_takes), logged once.
+    With a cap the reference runs, on CUDA too (attention_kernel_takes), logged once.
     """
-    if not attention_kernel_takes(window, softcap, "extend"):
+    if window is not None and window < 0:
+        raise ValueError(f"window must be >= 0 (0 or None: none), got {window}")
+    if not attention_kernel_takes(window, softcap):
         if _use_attention_kernel(q):
             _log_reference_route("paged_extend_attention", window, softcap)
         return ref.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
@@ -218,9 +218,9 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if _use_attention_kernel(q):
         return torch.ops.radixserve.paged_extend_attention(
             _kernel_q(q), k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale, k_scale,
-            v_scale, kernel or knobs.value("RADIXSERVE_EXTEND_KERNEL"))
+            v_scale, kernel or knobs.value("RADIXSERVE_EXTEND_KERNEL"), int(window or 0))
     return ref.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
-                                      sm_scale, k_scale, v_scale)
+                                      sm_scale, k_scale, v_scale, window)
 
 
 def extend_attention_kernel(q: torch.Tensor, kernel: Optional[str] = None) -> str:
