@@ -455,26 +455,21 @@ for stage in "$@"; do
       echo "cublas: ${CUB[*]:-not found}" | tee "$OUT/gsweep.txt"
       bash bench/variants/run.sh $V gemv_sweep.cu "${CUB[@]}" 2>&1 | tee -a "$OUT/gsweep.txt" ;;
     fp8sweep)
-      # FP8 skinny GEMM variants (bench/variants/fp8_gemv_sweep.cu): k blocks in flight per
-      # warp (UNROLL) and warps per CTA (the in-CTA k split) against the tree's 4 and 8; the
-      # bf16 skinny GEMM at 1 row beside each shape
+      # FP8 skinny GEMM variants (bench/variants/fp8_gemv_sweep.cu): warps per CTA (the in-CTA k
+      # split) and k blocks in flight per warp of the plain and the gated forms against the
+      # tree's (fp8_gemv.cuh: kPlainWarps / kPlainUnroll, kGatedWarps / kGatedUnroll); the bf16
+      # skinny GEMM at 1 row beside each shape
       V=/tmp/fp8sweep; rm -rf $V; H=fp8_gemv.cuh
-      U1="fp8_skinny_kernel<1, 4, false>"; U2="fp8_skinny_kernel<2, 4, false>"; W="constexpr int kWarps = 8;"
+      P="constexpr int kPlainWarps = 16, kPlainUnroll = 2;"; G="constexpr int kGatedWarps = 8, kGatedUnroll = 2;"
       python3 bench/variants/make_variant.py $V tree $H
-      for u in 2 8; do
-        python3 bench/variants/make_variant.py $V u$u $H --sub "$U1" "fp8_skinny_kernel<1, $u, false>" \
-          --sub "$U2" "fp8_skinny_kernel<2, $u, false>"
+      for wu in 8:4 16:4 8:2 32:1; do
+        python3 bench/variants/make_variant.py $V plain_w${wu%:*}u${wu#*:} $H \
+          --sub "$P" "constexpr int kPlainWarps = ${wu%:*}, kPlainUnroll = ${wu#*:};"
       done
-      for wu in 4:4 4:8 16:2 16:4; do
-        python3 bench/variants/make_variant.py $V w${wu%:*}u${wu#*:} $H \
-          --sub "$W" "constexpr int kWarps = ${wu%:*};" \
-          --sub "$U1" "fp8_skinny_kernel<1, ${wu#*:}, false>" --sub "$U2" "fp8_skinny_kernel<2, ${wu#*:}, false>"
+      for wu in 8:4 4:2 16:1; do
+        python3 bench/variants/make_variant.py $V gated_w${wu%:*}u${wu#*:} $H \
+          --sub "$G" "constexpr int kGatedWarps = ${wu%:*}, kGatedUnroll = ${wu#*:};"
       done
-      # the tree's 76 registers a thread hold 3 CTAs of 256 threads on an SM: capped at 64 (4)
-      LB="__launch_bounds__(kWarps * 32)"
-      python3 bench/variants/make_variant.py $V lb4 $H --sub "$LB" "__launch_bounds__(kWarps * 32, 4)"
-      python3 bench/variants/make_variant.py $V w4lb8 $H --sub "$W" "constexpr int kWarps = 4;" \
-        --sub "$LB" "__launch_bounds__(kWarps * 32, 8)"
       bash bench/variants/run.sh $V fp8_gemv_sweep.cu 2>&1 | tee "$OUT/fp8sweep.txt" ;;
     esweep)
       # extend attention A/B (bench/variants/extend_sweep.cu: 4k causal, 32 heads, d128): the

@@ -73,10 +73,11 @@ def test_fp8_skinny_linear_refuses_what_it_cannot_serve():
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("inter,k", [(24, 80), (989, 4096), (14336, 4096)])
 @pytest.mark.parametrize("per_channel", [True, False])
-def test_gated_form_equals_the_projection_then_silu_and_mul_bit_for_bit(m, inter, k, per_channel):
-    """The gated kernel (gate|up fused with the activation) gives exactly the bits of the plain
-    kernel's [m, 2 inter] projection followed by the silu_and_mul kernel, and so tracks the
-    dequantized reference as closely as those two do."""
+def test_gated_form_is_the_projection_then_silu_and_mul(m, inter, k, per_channel):
+    """The gated kernel (gate|up fused with the activation) gives what the plain kernel's
+    [m, 2 inter] projection followed by the silu_and_mul kernel gives, up to the last place of
+    the bf16 projections (the two forms sum k over different warp counts: fp8_gemv.cuh), and
+    ops.fp8_skinny_gated_linear runs it."""
     from radixserve import ops
 
     g = torch.Generator(device="cuda").manual_seed(m * 7 + inter + k)
@@ -89,7 +90,11 @@ def test_gated_form_equals_the_projection_then_silu_and_mul_bit_for_bit(m, inter
         assert fused.shape == (m, inter) and fused.dtype == torch.bfloat16
         proj = torch.ops.radixserve.fp8_skinny_linear(x, q, scale, bias)
         _check(proj, x, q, scale, bias)
-        assert torch.equal(fused, ops.silu_and_mul(proj))
+        want = ops.silu_and_mul(proj).float()
+        err = (fused.float() - want).abs()
+        bound = 2.0 ** -6 * want.abs() + 2.0 ** -8 * want.abs().max()
+        assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+        assert (err > 0).float().mean().item() < 0.05          # mostly the same bits
         assert torch.equal(ops.fp8_skinny_gated_linear(x, q, scale, bias), fused)
 
 

@@ -43,7 +43,7 @@ pytestmark = requires_kernels
 @pytest.fixture(scope="module", params=sorted(sw.TINY))
 def tiny(request, tmp_path_factory):
     torch.manual_seed(0)
-    hf = sw.TINY[request.param]().eval()
+    hf = sw.TINY[request.param](head_dim=64).eval()     # a head_dim the kernels take
     _randomize(hf, seed=1)
     path = sw._write(hf, tmp_path_factory.mktemp(request.param))
     return request.param, hf, ModelConfig.from_path(path), path

@@ -204,6 +204,8 @@ def test_windowed_calls_take_the_kernels_and_capped_calls_the_reference(monkeypa
     assert ops.attention_kernel_takes(WINDOW, None)
     assert not ops.attention_kernel_takes(None, 50.0)
     assert not ops.attention_kernel_takes(WINDOW, 50.0)
+    assert ops.attention_kernel_takes(WINDOW, None, 128)
+    assert not ops.attention_kernel_takes(None, None, 96)       # Phi-3's; Gemma's 256 likewise
     monkeypatch.setattr(ops, "_use_attention_kernel", lambda q: True)
     monkeypatch.setattr(ops, "_REFERENCE_ROUTES_LOGGED", set())
     calls = {"paged_decode_attention": [], "paged_extend_attention": []}
@@ -215,7 +217,7 @@ def test_windowed_calls_take_the_kernels_and_capped_calls_the_reference(monkeypa
             return lambda *args: calls[name].append(args) or torch.zeros(1)
 
     monkeypatch.setattr(torch.ops, "radixserve", AttentionKernelsOnly(), raising=False)
-    hq, hk, d = 4, 2, 16
+    hq, hk, d = 4, 2, 64
     k_cache, v_cache, kv_indptr, kv_indices, g = _paged(KV_LENS, hk, d, 3)
     q = torch.randn(sum(Q_LENS), hq, d, generator=g)
     qd = q[:len(KV_LENS)]
@@ -264,11 +266,11 @@ def test_cpu_decode_tables_per_window_are_the_reference():
 # ----------------------------------------------------------------------------- tiny models
 
 
-def _tiny_mistral():
+def _tiny_mistral(head_dim: int = 32):
     from transformers import MistralConfig, MistralForCausalLM
 
     cfg = MistralConfig(vocab_size=89, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                         max_position_embeddings=256, sliding_window=WINDOW,
                         tie_word_embeddings=False)
     return MistralForCausalLM(cfg)
@@ -277,30 +279,31 @@ def _tiny_mistral():
 GEMMA3_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
 
 
-def _tiny_gemma3():
+def _tiny_gemma3(head_dim: int = 32):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     # query_pre_attn_scalar 24 != head_dim 32; local rope base 300, global 5000 scaled x4
     cfg = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=32, sliding_window=WINDOW, layer_types=GEMMA3_TYPES,
+                           head_dim=head_dim, sliding_window=WINDOW, layer_types=GEMMA3_TYPES,
                            max_position_embeddings=256, query_pre_attn_scalar=24,
                            rope_theta=5000.0, rope_local_base_freq=300.0,
                            rope_scaling={"rope_type": "linear", "factor": 4.0})
     return Gemma3ForCausalLM(cfg)
 
 
-def _tiny_gemma2():
+def _tiny_gemma2(head_dim: int = 32):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     cfg = Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                        sliding_window=WINDOW, max_position_embeddings=256,
                        query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                        final_logit_softcapping=5.0)
     return Gemma2ForCausalLM(cfg)
 
 
+# (head_dim 32 here; the GPU tests build them with 64, a head_dim the attention kernels take)
 TINY = {"mistral": _tiny_mistral, "gemma3": _tiny_gemma3, "gemma2": _tiny_gemma2}
 
 
@@ -438,6 +441,8 @@ def test_only_soft_capping_keeps_cuda_graphs_off(tiny):
 
     name, _, ours, _, _ = tiny
     assert reference_attention(ours) == ("attention soft-capping" if name == "gemma2" else None)
+    assert reference_attention(ours, 64) == reference_attention(ours)
+    assert reference_attention(ours, 32) == "head_dim 32"     # the kernels are built for 64, 128
 
 
 def test_llama_ignores_sliding_window_as_hf_does():

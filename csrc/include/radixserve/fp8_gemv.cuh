@@ -29,19 +29,20 @@
 // +-448 and a quantization step of 2^-3 at 1.0: below anything the quantization itself resolves
 // (tests compare with the dequantize-then-matmul reference at a tolerance of fp8 math).
 //
-// Split k inside the CTA. A CTA owns 16 output columns; its 8 warps take interleaved 64-wide k
-// blocks (warp w: blocks w, w + 8, ...), so the 8 warps read 512 contiguous bytes of each weight
-// row per trip, and UNROLL blocks' loads are in flight per warp before their MMAs. The 8 partial
-// 16 x 16 tiles are summed through shared memory in a fixed order (deterministic), scaled, biased
-// and written by the first 16 x m threads. Launched with programmatic dependent launch on sm_90+
+// Split k inside the CTA. A CTA owns 16 output columns; its WARPS warps take interleaved 64-wide
+// k blocks (warp w: blocks w, w + WARPS, ...), so they read 64 x WARPS contiguous bytes of each
+// weight row per trip, and UNROLL blocks' loads are in flight per warp before their MMAs. The
+// partial 16 x 16 tiles are summed through shared memory in a fixed order (deterministic),
+// scaled, biased and written by the first 16 x m threads (kPlainWarps, kGatedWarps: below). Launched with programmatic dependent launch on sm_90+
 // (pdl.cuh): the first trip's weight loads go out before waiting for the kernel that writes x.
 //
 // GATED (the MLP's gate|up projection fused with silu_and_mul, as gemv.cuh's GATED): w is
 // [2 n, k] = [gate | up] rows and the CTA of output columns j..j+15 streams gate rows j.. and up
 // rows n + j.. (two A tiles per warp, the same x fragments); each sum is scaled, biased and
-// rounded to bf16 as the unfused kernel's output would be, then out = silu(g) * u exactly as
-// silu_and_mul computes it, so the fused and unfused paths agree bit for bit (an MMA's sum over
-// its k does not depend on the tile's other rows). The [m, 2 n] projection is never written.
+// rounded to bf16 as the unfused kernel's output would be, then out = silu(g) * u as
+// silu_and_mul computes it. The [m, 2 n] projection is never written. The two forms split k
+// over different warp counts (kPlainWarps, kGatedWarps), so their fp32 sums, and so the bf16
+// projections, may differ in the last place.
 #pragma once
 
 #include <cstdint>
@@ -71,8 +72,18 @@ struct Params {
 };
 
 constexpr int kMaxRows = 16;   // two n-tiles of m16n8k16
-constexpr int kWarps = 8;      // k slices per CTA
 constexpr int kCols = 16;      // output columns per CTA (the MMA's M)
+// Warps per CTA (the in-CTA k split) and k blocks in flight per warp (UNROLL), per form. Same-run
+// sweep on the H200 (bench/variants/fp8_gemv_sweep.cu: graphs of 32 launches over 32 weight
+// copies, PDL; us at 1 / 8 / 16 rows), the Llama-3.1-8B shapes:
+//   plain   8 warps x 4: q|k|v 9.66 / 9.96 / 14.75, o 8.45 / 8.36 / 8.94, down 25.42 / 30.42 / 27.60
+//          16 warps x 2: q|k|v 9.63 / 10.70 / 12.34, o 6.24 / 6.60 / 7.74, down 18.66 / 18.14 / 23.68
+//   gated   8 warps x 2: 35.52 / 37.76 / 45.90;  16 x 2: 41.31 / 42.01 / 52.76;  4 x 2: 44.48 at 1
+// (bench/results/logs/fp8-gemv-sweep-h200.txt). A plain projection of n <= 6144 columns has few
+// CTAs (one per 16 columns), so 16 warps put twice the loads in flight per CTA; the gated one
+// (1,792 CTAs for 2 x 14,336 rows) already fills the device and does better with smaller CTAs.
+constexpr int kPlainWarps = 16, kPlainUnroll = 2;
+constexpr int kGatedWarps = 8, kGatedUnroll = 2;
 constexpr int kBlockK = 64;    // k per warp per block: 16 bytes of e4m3 per thread per row
 constexpr float kDequantScale = 72057594037927936.0f;  // 2^56: see the header comment
 
@@ -98,8 +109,9 @@ __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s
 
 // NT n-tiles of 8 batch rows (m <= 8 * NT); UNROLL k blocks' loads in flight per warp; GATED:
 // two A tiles (gate rows, up rows) per warp and the activation in the epilogue.
-template <int NT, int UNROLL, bool GATED>
-__global__ void __launch_bounds__(kWarps * 32) fp8_skinny_kernel(Params p) {
+template <int NT, int UNROLL, bool GATED, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) fp8_skinny_kernel(Params p) {
+  constexpr int kWarps = WARPS;
   constexpr int TILES = GATED ? 2 : 1;  // A tiles per warp: [gate, up] or the plain rows
   __shared__ float red[kWarps][TILES][kCols][8 * NT];
   pdl_launch_dependents();
@@ -200,8 +212,9 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_skinny_kernel(Params p) {
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) s += red[w][ti][col][row];
-    v[ti] = s * (p.w_scale[jr * p.scale_stride] * kDequantScale);
-    if (p.bias) v[ti] += __bfloat162float(p.bias[jr]);
+    // rounded step by step (no contraction into an fma): both forms give the same bits
+    v[ti] = __fmul_rn(s, p.w_scale[jr * p.scale_stride] * kDequantScale);
+    if (p.bias) v[ti] = __fadd_rn(v[ti], __bfloat162float(p.bias[jr]));
   }
   if constexpr (GATED) {
     // the unfused path rounds each projection to bf16, then silu_and_mul computes in fp32
@@ -215,13 +228,16 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_skinny_kernel(Params p) {
 inline cudaError_t launch(const Params& p, cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return cudaSuccess;
   if (p.m < 1 || p.m > kMaxRows || p.k % 16 != 0) return cudaErrorInvalidValue;
-  const dim3 grid((unsigned)((p.n + kCols - 1) / kCols)), block(kWarps * 32);
+  const dim3 grid((unsigned)((p.n + kCols - 1) / kCols));
+  constexpr int GW = kGatedWarps, GU = kGatedUnroll, PW = kPlainWarps, PU = kPlainUnroll;
   if (p.gated) {
-    if (p.m <= 8) return launch_with_pdl(p.pdl, fp8_skinny_kernel<1, 2, true>, grid, block, 0, stream, p);
-    return launch_with_pdl(p.pdl, fp8_skinny_kernel<2, 2, true>, grid, block, 0, stream, p);
+    const dim3 block(GW * 32);
+    if (p.m <= 8) return launch_with_pdl(p.pdl, fp8_skinny_kernel<1, GU, true, GW>, grid, block, 0, stream, p);
+    return launch_with_pdl(p.pdl, fp8_skinny_kernel<2, GU, true, GW>, grid, block, 0, stream, p);
   }
-  if (p.m <= 8) return launch_with_pdl(p.pdl, fp8_skinny_kernel<1, 4, false>, grid, block, 0, stream, p);
-  return launch_with_pdl(p.pdl, fp8_skinny_kernel<2, 4, false>, grid, block, 0, stream, p);
+  const dim3 block(PW * 32);
+  if (p.m <= 8) return launch_with_pdl(p.pdl, fp8_skinny_kernel<1, PU, false, PW>, grid, block, 0, stream, p);
+  return launch_with_pdl(p.pdl, fp8_skinny_kernel<2, PU, false, PW>, grid, block, 0, stream, p);
 }
 
 }  // namespace fp8_gemv

@@ -52,11 +52,13 @@ CPU_MEM_FRACTION = 0.10
 GPU_MEM_FRACTION = 0.85
 
 
-def reference_attention(model: torch.nn.Module) -> Optional[str]:
+def reference_attention(model: torch.nn.Module, head_dim: Optional[int] = None) -> Optional[str]:
     """Why some attention layer of model runs the torch reference (ops.attention_kernel_takes),
     or None when every layer takes the kernels. Layers say what they need through
-    attention_options() -> (window, softcap); the kernels take any window, so only a soft-cap
-    (Gemma 2) answers."""
+    attention_options() -> (window, softcap); the kernels take any window, so a soft-cap (Gemma
+    2) or a head_dim they are not built for (head_dim: the model's, None: not asked) answers."""
+    if head_dim is not None and not ops.attention_kernel_takes(None, None, head_dim):
+        return f"head_dim {head_dim}"
     for module in model.modules():
         options = getattr(module, "attention_options", None)
         if options is None:
@@ -250,7 +252,7 @@ class ModelRunner:
             logger.info("CUDA graphs off: they need radixserve._C and bf16/fp16 (dtype %s)",
                         self.dtype)
             return False
-        why = reference_attention(self.model)
+        why = reference_attention(self.model, self.model_config.head_dim)
         if why:
             logger.warning("CUDA graphs off: %s, which the attention kernels do not take yet "
                            "(the torch reference runs them, and it is not capturable)", why)

@@ -19,7 +19,7 @@ extend runs its mma.sync kernel (the sm_90a wgmma kernel takes none), skipping t
 before a query tile's window and masking the band's lower edge. No kernel takes a soft-cap yet:
 such a call runs the torch reference on CUDA too (correct, slower, and not capturable in a CUDA
 graph: the runner keeps graphs off for such models), logged once per process
-(attention_kernel_takes).
+(attention_kernel_takes); so does a head_dim the kernels are not built for (64 and 128 are).
 
 FP8 KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): the pool's pages are torch.float8_e4m3fn /
 float8_e5m2. store_kv (and rotary_embedding_store_kv) write x / scale, saturated to the format's
@@ -67,25 +67,31 @@ def _kernel_q(q: torch.Tensor) -> torch.Tensor:
     return q.contiguous()
 
 
-def attention_kernel_takes(window: Optional[int] = None, softcap: Optional[float] = None) -> bool:
-    """Whether the attention kernels (decode and extend) serve a call with this window and
-    soft-capping: any window, no cap (no kernel takes one yet). False: the op runs the torch
-    reference, on CUDA too."""
-    return not softcap
+# head dims the attention kernels are built for (csrc/ops/attention.cu's dispatch)
+ATTENTION_HEAD_DIMS = (64, 128)
+
+
+def attention_kernel_takes(window: Optional[int] = None, softcap: Optional[float] = None,
+                           head_dim: Optional[int] = None) -> bool:
+    """Whether the attention kernels (decode and extend) serve a call with this window,
+    soft-capping and head_dim (None: not asked): any window, no cap (no kernel takes one yet), a
+    head_dim of ATTENTION_HEAD_DIMS (Phi-3's 96 and Gemma's 256 are not built). False: the op
+    runs the torch reference, on CUDA too."""
+    return not softcap and (head_dim is None or head_dim in ATTENTION_HEAD_DIMS)
 
 
 _REFERENCE_ROUTES_LOGGED = set()
 
 
-def _log_reference_route(op: str, window: Optional[int], softcap: Optional[float]) -> None:
-    """Say once per op and option that a CUDA call ran the reference for want of a kernel."""
-    what = " and ".join(w for w, on in (("a sliding window", window), ("soft-capping", softcap))
-                        if on)
+def _log_reference_route(op: str, softcap: Optional[float], head_dim: int) -> None:
+    """Say once per op and reason that a CUDA call ran the reference for want of a kernel."""
+    what = "soft-capping" if softcap else f"head_dim {head_dim}"
     if (op, what) in _REFERENCE_ROUTES_LOGGED:
         return
     _REFERENCE_ROUTES_LOGGED.add((op, what))
-    logger.warning("%s with %s runs the torch reference on CUDA: the attention kernels take "
-                   "no soft-cap yet (correct, slower)", op, what)
+    logger.warning("%s with %s runs the torch reference on CUDA: the attention kernels take no "
+                   "soft-cap and head dims %s only (correct, slower)", op, what,
+                   "/".join(map(str, ATTENTION_HEAD_DIMS)))
 
 
 class SampleOutput(NamedTuple):
@@ -162,13 +168,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
               and the w - 1 before it: HF's sliding_window convention, Mistral's and Gemma's);
               neither the kernel nor the reference reads a slot before them
     softcap:  None or 0; c > 0: scores -> c * tanh(scores / c) before the softmax (Gemma 2)
-    With a cap the reference runs, on CUDA too (attention_kernel_takes), logged once.
+    With a cap, or a head_dim other than 64 or 128, the reference runs, on CUDA too
+    (attention_kernel_takes), logged once.
     """
     if window is not None and window < 0:
         raise ValueError(f"window must be >= 0 (0 or None: none), got {window}")
-    if not attention_kernel_takes(window, softcap):
+    if not attention_kernel_takes(window, softcap, q.shape[-1]):
         if _use_attention_kernel(q):
-            _log_reference_route("paged_decode_attention", window, softcap)
+            _log_reference_route("paged_decode_attention", softcap, q.shape[-1])
         return ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale,
                                           k_scale, v_scale, window, softcap)
     if _use_attention_kernel(q):
@@ -206,13 +213,14 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                read) and masks the rest of the band; the kernel is then the mma.sync one, which
                loads no KV tile wholly before a query tile's window
     softcap:   as for paged_decode_attention
-    With a cap the reference runs, on CUDA too (attention_kernel_takes), logged once.
+    With a cap, or a head_dim other than 64 or 128, the reference runs, on CUDA too
+    (attention_kernel_takes), logged once.
     """
     if window is not None and window < 0:
         raise ValueError(f"window must be >= 0 (0 or None: none), got {window}")
-    if not attention_kernel_takes(window, softcap):
+    if not attention_kernel_takes(window, softcap, q.shape[-1]):
         if _use_attention_kernel(q):
-            _log_reference_route("paged_extend_attention", window, softcap)
+            _log_reference_route("paged_extend_attention", softcap, q.shape[-1])
         return ref.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
                                           sm_scale, k_scale, v_scale, window, softcap)
     if _use_attention_kernel(q):
