@@ -299,7 +299,11 @@ def _tiny_gemma2(head_dim: int = 32):
                        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                        sliding_window=WINDOW, max_position_embeddings=256,
                        query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                       final_logit_softcapping=5.0)
+                       final_logit_softcapping=5.0,
+                       # the oracle must soft-cap its scores: transformers 5.17 (the GPU image's)
+                       # otherwise picked SDPA for generate, which does not, and its greedy
+                       # tokens left ours (and its own forward's) from the first one
+                       attn_implementation="eager")
     return Gemma2ForCausalLM(cfg)
 
 
