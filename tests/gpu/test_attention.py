@@ -566,3 +566,21 @@ def test_extend_window(dtype, head_dim, gqa, case, window, extend_kernel):
     out = ops.paged_extend_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
                                      scale, window=window)
     _check(out, expect, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_head_dims_the_kernels_lack_take_the_reference(head_dim):
+    """Phi-3's 96 and Gemma's 256 (and the tiny test models' 32): the ops answer with the
+    reference on CUDA instead of the kernel's 'head_dim must be 64 or 128'."""
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    lens = [5, 300]
+    k_cache, v_cache, kv_indptr, kv_indices = _pool(lens, 2, head_dim, torch.bfloat16, gen)
+    q = torch.randn(2, 4, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
+    got = ops.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, 0.1, window=64)
+    assert torch.equal(got, ref.paged_decode_attention(q, k_cache, v_cache, kv_indptr,
+                                                       kv_indices, 0.1, window=64))
+    qo_indptr = torch.tensor([0, 5, 305], dtype=torch.int32, device="cuda")
+    qe = torch.randn(305, 4, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
+    got = ops.paged_extend_attention(qe, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, 0.1)
+    assert torch.equal(got, ref.paged_extend_attention(qe, k_cache, v_cache, qo_indptr,
+                                                       kv_indptr, kv_indices, 0.1))
