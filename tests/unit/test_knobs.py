@@ -317,32 +317,33 @@ def fake_ops(monkeypatch):
 
 
 def test_the_seam_passes_the_kernel_choices_to_the_ops(fake_ops, monkeypatch):
-    q = object()
+    q = types.SimpleNamespace(shape=(1, 8, 128))        # a head_dim the kernels take
 
     def decode(**kw):
         ops.paged_decode_attention(q, "k", "v", "indptr", "indices", 0.1, **kw)
-        return fake_ops.pop()[1][8:]                   # (kernel, no_split_tokens)
+        return fake_ops.pop()[1][8:]                   # (kernel, no_split_tokens, window)
 
     def extend(**kw):
         ops.paged_extend_attention(q, "k", "v", "qo", "kv", "idx", 0.1, **kw)
-        return fake_ops.pop()[1][9:]                   # (kernel,)
+        return fake_ops.pop()[1][9:]                   # (kernel, window)
 
-    assert decode() == ("auto", None) and extend() == ("auto",)
+    assert decode() == ("auto", None, 0) and extend() == ("auto", 0)
     monkeypatch.setenv("RADIXSERVE_DECODE_KERNEL", "simt")       # tests/gpu switch so
     monkeypatch.setenv("RADIXSERVE_DECODE_NO_SPLIT_TOKENS", "0")
     monkeypatch.setenv("RADIXSERVE_EXTEND_KERNEL", "mma")
-    assert decode() == ("simt", 0) and extend() == ("mma",)
+    assert decode() == ("simt", 0, 0) and extend() == ("mma", 0)
     ops.extend_attention_kernel(q)
     assert fake_ops.pop() == ("extend_attention_kernel", (q, "mma"))
     knobs.set_flags({"RADIXSERVE_DECODE_KERNEL": "auto", "RADIXSERVE_EXTEND_KERNEL": "auto",
                      "RADIXSERVE_DECODE_NO_SPLIT_TOKENS": 64})
-    assert decode() == ("auto", 64) and extend() == ("auto",)
-    assert decode(kernel="simt") == ("simt", 64) and extend(kernel="mma") == ("mma",)
+    assert decode() == ("auto", 64, 0) and extend() == ("auto", 0)
+    assert decode(kernel="simt") == ("simt", 64, 0) and extend(kernel="mma") == ("mma", 0)
+    assert decode(window=4096) == ("auto", 64, 4096) and extend(window=4096) == ("auto", 4096)
 
 
 def test_the_ops_schemas_take_the_choices():
     """csrc/bindings.cpp: the choices are arguments of the ops (defaults: the documented ones)."""
     text = _read(os.path.join(ROOT, "csrc", "bindings.cpp"))
-    assert 'str kernel=\\"auto\\", int? no_split_tokens=None) -> Tensor' in text
-    assert 'float v_scale=1.0, str kernel=\\"auto\\") -> Tensor' in text
+    assert 'str kernel=\\"auto\\", int? no_split_tokens=None, int window=0) -> Tensor' in text
+    assert 'float v_scale=1.0, str kernel=\\"auto\\", int window=0) -> Tensor' in text
     assert 'extend_attention_kernel(Tensor q, str kernel=\\"auto\\") -> str' in text
