@@ -371,7 +371,7 @@ for stage in "$@"; do
         --sub "  if (cut_above || cut_below) return false;" "  if (cut_above || cut_below) { if (threadIdx.x == 0) atomicAdd(&g_diag[3], 1u); return false; }" \
         --sub "    if (id < 0) return false;" "    if (id < 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[4], 1u); return false; }\n    if (threadIdx.x == 0) atomicAdd(&g_diag[6], 1u);" \
         --sub "  if (L == 0) return false;" "  if (L == 0) { if (threadIdx.x == 0) atomicAdd(&g_diag[5], 1u); return false; }\n  if (threadIdx.x == 0) atomicAdd(&g_diag[6], 1u);" \
-        --sub "  if (!hist_on) pass1(" "  if (hist_row && !hist_on && tid == 0) atomicAdd(&g_diag[0], 1u);\n  if (!hist_on) pass1("
+        --sub "  if (!st.hist_on) pass1<" "  if (hist_row && !st.hist_on && tid == 0) atomicAdd(&g_diag[0], 1u);\n  if (!st.hist_on) pass1<"
       bash bench/variants/run.sh $V sample_sweep.cu 2>&1 | tee "$OUT/ssweep.txt"
       bash bench/variants/run.sh $D sample_sweep.cu -DDIAG 2>&1 | tee -a "$OUT/ssweep.txt" ;;
     sdiag)
@@ -386,7 +386,7 @@ for stage in "$@"; do
       $M tree $H
       P1=(--sub "  if (!find_window(sm, r)) return false;" "  return true;")
       $M d_p1 $H "${P1[@]}"
-      $M d_p1_nobin $H "${P1[@]}" --sub "if (hist_on && hist_bin(bm, a, sc) < kHistBins - 1) {" "if (false) {"
+      $M d_p1_nobin $H "${P1[@]}" --sub "if (st.hist_on && hist_bin(bm, a, sc) < kHistBins - 1) {" "if (false) {"
       $M d_pass2 $H --sub "  const int n = sm.count;\n  if (n == 0" "  return true;\n  const int n = sm.count;\n  if (n == 0"
       SK="constexpr int kSpecK = 128;"; HB="constexpr int kHistBins = 1536;"; HH="constexpr int kHeadBins = 2 * kBinsPerNat;"
       $M spec64 $H --sub "$SK" "constexpr int kSpecK = 64;"

@@ -374,6 +374,9 @@ struct SampleShared {
   double seg_target;                 // the plain draw: its target within that thread's mass
 };
 
+// The kernel's dynamic shared memory (sample_smem_bytes(): one SampleShared).
+extern __shared__ __align__(16) unsigned char smem_raw[];
+
 // Block-wide scan of one float per thread. excl of thread i+1 is bit-identical to incl of
 // thread i (and total to incl of the last thread), so the intervals [excl, incl) tile exactly.
 __device__ __forceinline__ void block_scan(float v, float* warp_tot /* [kWarps] */, float& excl,
@@ -1053,18 +1056,59 @@ __device__ __noinline__ int32_t thread_order_draw(SampleShared& sm, const T* __r
   return sm.seg_pick;
 }
 
-// ----------------------------------------------------------------------------- the kernel
+// ----------------------------------------------------------------------------- the kernel's phases
+//
+// bitmask_sample_kernel is the sequence of the phases below, one CTA per row; "block-uniform" as
+// for the helpers above, shared memory is SampleShared's, the fields named in each phase's
+// comment. Each phase is __forceinline__ and keeps the one-body kernel's arithmetic, barriers
+// and statement order (cd951ae), and the split is held to that kernel's machine code: for
+// sm_80, sm_90a, sm_100a and sm_120 the cubin of all four instantiations (float / bf16, VEC or
+// not) is identical to it, so the split can be neither slower nor draw differently. The
+// compiler optimizes each function on its own before inlining it, which can change the kernel
+// even through __forceinline__ (an earlier split, 7fc86b4, spilled 16 bytes more in two fp32
+// instantiations and measured 0.3-3.4% slower on an H100, bench/results/h100-2026-12-06.md).
+// The interfaces below are the ones that keep the machine code identical; "(SASS)" marks each
+// choice where a more natural interface did not. To check a change: build the kernels (e.g.
+// bench/variants/sample_sweep.cu, csrc/harness/test_sampling.cu) with nvcc -cubin against this
+// header and against cd951ae's and compare the two files.
+//   row_params             the row's sampling parameters (registers)
+//   (kernel)               the paths they select: spec, k_buf, buffer_path, plain, hist_row
+//   init_row_shared        the candidate buffer's counters, the two-pass bins
+//   pass1                  the one pass every row takes -> Pass1State per thread, the candidate
+//                          buffer (append_candidates, settle_candidates), the two-pass bins
+//   recollect_candidates   buffer rows whose guarded appends overflowed collect again
+//   reduce_row_stats       warp shuffles of the pass-1 state -> sm.red_*
+//   (kernel)               thread 0's combine -> sm.row_*, sm.z_recompute
+//   sum_z_again            Z again (temperature 1, allowed max far below the raw max)
+//   the draw (sampled rows with an allowed token), each only where none before drew:
+//     plain_draw             temperature only: the thread-order draw on pass 1's masses
+//     buffer_draw            top-k rows, and top_p / min_p rows whose kept set the buffer holds
+//     window_draw            the two-pass top-p (above)
+//     threshold_search, streaming_draw    the streaming path
+//     kept_mass, (kernel) stream_row over fallback_tile    the block-synchronised draw
+//   write_out              id and logprob
+// Left in the kernel body (SASS): the path selectors and thread 0's combine (as functions,
+// the compiler folded their && chains into selects where the one-body kernel branches), and
+// the block-synchronised draw's sampling pass (its stream_row over fallback_tile): in a
+// function of its own the loop set last_kept's -1 elsewhere on sm_100a / sm_120, and with the
+// sm.chosen reset or the block_last_kept call inside, it turned thread 0's combine into
+// selects on sm_90a too.
 
-template <typename T, bool VEC>
-__global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  SampleShared& sm = *reinterpret_cast<SampleShared*>(smem_raw);
-  const int64_t row_id = blockIdx.x;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const T* __restrict__ row = static_cast<const T*>(p.logits) + row_id * p.logits_stride;
-  const int32_t* mask_row = p.bitmask ? p.bitmask + row_id * p.bitmask_stride : nullptr;
+// The row's sampling parameters (block-uniform, registers).
+struct RowParams {
+  bool greedy;     // temperature <= 0: the first allowed argmax
+  float inv_t;     // 1 / temperature (temperature clamped to 1e-6)
+  bool t1;         // temperature 1: one exp per element serves the logsumexp and Z
+  int64_t k_eff;   // top-k, 0: off
+  float top_p;
+  bool use_p;      // top_p < 1
+  float min_p;
+  bool use_minp;   // min_p > 0
+};
+
+// Phase: reads the row's temperature, top_k, top_p and min_p (global). No shared memory.
+__device__ __forceinline__ RowParams row_params(const SampleParams& p, int64_t row_id) {
   const int64_t vocab = p.vocab;
-
   const float temp = p.temperature[row_id];
   const bool greedy = !(temp > 0.f);
   const float inv_t = 1.f / fmaxf(temp, 1e-6f);
@@ -1078,6 +1122,526 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   const bool use_p = top_p < 1.f;
   const float min_p = p.min_p[row_id];
   const bool use_minp = min_p > 0.f;
+  return RowParams{greedy, inv_t, t1, k_eff, top_p, use_p, min_p, use_minp};
+}
+
+// Phase: thread 0 empties the candidate buffer (sm.count, sm.overflow, sm.theta); a hist_row
+// row zeroes the two-pass bins (sm.bins). Ends with a barrier.
+__device__ __forceinline__ void init_row_shared(SampleShared& sm, bool hist_row) {
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    sm.count = 0;
+    sm.overflow = 0;
+    sm.theta = 0;
+  }
+  if (hist_row)
+    for (int i = tid; i < kHistBins; i += kThreads) sm.bins[i] = 0u;
+  __syncthreads();
+}
+
+// Appends this thread's allowed elements of the tile x (at base) whose value is >= theta's
+// value: a superset of the keys >= theta (ties on the value), which the exact selects trim.
+// Pass 1 is issue-bound, so this is lean: one compare per element, and only a warp with a
+// candidate goes on (append_bits: sm.val / idx / count, sm.overflow). guard (free-running):
+// see append_bits.
+template <typename T, bool VEC>
+__device__ __forceinline__ void append_candidates(SampleShared& sm, const T* __restrict__ row,
+                                                  uint64_t theta, const float (&x)[kElems],
+                                                  uint32_t allow, int64_t base, bool guard) {
+  const float theta_f = key_value(theta);
+  uint32_t mine = 0;
+#pragma unroll
+  for (int j = 0; j < kElems; ++j) mine |= (x[j] >= theta_f ? 1u : 0u) << j;
+  append_bits<T, VEC>(sm, row, mine & allow, base, guard);
+}
+
+// Block-synchronised, after a tile: raise theta to the k_buf-th largest key and compact once
+// the buffer holds more than `limit` candidates. strict (limit kBufCap - kTile; also while
+// theta is unset): the next tile cannot overflow. Loose (loose_limit: kLooseFactor k, at most
+// kBufCap - 2 k): fewer selects for large k (strict selects after every tile at k = 1000), and
+// a tile that would overflow raises sm.overflow through the guarded append instead; from then
+// on nothing is selected (the buffer misses candidates) and the row collects again, strictly,
+// after pass 1 (recollect_candidates). Shared: sm.count, sm.overflow, and select_kth /
+// compact_candidates's. k_buf and loose_limit by reference (SASS): by value, sm_100a
+// sign-extended the count where the one-body kernel zero-extends it.
+__device__ __forceinline__ void settle_candidates(SampleShared& sm, uint64_t& theta,
+                                                  const int64_t& k_buf, const int& loose_limit,
+                                                  bool strict) {
+  __syncthreads();
+  const int n = sm.count;
+  const bool overflowed = sm.overflow != 0;
+  __syncthreads();  // every thread has read count before the next tile appends
+  const int limit = (strict || theta == 0) ? kBufCap - kTile : loose_limit;
+  if (!overflowed && n > limit && n > k_buf) {
+    theta = select_kth(sm, n, (int)k_buf);
+    compact_candidates(sm, n, theta);
+  }
+}
+
+// Pass 1's per-thread state (registers), reduced over the block by reduce_row_stats. The field
+// order is not the reading order (SASS): it sets the order of the pass-1 loop's phi copies,
+// and this is the order that reproduces the one-body kernel's.
+struct Pass1State {
+  uint64_t theta = 0;           // buffer rows: the candidate threshold key (0: unset)
+  int32_t best_i = INT32_MAX;   // first argmax of the allowed logits
+  bool hist_on = false;         // the row bins (hist_row, and its first tile gave a finite anchor)
+  // Rows with top_k <= kFreeRunTopK run pass 1 without block barriers once theta is set from
+  // the first tile: warps append with one atomic each, and a warp whose candidates would not
+  // fit raises sm.overflow instead of writing; the candidates are then collected again
+  // (recollect_candidates; rare: the first tile's theta keeps about k candidates per tile).
+  // Other buffer rows settle after every tile; they too may overflow and collect again.
+  bool free_run = false;
+  float best_v = -INFINITY;     // allowed max
+  float s_y = 0.f;              // sum exp(x/t - best_v/t) over allowed (t1: exp(x - m_raw))
+  float s_raw = 0.f;            // online (max, sum exp) of the raw logits, all tokens
+  float m_raw = -INFINITY;
+};
+
+// Phase: pass 1 from the tile at `begin` into st, compiled twice: with the two-pass top-p bins
+// (kHist) and without, so that rows without them keep pass 1's registers. Per tile: the online
+// (max, sum exp) of the raw logits, the first allowed argmax, the online sum of the allowed
+// exp(x/t - running max/t) (at t = 1 the logsumexp's exp, see kZGapMax). kHist: the bins
+// (sm.bins, anchored at the first tile's allowed max, sm.anchor; sm.f_scratch); st.hist_on is
+// set at the first tile, and a row that does not bin stops here (the caller goes on without
+// kHist). Buffer rows: theta from the first tile (sm.val / idx[0, kThreads), select_kth's),
+// then the candidates appended (and settled unless free-running).
+template <typename T, bool VEC, bool kHist>
+__device__ __forceinline__ void pass1(SampleShared& sm, const T* __restrict__ row,
+                                      const int32_t* __restrict__ mask_row, int64_t vocab,
+                                      bool greedy, bool t1, float inv_t, bool buffer_path,
+                                      int64_t k_buf, int loose_limit, Pass1State& st,
+                                      int64_t begin) {
+  const int tid = threadIdx.x;
+  stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
+    float vm = -INFINITY, bm = -INFINITY;
+    int jb = -1;
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) {
+      vm = fmaxf(vm, x[j]);
+      if (((allow >> j) & 1u) && x[j] > bm) {
+        bm = x[j];
+        jb = j;
+      }
+    }
+    if (vm > st.m_raw) {
+      const float c = __expf(st.m_raw - vm);
+      st.s_raw *= c;
+      if (t1) st.s_y *= c;
+      st.m_raw = vm;
+    }
+    if (st.m_raw != -INFINITY) {
+      if (t1) {
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) {
+          const float e = __expf(x[j] - st.m_raw);
+          st.s_raw += e;
+          st.s_y += ((allow >> j) & 1u) ? e : 0.f;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) st.s_raw += __expf(x[j] - st.m_raw);
+      }
+    }
+    if (bm > st.best_v) {
+      if (!greedy && !t1) st.s_y *= __expf((st.best_v - bm) * inv_t);
+      st.best_v = bm;
+      st.best_i = (int32_t)elem_index<VEC>(base, jb);
+    }
+    if (!greedy && !t1 && st.best_v != -INFINITY) {
+      const float my = st.best_v * inv_t;
+#pragma unroll
+      for (int j = 0; j < kElems; ++j)
+        if ((allow >> j) & 1u) st.s_y += __expf(x[j] * inv_t - my);
+    }
+    if constexpr (kHist) {
+      // the anchor lives in shared memory (pass 1 is short of registers), read after the
+      // first tile's __syncthreads_count below
+      float a;
+      if (base == 0) {
+        a = block_max(bm, sm.f_scratch);
+        if (tid == 0) sm.anchor = a;
+        st.hist_on = a > -INFINITY && a < INFINITY;   // pass 2's bin_floor needs a finite anchor
+      } else {
+        a = sm.anchor;
+      }
+      const float sc = kBinsPerNat * inv_t;
+      // bins are monotone in x: a thread whose allowed max falls under the span skips the
+      // tile. Unrolled over the registers, every element binned and counted under a
+      // predicate: measured against a compare-first loop over the few elements in the span
+      // (values again from L1), which cost a flat row 86 us here instead of ~19.
+      if (st.hist_on && hist_bin(bm, a, sc) < kHistBins - 1) {
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) {
+          const int b = hist_bin(x[j], a, sc);
+          if (((allow >> j) & 1u) && b < kHistBins - 1) atomicAdd(&sm.bins[b], 1u);
+        }
+      }
+    }
+    if (buffer_path && base == 0 && k_buf <= kThreads) {
+      // First tile: theta starts at the k-th largest of the threads' best keys (the k elements
+      // behind them are >= it, so theta stays <= the row's k-th largest key); the tile then
+      // appends about k candidates instead of all kTile, and the select over kTile keys it
+      // used to trigger becomes one over kThreads keys. Threads without a finite allowed
+      // element offer the smallest key; with fewer than k such threads theta stays 0.
+      if (__syncthreads_count(jb >= 0) >= k_buf) {
+        sm.val[tid] = jb >= 0 ? bm : -INFINITY;
+        sm.idx[tid] = jb >= 0 ? (int32_t)elem_index<VEC>(base, jb) : INT32_MAX;
+        st.theta = select_kth(sm, kThreads, (int)k_buf);  // starts and ends with a barrier
+        st.free_run = k_buf <= kFreeRunTopK;
+      }
+    }
+    if (buffer_path) {
+      append_candidates<T, VEC>(sm, row, st.theta, x, allow, base, true);
+      if (!st.free_run) settle_candidates(sm, st.theta, k_buf, loose_limit, false);
+    }
+    return !kHist || st.hist_on;  // a top_p row that does not bin goes on without kHist
+  }, begin);
+}
+
+// Phase (buffer rows), after pass 1: once every append landed (a barrier), a row whose guarded
+// append raised sm.overflow collects its candidates again from the start (sm.count reset),
+// block-synchronised and settled strictly after every tile. theta is still a lower bound of
+// the row's k-th largest key (set from complete buffers). Block-uniform.
+template <typename T, bool VEC>
+__device__ __forceinline__ void recollect_candidates(SampleShared& sm, const T* __restrict__ row,
+                                                     const int32_t* __restrict__ mask_row,
+                                                     int64_t vocab, int64_t k_buf, int loose_limit,
+                                                     uint64_t& theta) {
+  __syncthreads();  // every append landed, sm.overflow final
+  if (sm.overflow) {
+    __syncthreads();  // every thread read the flag
+    if (threadIdx.x == 0) {
+      sm.count = 0;
+      sm.overflow = 0;
+    }
+    for (int64_t base = 0; base < vocab; base += kTile) {
+      __syncthreads();
+      float x[kElems];
+      uint32_t allow;
+      load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
+      append_candidates<T, VEC>(sm, row, theta, x, allow, base, false);
+      settle_candidates(sm, theta, k_buf, loose_limit, true);
+    }
+  }
+}
+
+// Phase: the warp-level reduction of every thread's pass-1 state (st, a copy): lse_combine of
+// (m_raw, s_raw), of (sy_ref, s_y) unless greedy, the first argmax (best_v, best_i); lane 0's
+// results in sm.red_m / red_s / red_bv / red_bi / red_m2 / red_s2 [warp]. sy_ref: s_y's
+// reference, the thread's m_raw at temperature 1, else its best_v / t (the kernel's own_ref,
+// which the plain draw reads too; the parameter itself is the running value (SASS): a local
+// copy of it reordered the shuffles). Ends with a barrier; thread 0's combine in the kernel
+// reads sm.red_*.
+__device__ __forceinline__ void reduce_row_stats(SampleShared& sm, bool greedy, float sy_ref,
+                                                 Pass1State st) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, st.m_raw, off);
+    const float s2 = __shfl_xor_sync(0xffffffffu, st.s_raw, off);
+    lse_combine(st.m_raw, st.s_raw, m2, s2);
+    const float bv2 = __shfl_xor_sync(0xffffffffu, st.best_v, off);
+    const int32_t bi2 = __shfl_xor_sync(0xffffffffu, st.best_i, off);
+    const float r2 = __shfl_xor_sync(0xffffffffu, sy_ref, off);
+    const float y2 = __shfl_xor_sync(0xffffffffu, st.s_y, off);
+    if (!greedy) lse_combine(sy_ref, st.s_y, r2, y2);
+    if (bv2 > st.best_v || (bv2 == st.best_v && bi2 < st.best_i)) {
+      st.best_v = bv2;
+      st.best_i = bi2;
+    }
+  }
+  if (lane == 0) {
+    sm.red_m[warp] = st.m_raw;
+    sm.red_s[warp] = st.s_raw;
+    sm.red_bv[warp] = st.best_v;
+    sm.red_bi[warp] = st.best_i;
+    sm.red_m2[warp] = sy_ref;
+    sm.red_s2[warp] = st.s_y;
+  }
+  __syncthreads();
+}
+
+// One streaming pass: the block-wide sum over the row of f(x, allowed) (block_sum:
+// sm.f_scratch). Block-uniform.
+template <typename T, bool VEC, typename F>
+__device__ __forceinline__ float row_sum(SampleShared& sm, const T* __restrict__ row,
+                                         const int32_t* __restrict__ mask_row, int64_t vocab, F f) {
+  float acc = 0.f;
+  stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) acc += f(x[j], (allow >> j) & 1u);
+    return true;
+  });
+  return block_sum<float>(acc, sm.f_scratch);
+}
+
+// Phase (sm.z_recompute rows): temperature 1 and the allowed max M far below the raw max:
+// allowed terms that underflowed relative to m may matter relative to M. Returns Z = sum
+// exp(x - M) over allowed, summed again (row_sum). Block-uniform.
+template <typename T, bool VEC>
+__device__ __forceinline__ float sum_z_again(SampleShared& sm, const T* __restrict__ row,
+                                             const int32_t* __restrict__ mask_row, int64_t vocab,
+                                             float M) {
+  return row_sum<T, VEC>(sm, row, mask_row, vocab,
+                         [&](float xv, uint32_t allowed) { return allowed ? __expf(xv - M) : 0.f; });
+}
+
+// Phase (plain rows: temperature only, Z not summed again): the draw without a second pass.
+// w: this thread's pass-1 mass of its allowed elements (own_s, relative to own_ref) relative to
+// M / t; thread_order_draw places u * (sum of w) (its shared memory: sm.f_scratch, sm.seg_*).
+// Returns the id, -1 where it drew none (the fallback draws). Block-uniform.
+template <typename T, bool VEC>
+__device__ __forceinline__ int32_t plain_draw(SampleShared& sm, const T* __restrict__ row,
+                                              const int32_t* __restrict__ mask_row, int64_t vocab,
+                                              float own_ref, float own_s, float inv_t, float My,
+                                              double u) {
+  const float w = (own_s > 0.f && own_ref > -INFINITY) ? own_s * __expf(own_ref - My) : 0.f;
+  return thread_order_draw<T, VEC>(sm, row, mask_row, vocab, w, KeptRule{inv_t, My, 0.f, 0u, false}, u);
+}
+
+// Phase (buffer rows): the top-k path, all in shared memory. The candidates sm.val / idx[0,
+// sm.count) are selected down to k_buf, ranked into sm.val / idx[kTopKCap + rank] and scanned
+// in rank order (spec_n, spec_mass: how many and their mass, for window_draw). Where the kept
+// set lies in the buffer (top-k rows; spec rows where it is covered) it is the ranks' prefix
+// that top_p / min_p keep: chosen is drawn from it at u * mass(kept) and drawn set.
+// Block-uniform. (SASS) drawn set here as in the one-body kernel (a returned flag swapped a
+// predicate's operands) and k_buf by reference (by value, sm_100a ordered the covered test's
+// predicates differently).
+__device__ __forceinline__ void buffer_draw(SampleShared& sm, const int64_t& k_buf, bool spec,
+                                            bool use_p, bool use_minp, float top_p, float min_p,
+                                            float inv_t,
+                                            float Z, float My, double u, int64_t& chosen,
+                                            bool& drawn, int& spec_n, float& spec_mass) {
+  int n = sm.count;
+  if (n > k_buf) {
+    const uint64_t th = select_kth(sm, n, (int)k_buf);
+    n = compact_candidates(sm, n, th);
+  }
+  rank_candidates(sm, n);
+  spec_n = n;
+  const RankPair rp = scan_ranked(sm, n, inv_t, My);
+  spec_mass = rp.total;
+  const float p_mass = top_p * Z;
+  // spec: the buffer holds the kept set when the row has fewer than k_buf allowed tokens,
+  // or the next token (rank n) would not be kept (uniform: block-wide values only)
+  const bool covered = !spec || n < k_buf || (use_p && !(rp.total < p_mass)) ||
+                       (use_minp && !(__expf(sm.val[kTopKCap + n - 1] * inv_t - My) >= min_p));
+  if (covered) {
+    auto keep = [&](int r, float excl, float e) {
+      if (r >= n) return false;
+      if (r == 0) return true;
+      return (!use_p || excl < p_mass) && (!use_minp || e >= min_p);
+    };
+    const bool k0 = keep(rp.r0, rp.excl0, rp.e0), k1 = keep(rp.r1, rp.excl1, rp.e1);
+    float kept_mass;
+    const int L = kept_prefix(sm, rp, k0, k1, kept_mass);
+    chosen = sm.idx[kTopKCap + pick_rank(sm, rp, k0, k1, L, u * (double)kept_mass)];
+    drawn = true;
+  }
+}
+
+// Phase (streaming rows with top-p or a top-k): the threshold search over the 32-bit ordered
+// float keys (see the top of the file), kPivots pivots a pass, one streaming pass each. Returns
+// lo: the kept tokens are the allowed ones with key > lo. Shared: sm.idx / val[0, kWarps *
+// kPivots) (the warps' counts and masses), sm.lo / hi / stop / count / scan_carry.
+// Block-uniform. (SASS) It takes the kernel's tid / lane / warp and the arrays that live in
+// local memory (piv [kPivots]: this pass's pivots; c, ms [kPivots + 1]: thread 0's counts and
+// masses above each pivot) from the kernel, and the shared memory from smem_raw rather than
+// as a reference (through which the warps' stores took an extra address add each).
+template <typename T, bool VEC>
+__device__ __forceinline__ uint32_t threshold_search(const T* __restrict__ row,
+                                                     const int32_t* __restrict__ mask_row,
+                                                     int64_t vocab, int64_t k_eff, bool use_p,
+                                                     float top_p, float inv_t, float M, float My,
+                                                     float Z, int tid, int lane, int warp,
+                                                     uint32_t (&piv)[kPivots],
+                                                     int (&c)[kPivots + 1],
+                                                     float (&ms)[kPivots + 1]) {
+  SampleShared& sm = *reinterpret_cast<SampleShared*>(smem_raw);
+  uint32_t lo = 0;
+  uint32_t hi = ordered_key(M);
+  int cnt_hi = 0;       // tokens with key > hi
+  float mass_hi = 0.f;  // their mass
+  if (k_eff == 0) {
+    // top-p only: tokens 104 temperatures below the max have e == 0 and never enter it
+    const float lo_v = M - 104.f / inv_t;
+    if (lo_v > -INFINITY) lo = ordered_key(lo_v);
+    if (lo >= hi) lo = hi - 1;
+  }
+  const float p_mass = top_p * Z;
+  for (int pass = 0; pass < 40 && hi - lo > 1; ++pass) {
+#pragma unroll
+    for (int j = 0; j < kPivots; ++j)
+      piv[j] = lo + (uint32_t)(((uint64_t)(hi - lo) * (uint64_t)j) / kPivots);
+    int cnt[kPivots];
+    float mass[kPivots];
+#pragma unroll
+    for (int j = 0; j < kPivots; ++j) {
+      cnt[j] = 0;
+      mass[j] = 0.f;
+    }
+    stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) {
+        const uint32_t key = ordered_key(x[j]);
+        if (((allow >> j) & 1u) && key > lo && key <= hi) {
+          const float e = __expf(x[j] * inv_t - My);
+#pragma unroll
+          for (int q = 0; q < kPivots; ++q) {
+            const bool gt = key > piv[q];
+            cnt[q] += gt ? 1 : 0;
+            mass[q] += gt ? e : 0.f;
+          }
+        }
+      }
+      return true;
+    });
+    // block reduction of the 2 * kPivots accumulators (scratch: the candidate arrays)
+#pragma unroll
+    for (int q = 0; q < kPivots; ++q) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        cnt[q] += __shfl_xor_sync(0xffffffffu, cnt[q], off);
+        mass[q] += __shfl_xor_sync(0xffffffffu, mass[q], off);
+      }
+    }
+    __syncthreads();
+    if (lane == 0) {
+#pragma unroll
+      for (int q = 0; q < kPivots; ++q) {
+        sm.idx[warp * kPivots + q] = cnt[q];
+        sm.val[warp * kPivots + q] = mass[q];
+      }
+    }
+    __syncthreads();
+    if (tid == 0) {
+      for (int q = 0; q < kPivots; ++q) {
+        c[q] = 0;
+        ms[q] = 0.f;
+        for (int w = 0; w < kWarps; ++w) {
+          c[q] += sm.idx[w * kPivots + q];
+          ms[q] += sm.val[w * kPivots + q];
+        }
+      }
+      c[kPivots] = 0;
+      ms[kPivots] = 0.f;
+      // keep'(c) = fewer than k tokens above it and their mass below top_p * Z;
+      // monotone in c: find the first pivot where it holds.
+      int J = kPivots;  // kPivots: only hi itself
+      for (int q = 0; q < kPivots; ++q) {
+        const int cg = cnt_hi + c[q];
+        const float mg = mass_hi + ms[q];
+        if ((k_eff == 0 || cg < k_eff) && (!use_p || mg < p_mass)) {
+          J = q;
+          break;
+        }
+      }
+      int stop = 0;
+      uint32_t nlo = lo, nhi = hi;
+      int inside;
+      if (J == 0) {
+        stop = 1;  // keep'(lo) already holds: everything above lo is kept
+        inside = 0;
+      } else {
+        nlo = piv[J - 1];
+        nhi = J < kPivots ? piv[J] : hi;
+        inside = c[J - 1] - c[J];
+        cnt_hi += c[J];
+        mass_hi += ms[J];
+      }
+      if (inside <= 1) stop = 1;
+      sm.lo = nlo;
+      sm.hi = nhi;
+      sm.stop = stop;
+      sm.count = cnt_hi;
+      sm.scan_carry = mass_hi;
+    }
+    __syncthreads();
+    lo = sm.lo;
+    hi = sm.hi;
+    cnt_hi = sm.count;
+    mass_hi = sm.scan_carry;
+    const int stop = sm.stop;
+    __syncthreads();
+    if (stop) break;
+  }
+  return lo;
+}
+
+// Phase (streaming rows with a search or min-p): each thread's mass of its kept elements (rule;
+// one pass without block barriers), then the draw in thread order (thread_order_draw:
+// sm.f_scratch, sm.seg_*): with min-p alone the row's second and last pass. Returns the id, -1
+// where it drew none (the fallback draws). Block-uniform.
+template <typename T, bool VEC>
+__device__ __forceinline__ int32_t streaming_draw(SampleShared& sm, const T* __restrict__ row,
+                                                  const int32_t* __restrict__ mask_row,
+                                                  int64_t vocab, KeptRule rule, double u) {
+  auto kept_e = [&](float xv, uint32_t allowed) -> float { return rule.weight(xv, allowed); };
+  float w = 0.f;
+  stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) w += kept_e(x[j], (allow >> j) & 1u);
+    return true;
+  });
+  return thread_order_draw<T, VEC>(sm, row, mask_row, vocab, w, rule, u);
+}
+
+// Phase (the block-synchronised draw, first half): the mass of the kept set, a row_sum of
+// rule's weights where the streaming path ran (streamed: a search or min-p; sm.f_scratch),
+// else (plain rows) Z. Block-uniform.
+template <typename T, bool VEC>
+__device__ __forceinline__ float kept_mass(SampleShared& sm, const T* __restrict__ row,
+                                           const int32_t* __restrict__ mask_row, int64_t vocab,
+                                           bool streamed, KeptRule rule, float Z) {
+  auto kept_e = [&](float xv, uint32_t allowed) -> float { return rule.weight(xv, allowed); };
+  return streamed ? row_sum<T, VEC>(sm, row, mask_row, vocab, kept_e) : Z;
+}
+
+// Phase (the block-synchronised draw's sampling pass, one tile; the kernel streams the row
+// through it after setting sm.chosen = INT32_MAX behind a barrier): the prefix sums of rule's
+// weights go on from carry (the mass of the tiles before base) until the running mass passes
+// target. Thread intervals [carry + excl, carry + incl) tile the line exactly, so one thread
+// claims (claim_in_tile: sm.f_scratch, sm.chosen); last_kept: this thread's last kept token so
+// far (-1: none), for block_last_kept where target lies beyond the scanned mass (rounding).
+// Returns whether the stream goes on (nothing claimed yet).
+template <bool VEC>
+__device__ __forceinline__ bool fallback_tile(SampleShared& sm, const KeptRule& rule,
+                                              const float (&x)[kElems], uint32_t allow,
+                                              int64_t base, double& carry, double target,
+                                              int32_t& last_kept) {
+  float e[kElems];
+#pragma unroll
+  for (int j = 0; j < kElems; ++j) e[j] = rule.weight(x[j], (allow >> j) & 1u);
+  carry += (double)claim_in_tile<VEC>(sm, e, base, carry, target, last_kept);
+  return sm.chosen == INT32_MAX;   // stop once a thread claimed the draw
+}
+
+// Phase: thread 0 writes the id and its logprob, x[id] - logsumexp of the raw logits
+// (sm.row_m_raw / row_s_raw; x[id] read from the row again). chosen by reference (SASS): by
+// value, its load from the stack moved above the branch, which changed sm_100a's code.
+template <typename T>
+__device__ __forceinline__ void write_out(const SampleParams& p, int64_t row_id,
+                                          const T* __restrict__ row, const SampleShared& sm,
+                                          const int64_t& chosen) {
+  if (threadIdx.x == 0) {
+    p.out_ids[row_id] = chosen;
+    const float lse = sm.row_m_raw + logf(sm.row_s_raw);
+    p.out_logprobs[row_id] = load_f(row + chosen) - lse;
+  }
+}
+
+// ----------------------------------------------------------------------------- the kernel
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParams p) {
+  SampleShared& sm = *reinterpret_cast<SampleShared*>(smem_raw);
+  const int64_t row_id = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const T* __restrict__ row = static_cast<const T*>(p.logits) + row_id * p.logits_stride;
+  const int32_t* mask_row = p.bitmask ? p.bitmask + row_id * p.bitmask_stride : nullptr;
+  const int64_t vocab = p.vocab;
+
+  const auto [greedy, inv_t, t1, k_eff, top_p, use_p, min_p, use_minp] = row_params(p, row_id);
   // Top-p / min-p rows without top-k first run the buffer path (spec) with k = kSpecK (min_p
   // alone: kSpecKMinP): their kept set is a prefix of the ranked tokens, and when the k best
   // tokens already hold top_p of the mass (or the last of them falls below min_p) it lies inside
@@ -1091,248 +1655,60 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
   // buffer miss the nucleus (window_draw); anchor: the first tile's allowed max.
   const bool hist_row = spec && use_p && !(min_p > 1.f) && vocab <= (int64_t)kMaxTiles * kTile;
 
-  if (tid == 0) {
-    sm.count = 0;
-    sm.overflow = 0;
-    sm.theta = 0;
-  }
-  if (hist_row)
-    for (int i = tid; i < kHistBins; i += kThreads) sm.bins[i] = 0u;
-  __syncthreads();
+  init_row_shared(sm, hist_row);
 
   // ---------------------------------------------------------------- pass 1
-  float m_raw = -INFINITY, s_raw = 0.f;     // raw logits, all tokens
-  float best_v = -INFINITY;                 // allowed max (first argmax)
-  int32_t best_i = INT32_MAX;
-  float s_y = 0.f;                          // sum exp(x/t - best_v/t) over allowed
-  uint64_t theta = 0;
-  // Top-k candidates. Rows with top_k <= kFreeRunTopK run pass 1 without block barriers once
-  // theta is initialised from the first tile (free_run): warps append with one atomic each,
-  // and a warp whose candidates would not fit raises sm.overflow instead of writing; then the
-  // candidates are collected again below with the block-synchronised append (rare: the first
-  // tile's theta keeps about k candidates per tile). Other top-k rows settle after every tile
-  // (below); they too may overflow and collect again.
-  bool free_run = false;
-  // Appends this thread's allowed elements of the tile whose value is >= theta's value: a
-  // superset of the keys >= theta (ties on the value), which the exact selects trim. Pass 1 is
-  // issue-bound, so this is lean: one compare per element, and only a warp with a candidate
-  // goes on (append_bits). guard (free-running): see append_bits.
-  auto append = [&](const float (&x)[kElems], uint32_t allow, int64_t base, bool guard) {
-    const float theta_f = key_value(theta);
-    uint32_t mine = 0;
-#pragma unroll
-    for (int j = 0; j < kElems; ++j) mine |= (x[j] >= theta_f ? 1u : 0u) << j;
-    append_bits<T, VEC>(sm, row, mine & allow, base, guard);
-  };
-  // Block-synchronised, after a tile: raise theta to the k-th largest key and compact once the
-  // buffer holds more than `limit` candidates. strict (limit kBufCap - kTile; also while theta
-  // is unset): the next tile cannot overflow. Loose (kLooseFactor k, at most kBufCap - 2 k):
-  // fewer selects for large k (strict selects after every tile at k = 1000), and a tile that
-  // would overflow raises sm.overflow through the guarded append instead; from then on nothing
-  // is selected (the buffer misses candidates) and the row collects again, strictly, after
-  // pass 1.
+  Pass1State st;
+  // the buffer size past which a loose settle selects (settle_candidates)
   const int loose_limit =
       max(kBufCap - kTile, min(kLooseFactor * (int)k_buf, kBufCap - 2 * (int)k_buf));
-  auto settle = [&](bool strict) {
-    __syncthreads();
-    const int n = sm.count;
-    const bool overflowed = sm.overflow != 0;
-    __syncthreads();  // every thread has read count before the next tile appends
-    const int limit = (strict || theta == 0) ? kBufCap - kTile : loose_limit;
-    if (!overflowed && n > limit && n > k_buf) {
-      theta = select_kth(sm, n, (int)k_buf);
-      compact_candidates(sm, n, theta);
-    }
-  };
-  // Pass 1 from the tile at `begin`, compiled twice: with the two-pass top-p bins (kHist) and
-  // without, so that rows without them keep pass 1's registers. A top_p row (hist_row) bins
-  // (hist_on) once its first tile gave the anchor; with no finite allowed token there, the rest
-  // of the row runs without.
-  bool hist_on = false;
-  auto pass1 = [&](auto hist_tag, int64_t begin) {
-    constexpr bool kHist = decltype(hist_tag)::value;
-    stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
-      float vm = -INFINITY, bm = -INFINITY;
-      int jb = -1;
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) {
-        vm = fmaxf(vm, x[j]);
-        if (((allow >> j) & 1u) && x[j] > bm) {
-          bm = x[j];
-          jb = j;
-        }
-      }
-      if (vm > m_raw) {
-        const float c = __expf(m_raw - vm);
-        s_raw *= c;
-        if (t1) s_y *= c;
-        m_raw = vm;
-      }
-      if (m_raw != -INFINITY) {
-        if (t1) {
-#pragma unroll
-          for (int j = 0; j < kElems; ++j) {
-            const float e = __expf(x[j] - m_raw);
-            s_raw += e;
-            s_y += ((allow >> j) & 1u) ? e : 0.f;
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j < kElems; ++j) s_raw += __expf(x[j] - m_raw);
-        }
-      }
-      if (bm > best_v) {
-        if (!greedy && !t1) s_y *= __expf((best_v - bm) * inv_t);
-        best_v = bm;
-        best_i = (int32_t)elem_index<VEC>(base, jb);
-      }
-      if (!greedy && !t1 && best_v != -INFINITY) {
-        const float my = best_v * inv_t;
-#pragma unroll
-        for (int j = 0; j < kElems; ++j)
-          if ((allow >> j) & 1u) s_y += __expf(x[j] * inv_t - my);
-      }
-      if constexpr (kHist) {
-        // the anchor lives in shared memory (pass 1 is short of registers), read after the
-        // first tile's __syncthreads_count below
-        float a;
-        if (base == 0) {
-          a = block_max(bm, sm.f_scratch);
-          if (tid == 0) sm.anchor = a;
-          hist_on = a > -INFINITY && a < INFINITY;   // pass 2's bin_floor needs a finite anchor
-        } else {
-          a = sm.anchor;
-        }
-        const float sc = kBinsPerNat * inv_t;
-        // bins are monotone in x: a thread whose allowed max falls under the span skips the
-        // tile. Unrolled over the registers, every element binned and counted under a
-        // predicate: measured against a compare-first loop over the few elements in the span
-        // (values again from L1), which cost a flat row 86 us here instead of ~19.
-        if (hist_on && hist_bin(bm, a, sc) < kHistBins - 1) {
-#pragma unroll
-          for (int j = 0; j < kElems; ++j) {
-            const int b = hist_bin(x[j], a, sc);
-            if (((allow >> j) & 1u) && b < kHistBins - 1) atomicAdd(&sm.bins[b], 1u);
-          }
-        }
-      }
-      if (buffer_path && base == 0 && k_buf <= kThreads) {
-        // First tile: theta starts at the k-th largest of the threads' best keys (the k elements
-        // behind them are >= it, so theta stays <= the row's k-th largest key); the tile then
-        // appends about k candidates instead of all kTile, and the select over kTile keys it
-        // used to trigger becomes one over kThreads keys. Threads without a finite allowed
-        // element offer the smallest key; with fewer than k such threads theta stays 0.
-        if (__syncthreads_count(jb >= 0) >= k_buf) {
-          sm.val[tid] = jb >= 0 ? bm : -INFINITY;
-          sm.idx[tid] = jb >= 0 ? (int32_t)elem_index<VEC>(base, jb) : INT32_MAX;
-          theta = select_kth(sm, kThreads, (int)k_buf);  // starts and ends with a barrier
-          free_run = k_buf <= kFreeRunTopK;
-        }
-      }
-      if (buffer_path) {
-        append(x, allow, base, true);
-        if (!free_run) settle(false);
-      }
-      return !kHist || hist_on;  // a top_p row that does not bin goes on without kHist
-    }, begin);
-  };
-  if (hist_row) pass1(std::true_type{}, 0);
-  if (!hist_on) pass1(std::false_type{}, hist_row ? kTile : 0);
-  if (buffer_path) {
-    __syncthreads();  // every append landed, sm.overflow final
-    if (sm.overflow) {
-      // theta is still a lower bound of the row's k-th largest key (set from complete buffers)
-      __syncthreads();  // every thread read the flag
-      if (tid == 0) {
-        sm.count = 0;
-        sm.overflow = 0;
-      }
-      for (int64_t base = 0; base < vocab; base += kTile) {
-        __syncthreads();
-        float x[kElems];
-        uint32_t allow;
-        load_tile<T, VEC>(row, mask_row, vocab, base, x, allow);
-        append(x, allow, base, false);
-        settle(true);
-      }
-    }
-  }
+  // A top_p row (hist_row) bins (st.hist_on) once its first tile gave the anchor; with no finite
+  // allowed token there, the rest of the row runs without.
+  if (hist_row)
+    pass1<T, VEC, true>(sm, row, mask_row, vocab, greedy, t1, inv_t, buffer_path, k_buf,
+                        loose_limit, st, 0);
+  if (!st.hist_on) pass1<T, VEC, false>(sm, row, mask_row, vocab, greedy, t1, inv_t, buffer_path,
+                                        k_buf, loose_limit, st, hist_row ? kTile : 0);
+  if (buffer_path)
+    recollect_candidates<T, VEC>(sm, row, mask_row, vocab, k_buf, loose_limit, st.theta);
 
   // ---------------------------------------------------------------- row statistics
   // the thread's own (reference, sum of allowed e) before the reduction: the plain draw's w
-  const float own_ref = t1 ? m_raw : (best_v == -INFINITY ? -INFINITY : best_v * inv_t);
-  const float own_s = s_y;
-  {
-    // s_y is relative to sy_ref: the thread's m_raw at temperature 1, else its best_v / t
-    float sy_ref = own_ref;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m_raw, off);
-      const float s2 = __shfl_xor_sync(0xffffffffu, s_raw, off);
-      lse_combine(m_raw, s_raw, m2, s2);
-      const float bv2 = __shfl_xor_sync(0xffffffffu, best_v, off);
-      const int32_t bi2 = __shfl_xor_sync(0xffffffffu, best_i, off);
-      const float r2 = __shfl_xor_sync(0xffffffffu, sy_ref, off);
-      const float y2 = __shfl_xor_sync(0xffffffffu, s_y, off);
-      if (!greedy) lse_combine(sy_ref, s_y, r2, y2);
-      if (bv2 > best_v || (bv2 == best_v && bi2 < best_i)) {
-        best_v = bv2;
-        best_i = bi2;
+  const float own_ref = t1 ? st.m_raw : (st.best_v == -INFINITY ? -INFINITY : st.best_v * inv_t);
+  const float own_s = st.s_y;
+  reduce_row_stats(sm, greedy, own_ref, st);
+  // thread 0's combine of the warps' sm.red_*, in the kernel body (SASS, see the phase list);
+  // the order of its declarations is the one that reproduces the one-body kernel's phis
+  if (tid == 0) {
+    float sy = 0.f, my = -INFINITY, s = 0.f, m = -INFINITY, bv = -INFINITY;
+    int32_t bi = INT32_MAX;
+    for (int w = 0; w < kWarps; ++w) {
+      lse_combine(m, s, sm.red_m[w], sm.red_s[w]);
+      if (!greedy) lse_combine(my, sy, sm.red_m2[w], sm.red_s2[w]);
+      if (sm.red_bv[w] > bv || (sm.red_bv[w] == bv && sm.red_bi[w] < bi)) {
+        bv = sm.red_bv[w];
+        bi = sm.red_bi[w];
       }
     }
-    if (lane == 0) {
-      sm.red_m[warp] = m_raw;
-      sm.red_s[warp] = s_raw;
-      sm.red_bv[warp] = best_v;
-      sm.red_bi[warp] = best_i;
-      sm.red_m2[warp] = sy_ref;
-      sm.red_s2[warp] = s_y;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      float m = -INFINITY, s = 0.f, my = -INFINITY, sy = 0.f, bv = -INFINITY;
-      int32_t bi = INT32_MAX;
-      for (int w = 0; w < kWarps; ++w) {
-        lse_combine(m, s, sm.red_m[w], sm.red_s[w]);
-        if (!greedy) lse_combine(my, sy, sm.red_m2[w], sm.red_s2[w]);
-        if (sm.red_bv[w] > bv || (sm.red_bv[w] == bv && sm.red_bi[w] < bi)) {
-          bv = sm.red_bv[w];
-          bi = sm.red_bi[w];
-        }
-      }
-      // Z relative to the row max M/t (my == bv * inv_t up to the per-thread rounding, or
-      // the raw max m >= M at temperature 1)
-      sm.z_recompute = t1 && bv != -INFINITY && !(my - bv <= kZGapMax);
-      if (!greedy && bv != -INFINITY) sy *= __expf(my - bv * inv_t);
-      sm.row_m_raw = m;
-      sm.row_s_raw = s;
-      sm.row_best_v = bv;
-      sm.row_best_i = bi;
-      sm.row_z = sy;
-    }
-    __syncthreads();
+    // Z relative to the row max M/t (my == bv * inv_t up to the per-thread rounding, or
+    // the raw max m >= M at temperature 1)
+    sm.z_recompute = t1 && bv != -INFINITY && !(my - bv <= kZGapMax);
+    if (!greedy && bv != -INFINITY) sy *= __expf(my - bv * inv_t);
+    sm.row_m_raw = m;
+    sm.row_s_raw = s;
+    sm.row_best_v = bv;
+    sm.row_best_i = bi;
+    sm.row_z = sy;
   }
+  __syncthreads();
   const float M = sm.row_best_v;  // max allowed logit
   const float My = M * inv_t;
-  // one streaming pass: the block-wide sum over the row of f(x, allowed)
-  auto row_sum = [&](auto f) {
-    float acc = 0.f;
-    stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) acc += f(x[j], (allow >> j) & 1u);
-      return true;
-    });
-    return block_sum<float>(acc, sm.f_scratch);
-  };
   float Z = sm.row_z;
-  if (sm.z_recompute) {
-    // temperature 1 and the allowed max far below the raw max: allowed terms that underflowed
-    // relative to m may matter relative to M. Sum Z = sum exp(x - M) over allowed again.
-    Z = row_sum([&](float xv, uint32_t allowed) { return allowed ? __expf(xv - M) : 0.f; });
-  }
+  if (sm.z_recompute) Z = sum_z_again<T, VEC>(sm, row, mask_row, vocab, M);
   int64_t chosen = sm.row_best_i == INT32_MAX ? 0 : sm.row_best_i;  // greedy / fallback
   const bool any_allowed = sm.row_best_i != INT32_MAX;
 
+  // ---------------------------------------------------------------- the draw
   if (!greedy && any_allowed) {
     const double u = uniform_from(p.seeds[row_id], p.offsets[row_id]);
     bool drawn = false;
@@ -1342,178 +1718,36 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
     // returned rather than written through a reference: see Measured, top_k 1000 rows ran 1-2%
     // slower with the draw placed after the buffer path, and still 1% with the reference
     if (plain && !sm.z_recompute) {
-      // ------------------------------------------------ plain sampling: no second pass
-      const float w = (own_s > 0.f && own_ref > -INFINITY) ? own_s * __expf(own_ref - My) : 0.f;
-      const int32_t id = thread_order_draw<T, VEC>(sm, row, mask_row, vocab, w,
-                                                   KeptRule{inv_t, My, 0.f, 0u, false}, u);
+      const int32_t id = plain_draw<T, VEC>(sm, row, mask_row, vocab, own_ref, own_s, inv_t, My, u);
       if (id >= 0) {
         chosen = id;
         drawn = true;
       }
     }
-    if (buffer_path) {
-      // ------------------------------------------------ top-k path, all in shared memory
-      int n = sm.count;
-      if (n > k_buf) {
-        const uint64_t th = select_kth(sm, n, (int)k_buf);
-        n = compact_candidates(sm, n, th);
-      }
-      rank_candidates(sm, n);
-      spec_n = n;
-      const RankPair rp = scan_ranked(sm, n, inv_t, My);
-      spec_mass = rp.total;
-      const float p_mass = top_p * Z;
-      // spec: the buffer holds the kept set when the row has fewer than k_buf allowed tokens,
-      // or the next token (rank n) would not be kept (uniform: block-wide values only)
-      const bool covered = !spec || n < k_buf || (use_p && !(rp.total < p_mass)) ||
-                           (use_minp && !(__expf(sm.val[kTopKCap + n - 1] * inv_t - My) >= min_p));
-      if (covered) {
-        auto keep = [&](int r, float excl, float e) {
-          if (r >= n) return false;
-          if (r == 0) return true;
-          return (!use_p || excl < p_mass) && (!use_minp || e >= min_p);
-        };
-        const bool k0 = keep(rp.r0, rp.excl0, rp.e0), k1 = keep(rp.r1, rp.excl1, rp.e1);
-        float kept_mass;
-        const int L = kept_prefix(sm, rp, k0, k1, kept_mass);
-        chosen = sm.idx[kTopKCap + pick_rank(sm, rp, k0, k1, L, u * (double)kept_mass)];
-        drawn = true;
-      }
-    }
-    if (!drawn && hist_on && spec_n > 0 && M > -INFINITY) {
-      // ------------------------------------------------ two-pass top-p (flat rows)
+    if (buffer_path)
+      buffer_draw(sm, k_buf, spec, use_p, use_minp, top_p, min_p, inv_t, Z, My, u, chosen, drawn,
+                  spec_n, spec_mass);
+    if (!drawn && st.hist_on && spec_n > 0 && M > -INFINITY) {
+      // two-pass top-p (flat rows)
       const TopPRow r{sm.anchor, inv_t, My, top_p * Z, min_p, use_minp, spec_n, spec_mass, u};
       drawn = window_draw<T, VEC>(sm, row, mask_row, vocab, r, chosen);
     }
     uint32_t stream_lo = 0;   // the streaming search's threshold key, for the fallback below
     if (!drawn) {
-      // ------------------------------------------------ streaming path
+      // the streaming path: the threshold search where top-p or a top-k cuts, then the
+      // thread-order draw over the kept tokens
       uint32_t lo = 0;
       const bool need_search = k_eff > 0 || use_p;
-      if (need_search) {
-        uint32_t hi = ordered_key(M);
-        int cnt_hi = 0;       // tokens with key > hi
-        float mass_hi = 0.f;  // their mass
-        if (k_eff == 0) {
-          // top-p only: tokens 104 temperatures below the max have e == 0 and never enter it
-          const float lo_v = M - 104.f / inv_t;
-          if (lo_v > -INFINITY) lo = ordered_key(lo_v);
-          if (lo >= hi) lo = hi - 1;
-        }
-        const float p_mass = top_p * Z;
-        for (int pass = 0; pass < 40 && hi - lo > 1; ++pass) {
-          uint32_t piv[kPivots];
-#pragma unroll
-          for (int j = 0; j < kPivots; ++j)
-            piv[j] = lo + (uint32_t)(((uint64_t)(hi - lo) * (uint64_t)j) / kPivots);
-          int cnt[kPivots];
-          float mass[kPivots];
-#pragma unroll
-          for (int j = 0; j < kPivots; ++j) {
-            cnt[j] = 0;
-            mass[j] = 0.f;
-          }
-          stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
-#pragma unroll
-            for (int j = 0; j < kElems; ++j) {
-              const uint32_t key = ordered_key(x[j]);
-              if (((allow >> j) & 1u) && key > lo && key <= hi) {
-                const float e = __expf(x[j] * inv_t - My);
-#pragma unroll
-                for (int q = 0; q < kPivots; ++q) {
-                  const bool gt = key > piv[q];
-                  cnt[q] += gt ? 1 : 0;
-                  mass[q] += gt ? e : 0.f;
-                }
-              }
-            }
-            return true;
-          });
-          // block reduction of the 2 * kPivots accumulators (scratch: the candidate arrays)
-#pragma unroll
-          for (int q = 0; q < kPivots; ++q) {
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) {
-              cnt[q] += __shfl_xor_sync(0xffffffffu, cnt[q], off);
-              mass[q] += __shfl_xor_sync(0xffffffffu, mass[q], off);
-            }
-          }
-          __syncthreads();
-          if (lane == 0) {
-#pragma unroll
-            for (int q = 0; q < kPivots; ++q) {
-              sm.idx[warp * kPivots + q] = cnt[q];
-              sm.val[warp * kPivots + q] = mass[q];
-            }
-          }
-          __syncthreads();
-          if (tid == 0) {
-            int c[kPivots + 1];
-            float ms[kPivots + 1];
-            for (int q = 0; q < kPivots; ++q) {
-              c[q] = 0;
-              ms[q] = 0.f;
-              for (int w = 0; w < kWarps; ++w) {
-                c[q] += sm.idx[w * kPivots + q];
-                ms[q] += sm.val[w * kPivots + q];
-              }
-            }
-            c[kPivots] = 0;
-            ms[kPivots] = 0.f;
-            // keep'(c) = fewer than k tokens above it and their mass below top_p * Z;
-            // monotone in c: find the first pivot where it holds.
-            int J = kPivots;  // kPivots: only hi itself
-            for (int q = 0; q < kPivots; ++q) {
-              const int cg = cnt_hi + c[q];
-              const float mg = mass_hi + ms[q];
-              if ((k_eff == 0 || cg < k_eff) && (!use_p || mg < p_mass)) {
-                J = q;
-                break;
-              }
-            }
-            int stop = 0;
-            uint32_t nlo = lo, nhi = hi;
-            int inside;
-            if (J == 0) {
-              stop = 1;  // keep'(lo) already holds: everything above lo is kept
-              inside = 0;
-            } else {
-              nlo = piv[J - 1];
-              nhi = J < kPivots ? piv[J] : hi;
-              inside = c[J - 1] - c[J];
-              cnt_hi += c[J];
-              mass_hi += ms[J];
-            }
-            if (inside <= 1) stop = 1;
-            sm.lo = nlo;
-            sm.hi = nhi;
-            sm.stop = stop;
-            sm.count = cnt_hi;
-            sm.scan_carry = mass_hi;
-          }
-          __syncthreads();
-          lo = sm.lo;
-          hi = sm.hi;
-          cnt_hi = sm.count;
-          mass_hi = sm.scan_carry;
-          const int stop = sm.stop;
-          __syncthreads();
-          if (stop) break;
-        }
-      }
+      uint32_t piv[kPivots];   // threshold_search's local-memory arrays (SASS)
+      int c[kPivots + 1];
+      float ms[kPivots + 1];
+      if (need_search)
+        lo = threshold_search<T, VEC>(row, mask_row, vocab, k_eff, use_p, top_p, inv_t, M, My, Z,
+                                      tid, lane, warp, piv, c, ms);
       stream_lo = lo;
-      const KeptRule rule{inv_t, My, min_p, lo, use_minp};
-      auto kept_e = [&](float xv, uint32_t allowed) -> float { return rule.weight(xv, allowed); };
       if (need_search || use_minp) {
-        // each thread's mass of its kept elements (one pass, no block barriers), then the
-        // draw in thread order: with min-p alone the row's second and last pass
-        float w = 0.f;
-        stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t) {
-#pragma unroll
-          for (int j = 0; j < kElems; ++j) w += kept_e(x[j], (allow >> j) & 1u);
-          return true;
-        });
-        const int32_t id = thread_order_draw<T, VEC>(sm, row, mask_row, vocab, w, rule, u);
+        const KeptRule rule{inv_t, My, min_p, lo, use_minp};
+        const int32_t id = streaming_draw<T, VEC>(sm, row, mask_row, vocab, rule, u);
         if (id >= 0) {
           chosen = id;
           drawn = true;
@@ -1521,28 +1755,18 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
       }
     }
     if (!drawn) {
-      // ------------------------------------------------ block-synchronised draw (fallback)
-      // rounding left the thread-order draw without a token, or a plain row at temperature 1
-      // whose Z was summed again (kZGapMax): the mass of the kept set, then prefix sums over
-      // tiles until the running mass passes u * mass
+      // the block-synchronised draw: rounding left the thread-order draw without a token, or a
+      // plain row at temperature 1 whose Z was summed again (kZGapMax)
       const bool need_search = k_eff > 0 || use_p;
       const KeptRule rule{inv_t, My, min_p, stream_lo, use_minp};
-      auto kept_e = [&](float xv, uint32_t allowed) -> float { return rule.weight(xv, allowed); };
-      // mass of the kept set
-      const float S = (need_search || use_minp) ? row_sum(kept_e) : Z;
+      const float S = kept_mass<T, VEC>(sm, row, mask_row, vocab, need_search || use_minp, rule, Z);
       const double target = u * (double)S;
-      // sampling pass: prefix sums over tiles until the running mass passes target. Thread
-      // intervals [carry + excl, carry + incl) tile the line exactly, so one thread claims.
       if (tid == 0) sm.chosen = INT32_MAX;
       __syncthreads();
       double carry = 0.0;
       int32_t last_kept = -1;
       stream_row<T, VEC>(row, mask_row, vocab, [&](const float (&x)[kElems], uint32_t allow, int64_t base) {
-        float e[kElems];
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) e[j] = kept_e(x[j], (allow >> j) & 1u);
-        carry += (double)claim_in_tile<VEC>(sm, e, base, carry, target, last_kept);
-        return sm.chosen == INT32_MAX;   // stop once a thread claimed the draw
+        return fallback_tile<VEC>(sm, rule, x, allow, base, carry, target, last_kept);
       });
       // target beyond the scanned mass (rounding): the last kept token
       const int32_t found = sm.chosen != INT32_MAX ? sm.chosen : block_last_kept(sm, last_kept);
@@ -1550,11 +1774,7 @@ __global__ void __launch_bounds__(kThreads, 2) bitmask_sample_kernel(SampleParam
     }
   }
 
-  if (tid == 0) {
-    p.out_ids[row_id] = chosen;
-    const float lse = sm.row_m_raw + logf(sm.row_s_raw);
-    p.out_logprobs[row_id] = load_f(row + chosen) - lse;
-  }
+  write_out<T>(p, row_id, row, sm, chosen);
 }
 
 inline size_t sample_smem_bytes() { return sizeof(SampleShared); }
