@@ -37,3 +37,17 @@ def run_until_done(sched, limit: int = 2000) -> None:
         assert steps < limit, "the scheduler made no progress"
     assert sched.kv_pool.available_size() + sched.cache.evictable_size() == \
         sched.kv_pool.num_slots
+
+
+def capture_graph(call):
+    """call() captured in a CUDA graph, after one warm-up run on a side stream (allocator and
+    first-launch work stay out of the capture) -> (graph, the output tensor of the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out

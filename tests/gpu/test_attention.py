@@ -16,6 +16,7 @@ from radixserve.ops import _ext
 if not (torch.cuda.is_available() and _ext.kernels_available()):
     pytest.skip("needs CUDA and radixserve._C", allow_module_level=True)
 
+from _gpu import capture_graph  # noqa: E402
 from radixserve import ops  # noqa: E402
 from radixserve.ops import reference as ref  # noqa: E402
 
@@ -438,14 +439,7 @@ def test_decode_tensor_cores(dtype, head_dim, gqa, monkeypatch):
     assert not torch.equal(tc, simt), "the same bits: one kernel ran both times"
     monkeypatch.delenv("RADIXSERVE_DECODE_KERNEL")
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture_graph(call)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -506,14 +500,7 @@ def test_decode_window_in_a_cuda_graph_and_tensor_cores():
 
     eager = call()
     _check(eager, expect, dtype)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture_graph(call)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
