@@ -6,6 +6,7 @@ references."""
 import pytest
 import torch
 
+from _gpu import capture_graph
 from radixserve import ops
 from radixserve.ops import reference as ref
 from radixserve.quant.fp8 import quantize_weight_per_channel
@@ -84,15 +85,7 @@ def test_fp8_w8a8_in_a_cuda_graph():
     def step():
         q, s = ops.rmsnorm_quant_fp8(x, residual, norm_w, 1e-6)
         return ops.fp8_scaled_mm(q, s, wq, ws, None, torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    residual.zero_()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)    # every replay below starts from a zeroed residual
     for _ in range(2):
         x.copy_(torch.randn(24, 256, generator=g, device="cuda"))
         residual.zero_()

@@ -33,7 +33,8 @@
 // k blocks (warp w: blocks w, w + WARPS, ...), so they read 64 x WARPS contiguous bytes of each
 // weight row per trip, and UNROLL blocks' loads are in flight per warp before their MMAs. The
 // partial 16 x 16 tiles are summed through shared memory in a fixed order (deterministic),
-// scaled, biased and written by the first 16 x m threads (kPlainWarps, kGatedWarps: below). Launched with programmatic dependent launch on sm_90+
+// scaled, biased and written by the first 16 x m threads (kPlainWarps, kGatedWarps: below).
+// Launched with programmatic dependent launch on sm_90+
 // (pdl.cuh): the first trip's weight loads go out before waiting for the kernel that writes x.
 //
 // GATED (the MLP's gate|up projection fused with silu_and_mul, as gemv.cuh's GATED): w is
@@ -212,7 +213,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp8_skinny_kernel(Params p) {
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) s += red[w][ti][col][row];
-    // rounded step by step (no contraction into an fma): both forms give the same bits
+    // rounded step by step: no fma contraction, whichever instantiation the compiler schedules
     v[ti] = __fmul_rn(s, p.w_scale[jr * p.scale_stride] * kDequantScale);
     if (p.bias) v[ti] = __fadd_rn(v[ti], __bfloat162float(p.bias[jr]));
   }

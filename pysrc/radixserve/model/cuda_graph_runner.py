@@ -32,10 +32,10 @@ Used only where every op on the decode path is a graph-safe kernel: a CUDA devic
 radixserve._C extension, bf16/fp16 (float32 attention runs the torch reference, which syncs),
 no attention layer with soft-capping and a head_dim the attention kernels are built for (64,
 128; otherwise the layers run the reference: runner.reference_attention), and not
---disable-cuda-graph. A sliding window is a
-launch argument of the decode kernel; a graph's ForwardBatch carries its capacity as
-max_seq_len, so a window at least that long attends as a full layer. The returned logits are
-a view of static memory, valid until the next replay (the sampler never writes them).
+--disable-cuda-graph. A sliding window is a launch argument of the decode kernel; a graph's
+ForwardBatch carries its capacity as max_seq_len, so a window at least that long attends as a
+full layer. The returned logits are a view of static memory, valid until the next replay (the
+sampler never writes them).
 """
 from __future__ import annotations
 
