@@ -253,6 +253,14 @@ def start_publisher(cfg: Dict[str, Any]) -> ke.ZmqEventPublisher:
     return ke.ZmqEventPublisher(ke.KVEventsConfig.parse(json.dumps(cfg))).start()
 
 
+def wait_published(pub: ke.ZmqEventPublisher, timeout_s: float = 10.0) -> None:
+    """The publisher thread counts a batch after send_multipart returns, so a subscriber can
+    hold the last batch before the count moves: wait (bounded) for the count to catch up."""
+    deadline = time.monotonic() + timeout_s
+    while pub.published_batches < pub.queued_batches and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def wait_joined(pub: ke.ZmqEventPublisher, sub: Subscriber) -> None:
     """PUB/SUB's slow joiner: publish empty batches until the subscriber gets one."""
     for _ in range(200):
@@ -328,6 +336,7 @@ def test_subscriber_replays_the_radix_tree_ipc(page_size, block_size):
                 assert sub.tree.prefixes() == tree_prefixes(cache)
             assert sub.tree.stored > 20 and sub.tree.removed > 10
             assert pub.dropped_batches == 0 and pub.send_errors == 0
+            wait_published(pub)
             assert pub.published_batches == pub.queued_batches
             # a late subscriber replays everything from batch 0 to the same tree
             replayed, seqs = replay_all(ctx, cfg["replay_endpoint"], DECODE_MAP)
