@@ -42,7 +42,7 @@ CONFIGS = {
 }
 
 
-def make_scheduler(model_dir, args, extra):
+def make_scheduler(model_dir, args, extra, model=None):
     from radixserve.config import ModelConfig, ServerArgs
     from radixserve.engine.scheduler import Scheduler
     from radixserve.model.runner import ModelRunner
@@ -56,7 +56,7 @@ def make_scheduler(model_dir, args, extra):
                     chunked_prefill_size=max(8192, args.prefill_len),
                     max_prefill_tokens=max(16384, args.prefill_len), **extra)
     runner = ModelRunner(sa, ModelConfig.from_path(model_dir), model_dir,
-                         context_len=sa.context_length)
+                         context_len=sa.context_length, model=model)
     return Scheduler(sa, runner)
 
 

@@ -197,6 +197,11 @@ for stage in "$@"; do
       # process, the Llama-3.1-8B shape; ~3 min
       python3 bench/fp8_speed.py --preset llama-3.1-8b --out "$OUT/fp8-speed.json" 2>&1 \
         | tee "$OUT/fp8speed.txt" | tail -45 ;;
+    ablation)
+      # issues 33/35: what the norms, rope+store and decode attention cost inside the real
+      # batch-1 / batch-8 step, bf16 and FP8 weights (bench/decode_ablation.py); ~2 min
+      python3 bench/decode_ablation.py --preset llama-3.1-8b --configs bf16,fp8 \
+        --out "$OUT/decode-ablation.json" 2>&1 | tee "$OUT/ablation.txt" | tail -40 ;;
     fp8kvattn)
       # issue 35's FP8 KV point: decode attention at batch 256 x 1k over FP8 pages against copy
       # bandwidth in FP8 bytes (and the bf16 pool beside it)
