@@ -202,6 +202,16 @@ for stage in "$@"; do
       # batch-1 / batch-8 step, bf16 and FP8 weights (bench/decode_ablation.py); ~2 min
       python3 bench/decode_ablation.py --preset llama-3.1-8b --configs bf16,fp8 \
         --out "$OUT/decode-ablation.json" 2>&1 | tee "$OUT/ablation.txt" | tail -40 ;;
+    dashoverhead)
+      # issue 41's cost bar on a GPU server (the loop is the busy part there, unlike the 2-core
+      # CPU where the client competes with it): the Llama-3.1-8B shape, dummy weights, 64
+      # streaming clients, the emulated page open / closed in alternating phases; ~3 min
+      python3 -c "import sys; sys.path.insert(0, 'bench'); from presets import build_preset; \
+build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
+      python3 bench/dashboard_overhead.py --phases ${DASH_PHASES:-16} --phase-s 8 \
+        --warmup-s 15 --concurrency 64 --max-tokens 256 --log "$OUT/dashoverhead-server.log" \
+        --out "$OUT/dashboard-overhead-gpu.json" -- --model-path /tmp/preset-llama-3.1-8b \
+        --load-format dummy 2>&1 | tee "$OUT/dashoverhead.txt" | tail -25 ;;
     fp8kvattn)
       # issue 35's FP8 KV point: decode attention at batch 256 x 1k over FP8 pages against copy
       # bandwidth in FP8 bytes (and the bf16 pool beside it)
