@@ -95,7 +95,7 @@ def main(argv=None):
                    help="comma-separated: overlap (the default loop), no-overlap (serial), "
                         "eager (overlap with CUDA graphs off)")
     p.add_argument("--tp-size", type=int, default=1,
-                   help="tensor-parallel ranks (GPUs 0..N-1; decode runs eager under TP)")
+                   help="tensor-parallel ranks (GPUs 0..N-1; decode replays one CUDA graph per GPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
