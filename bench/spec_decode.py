@@ -17,10 +17,11 @@ the unspeculated one (they must on the CPU; on a GPU in bf16 a near-tie may flip
 --preset NAME (a bench preset with dummy weights, e.g. llama-3.1-8b): the step cost. B requests
 decode (random prompts of --prompt-len); with speculation off each step is a decode step of B
 rows, with it on (and its acceptance gate held open, so every step verifies a full draft) each
-step is a verify step of B x (k + 1) rows, k = --num-draft-tokens - 1. Both run the serial
-loop (a verify step is never overlapped) and the overlapped loop for the decode step. Reported:
-ms per step of each, and cost = verify / decode (serial). With a measured accept length a (from
-the copy workload), the speedup a verify step gives is (1 + a) / cost at that batch size.
+step is a verify step of B x (k + 1) rows, k = --num-draft-tokens - 1. Each runs the serial
+loop and the overlapped loop (where a verify step is scheduled while the one before it runs).
+Reported: ms per step of each, and cost = verify / decode, overlapped (and serial). With a
+measured accept length a (from the copy workload), the speedup a verify step gives is
+(1 + a) / cost at that batch size.
 """
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ def run_cost(args) -> Dict[str, Any]:
     # the last token, the gates are held open. The step's cost does not depend on acceptance.
     spec_mod.MIN_ACCEPT = -1.0
     spec_mod.RateGate.allow = lambda self, *args: True
-    spec_mod.SpecDecoder.draft = lambda self, req: [req.fill_ids[-1]] * k
+    spec_mod.SpecDecoder.draft = lambda self, req, extra=(), unknown=False: \
+        [req.fill_ids[-1]] * k
     k = args.num_draft_tokens - 1
     out: Dict[str, Any] = {"preset": args.preset, "k": k, "rows": {}}
     model = None
@@ -144,6 +146,9 @@ def run_cost(args) -> Dict[str, Any]:
         row: Dict[str, float] = {}
         for name, kw in (("decode_serial", dict(disable_overlap_schedule=True)),
                          ("decode_overlap", {}),
+                         ("verify_serial", dict(
+                             disable_overlap_schedule=True, speculative_algorithm="ngram",
+                             speculative_num_draft_tokens=args.num_draft_tokens)),
                          ("verify", dict(speculative_algorithm="ngram",
                                          speculative_num_draft_tokens=args.num_draft_tokens))):
             sargs = ServerArgs(model_path=path, load_format="dummy", device="cuda",
@@ -169,19 +174,22 @@ def run_cost(args) -> Dict[str, Any]:
                 sched.step()
             torch.cuda.synchronize()
             row[name + "_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
-            if name == "verify":
-                row["verify_steps"] = sched.counters["spec_verify_steps"] - v0
+            if name.startswith("verify"):
+                row[name + "_steps"] = sched.counters["spec_verify_steps"] - v0
             for r in list(sched.reqs):
                 sched.abort(r)
             while sched.has_work():
                 sched.step()
             del sched, runner
-        row["cost_verify_over_decode"] = row["verify_ms"] / row["decode_serial_ms"]
+        row["cost_verify_over_decode"] = row["verify_ms"] / row["decode_overlap_ms"]
+        row["cost_verify_over_decode_serial"] = row["verify_serial_ms"] / row["decode_serial_ms"]
         out["rows"][str(bs)] = row
         print(f"batch {bs}: decode {row['decode_serial_ms']:.2f} ms serial, "
               f"{row['decode_overlap_ms']:.2f} ms overlap; verify of {k + 1} rows each "
-              f"{row['verify_ms']:.2f} ms ({row['verify_steps']}/{args.steps} verify steps); "
-              f"cost {row['cost_verify_over_decode']:.3f}", flush=True)
+              f"{row['verify_serial_ms']:.2f} ms serial, {row['verify_ms']:.2f} ms overlap "
+              f"({row['verify_steps']}/{args.steps} verify steps); cost "
+              f"{row['cost_verify_over_decode']:.3f} overlapped, "
+              f"{row['cost_verify_over_decode_serial']:.3f} serial", flush=True)
     return out
 
 

@@ -237,6 +237,84 @@ def test_suffix_drafts_from_the_radix_tree(make_scheduler, text_prompts):
     assert accepted["suffix"] >= 16 and accepted["suffix"] > accepted["ngram"], accepted
 
 
+def _forced_drafts(monkeypatch, refs, corrupt_every=0):
+    """Hold speculation's gates open and make every draft the request's true greedy
+    continuation (refs: rid -> its unspeculated output), so each draft is fully accepted; with
+    corrupt_every = n, every n-th draft has its second token wrong (accepted up to there). The
+    continuation starts after the token the draft's first row reads (DecodeManager._in_flight:
+    the step in flight's draft counts as accepted, its next token as unknown)."""
+    from radixserve.engine.scheduler import spec as spec_mod
+
+    calls = {"n": 0}
+
+    def draft(self, req, extra=(), unknown=False):
+        if not self.eligible(req):
+            return []
+        pos = len(req.output_ids) + len(extra) + (1 if unknown else 0)
+        room = min(self.num_draft, req.max_new_tokens - req.num_output_scheduled - 1)
+        d = list(refs[req.rid][pos:pos + max(room, 0)])
+        calls["n"] += 1
+        if corrupt_every and calls["n"] % corrupt_every == 0 and len(d) >= 2:
+            d[1] = (d[1] + 1) % 1000
+        return d
+
+    monkeypatch.setattr(spec_mod.RateGate, "allow", lambda self, *a: True)
+    monkeypatch.setattr(spec_mod.SpecDecoder, "draft", draft)
+
+
+@pytest.mark.parametrize("corrupt_every", [0, 3])
+def test_verify_steps_overlap_and_rejections_void_the_step_after(
+        monkeypatch, make_scheduler, repeat_prompts, text_prompts, corrupt_every):
+    """Issue 39 point 4: a verify step is scheduled while the one before it is in flight,
+    assuming that one's drafts accepted. With true continuations as drafts every draft is
+    accepted and almost every step overlaps the one before (none voided); with every third
+    draft wrong at its second token, the step after each such verify is voided for that
+    request (device: its next input kept; host: results dropped, slots freed), and the
+    outputs stay exactly the unspeculated ones, check_integrity after every step."""
+    prompts = repeat_prompts + text_prompts[:3]
+    n = 30
+    _, ref = run(make_scheduler, prompts, n, spec=False)
+    _forced_drafts(monkeypatch, {f"r{i}": out for i, out in enumerate(ref)}, corrupt_every)
+    sched, out = run(make_scheduler, prompts, n, spec=True)
+    assert out == ref
+    c = sched.counters
+    assert c["spec_verify_steps"] > 0
+    assert c["spec_overlapped_verify_steps"] >= c["spec_verify_steps"] - 2
+    if corrupt_every:
+        assert c["spec_voided_steps"] > 0
+        assert c["spec_accepted_tokens"] < c["spec_draft_tokens"]
+    else:
+        assert c["spec_voided_steps"] == 0
+        assert c["spec_accepted_tokens"] == c["spec_draft_tokens"]
+        # k + 1 = 5 tokens a verify row: far fewer decode steps than tokens
+        assert c["num_decode_steps"] * 3 < n
+
+
+def test_verify_overlap_with_sampled_rows(monkeypatch, make_scheduler, repeat_prompts):
+    """Seeded sampled rows, logprobs and an unspeculated (penalties) row ride in overlapped
+    verify steps with forced drafts (right and wrong): outputs and logprobs equal the
+    unspeculated run."""
+    p = repeat_prompts[0]
+    runs = {}
+    for spec in (False, True):
+        if spec:
+            _forced_drafts(monkeypatch, {r.rid: r.output_ids for r in runs[False][1]},
+                           corrupt_every=4)
+        sched = make_scheduler(**(SPEC if spec else {}))
+        reqs = _mixed_reqs(p, "x")
+        lps = []
+        reqs[3].sink = lambda out: lps.extend(out.output_token_logprobs_delta)
+        run_to_completion(sched, reqs)
+        runs[spec] = (sched, reqs, lps)
+    (_, ref, lp_ref), (sched, got, lp_got) = runs[False], runs[True]
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert [t for _, t, _ in lp_got] == [t for _, t, _ in lp_ref]
+    for a, b in zip(lp_got, lp_ref):
+        assert a[0] == pytest.approx(b[0], abs=1e-4)
+    c = sched.counters
+    assert c["spec_overlapped_verify_steps"] > 0 and c["spec_voided_steps"] > 0
+
+
 def test_flags_checked():
     ServerArgs(**SPEC).check()
     ServerArgs(speculative_algorithm="suffix").check()

@@ -98,3 +98,31 @@ def test_radix_continuation_reads_without_changing_the_tree():
     assert cache.continuation([], 2) == [1, 2]
     assert [(n.node_id, len(n.key), n.last_access_time) for n in cache._walk()] == before
     cache.check_integrity()
+
+
+def test_propose_after_assumed_tokens_equals_brute_force():
+    """propose(k, extra): the draft after history + extra (a verify step in flight's draft,
+    assumed accepted) with matches among the n-grams of the synced history only, the
+    continuation running on into extra; extra is not indexed (the next sync() sees only the
+    real history)."""
+    def brute(history, extra, k, lo, hi):
+        t, length = history + extra, len(history)
+        for n in range(min(hi, len(t) - 1), lo - 1, -1):
+            for s in range(length - 1 - n, -1, -1):
+                if t[s:s + n] == t[len(t) - n:]:
+                    return t[s + n:s + n + k]
+        return []
+
+    rng = random.Random(7)
+    for _ in range(400):
+        history = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+        extra = [rng.randrange(4) for _ in range(rng.randrange(0, 6))]
+        k, lo = rng.randrange(0, 7), rng.randrange(1, 3)
+        hi = lo + rng.randrange(0, 3)
+        index = NgramIndex(lo, hi)
+        index.sync(history)
+        assert index.propose(k, extra) == brute(history, extra, k, lo, hi), (history, extra)
+        assert index.tokens == history
+    index = NgramIndex(1, 3)
+    index.sync([1, 2, 3, 9])
+    assert index.propose(4, [1, 2]) == [3, 9, 1, 2]      # continuation runs into extra

@@ -9,7 +9,7 @@ samples exactly what the serial loop would.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,6 +47,9 @@ class ScheduleBatch:
     # speculative verify steps (engine/scheduler/spec.py): per req, the draft tokens that
     # follow its last token this step ([] for none); None when the batch verifies nothing
     drafts: Optional[List[List[int]]] = None
+    # scheduled over a verify step in flight: (request row, its draft length there) of each
+    # request this step assumes fully accepted there (StepInput.spec_cond_rows)
+    spec_cond: List[Tuple[int, int]] = field(default_factory=list)
     step_input: Optional[StepInput] = None                        # set by Scheduler.schedule()
 
     def add(self, req: Req, start: int, length: int, slots: Optional[torch.Tensor], sample: bool,
@@ -73,11 +76,22 @@ class ScheduleBatch:
         computes its last token (at position start, read from the device as in any decode)
         and its draft (positions start + 1 ..), its row already extended over them, and
         samples at each of the len(draft) + 1 positions, output offsets offsets[i] ..
-        offsets[i] + len(draft). An empty draft is a plain decode row."""
+        offsets[i] + len(draft). An empty draft is a plain decode row. req.num_output_scheduled
+        counts the whole draft as accepted (what a step scheduled over this one assumes);
+        ResultProcessor._apply_verify corrects it when a draft token is rejected."""
         if self.drafts is None:
             self.drafts = [[] for _ in self.reqs]
         self.add(req, start, len(draft) + 1, None, sample=True, from_device=True)
         self.drafts[-1] = list(draft)
+        req.num_output_scheduled += len(draft)
+
+    def pending_drafts(self) -> Dict[int, List[int]]:
+        """{id(req): its draft} of the requests whose draft this step verifies and that still
+        hold the state it was scheduled for (not finished, no jump, not voided since)."""
+        if self.drafts is None:
+            return {}
+        return {id(r): d for i, (r, d) in enumerate(zip(self.reqs, self.drafts))
+                if d and self.current(i)}
 
     @property
     def verifies(self) -> bool:
@@ -139,6 +153,9 @@ class ScheduleBatch:
                          sample_rows, self.sampling_inputs(eos_ids, vocab_size))
         if spec is not None:
             step.spec_tokens, step.spec_counts, step.spec_sample, step.spec_src = spec
+        if self.spec_cond:
+            step.spec_cond_rows = [row for row, _ in self.spec_cond]
+            step.spec_cond_expect = [k for _, k in self.spec_cond]
         pending = rows.take_pending()
         if pending is not None:
             step.table_rows, step.table_cols, step.table_slots = pending

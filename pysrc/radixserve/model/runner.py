@@ -214,6 +214,9 @@ class ModelRunner:
         self.req_to_token = torch.zeros((table_rows, self.context_len + 1),
                                         dtype=torch.int32, device=dev)
         self.next_ids = torch.zeros(table_rows, dtype=torch.int64, device=dev)
+        # [num_rows + 1] int64: each request row's accepted draft count in its last verify
+        # step (StepInput: a step scheduled over that one checks it)
+        self.spec_accepted = torch.zeros(self.num_rows + 1, dtype=torch.int64, device=dev)
         self.penalties = PenaltyState(self.num_rows + 1, model_config.vocab_size, dev)
         self.compute_stream = self.copy_stream = None
         self._last_end = None      # the end event of the last step launched (idle_before)
@@ -409,6 +412,9 @@ class ModelRunner:
             ints.add("spec_src", step.spec_src)
             ints.add("spec_counts", step.spec_counts)
             ints.add("spec_sample", step.spec_sample)
+        if step.spec_cond_rows:          # scheduled over a verify step in flight
+            ints.add("spec_cond_rows", step.spec_cond_rows)
+            ints.add("spec_cond_expect", step.spec_cond_expect)
         step.sampling.pack(ints, floats)
         return (ints.upload(self.device, self.copy_stream),
                 floats.upload(self.device, self.copy_stream))
@@ -514,7 +520,9 @@ class ModelRunner:
         miss = torch.where(sampled != tokens, local, counts.index_select(0, seg))
         accepted = counts.clone().scatter_reduce_(0, seg, miss, reduce="amin")      # [V]
         tok = ids.index_select(0, first_rows + accepted)                     # [V]
-        self.next_ids.index_copy_(0, pool_rows.index_select(0, first_rows), tok)
+        own_rows = pool_rows.index_select(0, first_rows)                     # [V]
+        self.next_ids.index_copy_(0, own_rows, tok)
+        self.spec_accepted.index_copy_(0, own_rows, accepted)
 
     def _prompt_logprobs(self, step: StepInput, hidden: torch.Tensor, targets: torch.Tensor):
         values, tops = sampler.prompt_logprobs(self.compute_logits, hidden, targets,
@@ -539,10 +547,19 @@ class ModelRunner:
         penalty_rows = pool_rows
         if step.spec_counts:        # spare rows have no penalty state: the padding row's
             penalty_rows = pool_rows.clamp(max=self.padding_row)    # (no penalty row drafts)
+        kept = None
+        if step.spec_cond_rows:     # over a verify in flight: read before this step's writes
+            cond_rows = ints["spec_cond_rows"]                                   # [C]
+            ok = self.spec_accepted.index_select(0, cond_rows) == ints["spec_cond_expect"]
+            kept = (cond_rows, ok, self.next_ids.index_select(0, cond_rows))
         out = sampler.sample(logits, sp, st, penalty_rows, self.penalties, bitmask)
         self.next_ids.index_copy_(0, pool_rows, out.ids)
         if step.spec_counts:        # a verify row's pool row repeats: its true next token
             self._verify_next(step, out.ids, pool_rows, ints)
+        if kept is not None:        # a request whose assumption failed keeps its true token
+            cond_rows, ok, before = kept
+            self.next_ids.index_copy_(0, cond_rows, torch.where(
+                ok, self.next_ids.index_select(0, cond_rows), before))
         device = {"ids": out.ids, "logprobs": out.logprobs.float()}
         if out.top_values is not None:
             device["top_values"], device["top_ids"] = out.top_values, out.top_ids

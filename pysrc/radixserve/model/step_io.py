@@ -54,7 +54,15 @@ class StepInput:
       request, spec_sample [V] its own row's index. After sampling the runner sets next_ids
       of the request's row to its true next token: the sample at the first position j whose
       sample differs from d[j], else the last (bonus) sample; the host accepts the same
-      tokens from StepOutput.sample.
+      tokens from StepOutput.sample. The runner also records each verify request's
+      accepted count (its row's spec_accepted).
+    Speculation over a verify step in flight (DECODE, verify or not): the host scheduled
+      this step assuming the step in flight accepts every draft of the requests in
+      spec_cond_rows [C] (their own rows); spec_cond_expect [C] is each one's draft length
+      there. A request whose recorded accepted count differs computed this step from wrong
+      positions: the runner leaves its next_ids as they were (the true next token the step
+      in flight chose), and the host drops its results (it learns the same from the step in
+      flight's StepOutput and voids this step's entry: engine/scheduler/spec.py).
     Pooling (EXTEND only; engine/pooling.py): P spans of the step's token rows, each one
       pooling request's. pool_starts [P] the span's first row (in the step's token order),
       pool_counts [P] its rows; the runner returns each span's sum of final-norm hidden
@@ -85,6 +93,8 @@ class StepInput:
     spec_src: List[int] = field(default_factory=list)         # [R]
     spec_counts: List[int] = field(default_factory=list)      # [V]
     spec_sample: List[int] = field(default_factory=list)      # [V]
+    spec_cond_rows: List[int] = field(default_factory=list)   # [C]
+    spec_cond_expect: List[int] = field(default_factory=list)   # [C]
     pool_starts: List[int] = field(default_factory=list)      # [P]
     pool_counts: List[int] = field(default_factory=list)      # [P]
     pool_labels: List[List[int]] = field(default_factory=list)   # [P] x its label ids

@@ -115,6 +115,11 @@ _COUNTERS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "spec_draft_tokens": (("spec_draft_tokens_total",), "Draft tokens verified"),
     "spec_accepted_tokens": (("spec_accepted_tokens_total",),
                              "Draft tokens accepted (equal to the model's own token)"),
+    "spec_overlapped_verify_steps": (("spec_overlapped_verify_steps_total",),
+                                     "Verify steps scheduled while the step before was running"),
+    "spec_voided_steps": (("spec_voided_steps_total",),
+                          "Request-steps dropped because the verify before them rejected a "
+                          "draft token (they had assumed it accepted)"),
     # host CPU of the engine's two busy threads (engine/thread_cpu.py)
     "loop_thread_cpu_seconds": (("loop_thread_cpu_seconds_total",),
                                 "CPU seconds of the event-loop thread (HTTP, scheduling, "

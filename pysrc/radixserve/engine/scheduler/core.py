@@ -287,12 +287,6 @@ class Scheduler:
         """A decode step now could not give every running request a slot without retracting."""
         return self.decode.memory_short()
 
-    def spec_wants_host(self) -> bool:
-        """Speculation could build a verify step now if the step in flight were processed
-        (its drafts need every token on the host): the pipeline resolves it first rather than
-        scheduling a plain decode over it. Always False without --speculative-algorithm."""
-        return self.spec is not None and self.spec.wants_host(self.decode.decoding())
-
     def preempt_pending(self) -> bool:
         """The last admission wanted to retract running requests (for fairness: of a client
         over its share for a client under it; for priority: less urgent ones for an urgent
@@ -422,11 +416,14 @@ class Scheduler:
         holders = [r for r in self.reqs.values() if r.req_pool_idx is not None]
         parts = [self.kv_pool.free_slots(), self.cache.owned_slots().to(torch.int64)]
         rows = self.req_to_token_pool.req_to_token
-        # a request's KV ahead of its known tokens while its step is in flight: its row's
-        # extend length (1 for a decode row, len(draft) + 1 for a verify row)
+        # a request's KV and output ahead of its known tokens while its step is in flight: its
+        # row's extend length (1 for a decode row, len(draft) + 1 for a verify row, whose draft
+        # counts as accepted until the step is processed); nothing for an entry voided since
+        # (a rejected draft in the step before: ResultProcessor._apply_verify)
         inflight = self.pipeline.inflight_batch
         in_flight = {} if inflight is None else \
-            {id(r): n for r, n in zip(inflight.reqs, inflight.extend_lens)}
+            {id(r): n for i, (r, n) in enumerate(zip(inflight.reqs, inflight.extend_lens))
+             if inflight.current(i)}
         for r in holders:
             assert r.prefix_len <= r.kv_len, f"{r}: prefix beyond kv"
             row = rows[r.req_pool_idx].to(torch.int64)
@@ -435,7 +432,7 @@ class Scheduler:
             if r.status == ReqStatus.RUNNING:
                 ahead = in_flight.get(id(r), 0)
                 assert r.kv_len == r.seq_len - 1 + ahead, f"{r}: kv_len != seq_len - 1 + {ahead}"
-                assert r.num_output_scheduled == len(r.output_ids) + min(ahead, 1), \
+                assert r.num_output_scheduled == len(r.output_ids) + ahead, \
                     f"{r}: {r.num_output_scheduled} outputs scheduled"
         allslots = torch.cat(parts)
         assert allslots.numel() == total, \

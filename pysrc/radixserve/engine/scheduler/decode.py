@@ -19,18 +19,19 @@ decode step decays it. counters["num_retractions"] counts these (retractions for
 made at admission, are prefill.py's and counted in num_fair_retractions).
 
 With --enable-mixed-chunk the running decodes also ride along in a prefill step (add_rows).
-With --speculative-algorithm (spec.py) a decode step with no step in flight becomes a verify
-step when some request has a draft (_plan_verify): a decode step where a request with a draft
-of k tokens takes k + 1 rows (its last token and the draft; model/step_io.StepInput), so it
-runs in the decode CUDA graphs; when the pool cannot hold the drafts' slots it stays a plain
-decode step (drafts never retract anyone).
+With --speculative-algorithm (spec.py) a decode step becomes a verify step when some request
+has a draft (_plan_verify): a decode step where a request with a draft of k tokens takes k + 1
+rows (its last token and the draft; model/step_io.StepInput), so it runs in the decode CUDA
+graphs; when the pool cannot hold the drafts' slots it stays a plain decode step (drafts never
+retract anyone). Either may be planned over a verify step in flight, assuming its drafts
+accepted (_in_flight, spec.py's "Pipeline").
 Owns no queue: it reads the Scheduler's running set and asks it to retract or finish.
 Event-loop thread.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
 
 from radixserve.engine.req import FinishReason, Req
 from radixserve.engine.schedule_batch import ScheduleBatch
@@ -75,9 +76,9 @@ class DecodeManager:
         reqs = self.decoding()
         if not reqs:
             return None
-        if self.spec is not None and self.sched.step_in_flight() is None \
-                and self.spec.gate(reqs):
-            batch = self._plan_verify(reqs)
+        pending, unknown = self._in_flight()
+        if self.spec is not None and self.spec.gate(reqs):
+            batch = self._plan_verify(reqs, pending, unknown)
             if batch is not None:
                 return batch
         if self.spec is not None:
@@ -89,17 +90,40 @@ class DecodeManager:
             batch.add(req, req.kv_len, 1, None, sample=True, from_device=True)
             req.kv_len += 1
         batch.decode_slots = slots
+        self._assume(batch, reqs, pending)
         self.reserve.decay()
         if self.stats.decode_step():
             self.stats.log_decode(len(reqs), self.ledger.num_used_tokens(),
                                   self.ledger.token_usage(), len(self.sched.waiting))
         return batch
 
-    def _plan_verify(self, reqs: List[Req]) -> Optional[ScheduleBatch]:
+    def _in_flight(self) -> Tuple[Dict[int, List[int]], Set[int]]:
+        """The step in flight (a decode or verify step, or none), as this step's planning
+        sees it: ({id(req): its draft there} of the requests it verifies a draft of, which this
+        step assumes fully accepted; {id(req)} of every request it computes a token of, which
+        the host does not know yet)."""
+        inflight = self.sched.step_in_flight()
+        if inflight is None:
+            return {}, set()
+        unknown = {id(r) for i, r in enumerate(inflight.reqs)
+                   if inflight.sample[i] and inflight.current(i)}
+        return inflight.pending_drafts(), unknown
+
+    @staticmethod
+    def _assume(batch: ScheduleBatch, reqs: List[Req], pending: Dict[int, List[int]]) -> None:
+        """Record in batch which of its requests it computes assuming the step in flight
+        accepts their whole draft (StepInput.spec_cond_rows)."""
+        batch.spec_cond = [(r.req_pool_idx, len(pending[id(r)])) for r in reqs
+                           if id(r) in pending]
+
+    def _plan_verify(self, reqs: List[Req], pending: Dict[int, List[int]],
+                     unknown: Set[int]) -> Optional[ScheduleBatch]:
         """A verify step over reqs (spec.py): a DECODE batch where a request with a draft of
         k tokens takes k + 1 rows (StepInput); None when no request has a draft or the pool
-        cannot hold the drafts' slots (evicting is fine, retracting is not)."""
-        drafts = self.spec.drafts(reqs)
+        cannot hold the drafts' slots (evicting is fine, retracting is not). pending, unknown:
+        the step in flight (_in_flight); the drafts of its requests continue past what it
+        computes, assuming its drafts accepted (SpecDecoder.drafts)."""
+        drafts = self.spec.drafts(reqs, pending, unknown)
         if not any(drafts):
             return None
         total = len(reqs) + sum(len(d) for d in drafts)
@@ -116,9 +140,11 @@ class DecodeManager:
             pos += n
             batch.add_verify(req, draft, start)
         batch.decode_slots = slots
+        self._assume(batch, reqs, pending)
         self.spec.skip(reqs, drafts)
         self.reserve.decay()
-        self.stats.verify_step(sum(1 for d in drafts if d), total - len(reqs))
+        self.stats.verify_step(sum(1 for d in drafts if d), total - len(reqs),
+                               overlapped=self.sched.step_in_flight() is not None)
         if self.stats.decode_step():
             self.stats.log_decode(len(reqs), self.ledger.num_used_tokens(),
                                   self.ledger.token_usage(), len(self.sched.waiting))
@@ -131,6 +157,9 @@ class DecodeManager:
         reqs = self.decoding()
         if not reqs or self.memory_short():
             return
+        inflight = self.sched.step_in_flight()
+        if inflight is not None and inflight.pending_drafts():
+            return       # their positions depend on the verify in flight (extend rows: exact)
         slots = self.ledger.alloc(len(reqs))
         if slots is None:
             return

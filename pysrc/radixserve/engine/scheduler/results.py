@@ -173,9 +173,13 @@ class ResultProcessor:
         seed, the offset and the distribution, and the distribution is conditioned on the same
         accepted tokens), so the output is unchanged; for a draft token x this is the standard
         accept/resample rule with a one-hot proposal (accepted with probability p(x), else a
-        draw from p without x). The rejected tail's KV slots are freed (SlotLedger.rollback).
-        The tokens pass the stop checks one by one, exactly as decoded ones; a stop on one drops
-        the rest. Returns the tokens appended."""
+        draw from p without x). The tokens pass the stop checks one by one, exactly as decoded
+        ones; a stop on one drops the rest. Returns the tokens appended.
+        A step scheduled over this one assumed the whole draft accepted (spec.py). When a
+        draft token is rejected, that step computed this request from wrong positions: its
+        entry is voided (req.epoch: the results are dropped when it is processed; the device
+        kept the true next token, StepInput.spec_cond_rows), and the rejected tail's KV slots
+        and that step's are freed (SlotLedger.rollback), num_output_scheduled counted anew."""
         ids = out.sample.ids
         j = 0
         while j < len(draft) and draft[j] == ids[row + j]:
@@ -183,10 +187,14 @@ class ResultProcessor:
         self.stats.spec_accepted(j)
         if req.spec is not None:
             req.spec.observe(len(draft), j)
-        # KV of positions [0, seq_len - 1 + j) is the request's (last token and the accepted
-        # drafts); the step wrote len(draft) - j more
-        self.ledger.rollback(req, req.seq_len + j)
-        req.num_output_scheduled = len(req.output_ids) + j + 1
+        if j < len(draft):
+            if req.kv_len > req.seq_len + len(draft):   # a later step of it is in flight
+                req.epoch += 1
+                self.stats.count("spec_voided_steps")
+            # KV of positions [0, seq_len - 1 + j) is the request's (last token and the
+            # accepted drafts); the step wrote len(draft) - j more, a later one maybe more
+            self.ledger.rollback(req, req.seq_len + j)
+            req.num_output_scheduled = len(req.output_ids) + j + 1
         n = 0
         for t in range(j + 1):
             self._append_token(req, ids[row + t], out.sample.logprobs[row + t],

@@ -43,11 +43,27 @@ every row costs compute; a device already busy; drafts rarely accepted) B runs p
 probing one verify step every PROBE_EVERY steps; where either period is unknown, the step
 measures it (the first step of each kind at B is not counted: it carries one-time costs).
 
-Pipeline: drafts need every token of the request on the host, so a verify step is only built
-with no step in flight; spec_wants_host() tells the pipeline to resolve the decode step in
-flight rather than schedule over it (only while some request would draft: not cooling down),
-and nothing is scheduled over a verify step in flight (its accepted lengths decide the next
-step's KV positions). Steps without drafts overlap as before.
+Pipeline (issue 39 point 4: the overlapped loop stays on): a verify step is scheduled over the
+step in flight as a decode step is, while the device runs that step. The host does not know
+what the step in flight computes, so the next step assumes it (DecodeManager._in_flight): a
+request it verifies a draft d of is taken to accept all of d (its KV length, output offsets
+and num_output_scheduled count d, add_verify), and the token it samples last (its bonus, or a
+decode row's token) is unknown here but on the device, where the next step reads it as that
+request's first input. The next draft is the proposal for history + d, its first token (a
+guess of the unknown one) left out (SpecDecoder.draft); a wrong guess is rejected like any
+wrong draft token. Where a draft token is rejected the assumption failed for that request:
+  device: the step scheduled over it was told which requests it assumed fully accepted, and
+    how many drafts (StepInput.spec_cond_rows); each verify step records every request's
+    accepted count (ModelRunner.spec_accepted), and the step after leaves the next input of a
+    request whose count differs as it was (the true next token the verify chose), so what it
+    computed from the wrong positions never reaches an input;
+  host: processing the verify (ResultProcessor._apply_verify) voids the request's entry in the
+    step in flight (req.epoch: its results are dropped), frees the rejected tail and that
+    step's slots (SlotLedger.rollback) and recounts num_output_scheduled. The step after that
+    one is planned from the request's true state.
+So a rejection costs the request one step (the voided one), and a fully accepted draft costs
+nothing: the next verify was already running. Mixed chunks (--enable-mixed-chunk) carry no
+decode rows over a verify in flight (DecodeManager.add_rows: their positions are exact only).
 
 Counters (SchedulerStats): spec_verify_steps, spec_verify_reqs (request-steps with a draft),
 spec_draft_tokens, spec_accepted_tokens; mean accept length = (accepted + verify_reqs) /
@@ -56,7 +72,7 @@ verify_reqs. Event-loop thread.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from radixserve.cache.base import PrefixCache
 from radixserve.config import SPEC_MAX_BATCH, ServerArgs
@@ -197,38 +213,43 @@ class SpecDecoder:
             req.spec = ReqSpec(NgramIndex(self.min_window, self.max_window), self.num_draft)
         return req.spec
 
-    def wants_host(self, decoding: List[Req]) -> bool:
-        """A verify step may be built next if the host knew every token (the pipeline then
-        resolves the step in flight instead of scheduling over it)."""
-        return self.gate(decoding) and any(
-            self.eligible(r) and (r.spec is None or r.spec.cooldown == 0) for r in decoding)
+    def drafts(self, reqs: List[Req], pending: Optional[Dict[int, List[int]]] = None,
+               unknown: Optional[Set[int]] = None) -> List[List[int]]:
+        """Each request's draft for a verify step now ([] for none). pending / unknown: the
+        step in flight (DecodeManager._in_flight): {id(req): its draft there}, assumed
+        accepted, and {id(req)} of the requests whose next token it computes, not yet known
+        here. A request cooling down gets none (and counts nothing: see skip)."""
+        pending, unknown = pending or {}, unknown or set()
+        return [self.draft(req, pending.get(id(req), ()), id(req) in unknown) for req in reqs]
 
-    def drafts(self, reqs: List[Req]) -> List[List[int]]:
-        """Each request's draft for a verify step now ([] for none); no step of theirs in
-        flight. A request cooling down gets none (and counts nothing: see skip)."""
-        return [self.draft(req) for req in reqs]
-
-    def draft(self, req: Req) -> List[int]:
-        """req's draft for its next verify step ([] for none)."""
+    def draft(self, req: Req, extra: Sequence[int] = (), unknown: bool = False) -> List[int]:
+        """req's draft for its next verify step ([] for none). extra: tokens assumed to
+        follow its history (its draft in the step in flight); unknown: the step in flight
+        computes one more token after those, which this step reads on the device as its first
+        input, so the draft is what follows that token: the proposal for history + extra, its
+        first token (a guess of the unknown one) left out. A wrong guess costs only the
+        draft: its first token is then rejected as any mismatch is."""
         if not self.eligible(req):
             return []
         state = self._state(req)
         want = state.draft_len()
         if want == 0:
             return []
-        # the bonus token counts: at most max_new_tokens - 1 - len(output) drafts, and the
-        # sequence stays within the context
-        room = min(want, req.max_new_tokens - len(req.output_ids) - 1,
-                   self.context_len - req.seq_len - 1)
+        # the bonus token counts: at most max_new_tokens - 1 - (output tokens once the steps
+        # scheduled so far ran) drafts, and the sequence stays within the context
+        room = min(want, req.max_new_tokens - req.num_output_scheduled - 1,
+                   self.context_len - len(req.origin_input_ids) - req.num_output_scheduled - 1)
         if room <= 0:
             return []
+        skip = 1 if unknown else 0
         history = req.fill_ids
         draft: List[int] = []
         if self.algorithm == "suffix" and self.cache is not None:
-            draft = self.cache.continuation(history, room)     # the whole history matched
+            # the whole history matched
+            draft = self.cache.continuation(history + list(extra), room + skip)[skip:]
         if not draft:
             state.index.sync(history)
-            draft = state.index.propose(room)
+            draft = state.index.propose(room + skip, extra)[skip:]
         if not draft:
             state.missed()
         return draft

@@ -22,8 +22,10 @@ COUNTERS = ("num_requests", "num_finished_requests", "num_aborted_requests",
             "num_prefill_steps", "num_decode_steps",
             "num_jumps", "jump_forward_tokens",
             # speculative decoding (spec.py): verify steps, request-steps that verified a draft,
-            # draft tokens verified, of them accepted
-            "spec_verify_steps", "spec_verify_reqs", "spec_draft_tokens", "spec_accepted_tokens")
+            # draft tokens verified, of them accepted; verify steps scheduled over a step in
+            # flight, and request-steps voided because the step before rejected a draft
+            "spec_verify_steps", "spec_verify_reqs", "spec_draft_tokens", "spec_accepted_tokens",
+            "spec_overlapped_verify_steps", "spec_voided_steps")
 
 
 class SchedulerStats:
@@ -83,9 +85,10 @@ class SchedulerStats:
                     "token usage: %.2f, #running-req: %d, #queue-req: %d",
                     new_seqs, new_tokens, cached, token_usage, running, queued)
 
-    def verify_step(self, num_verifying: int, num_draft_tokens: int) -> None:
-        """A speculative verify step was scheduled (spec.py)."""
+    def verify_step(self, num_verifying: int, num_draft_tokens: int, overlapped: bool) -> None:
+        """A speculative verify step was scheduled (spec.py), over a step in flight or not."""
         self.counters["spec_verify_steps"] += 1
+        self.counters["spec_overlapped_verify_steps"] += overlapped
         self.counters["spec_verify_reqs"] += num_verifying
         self.counters["spec_draft_tokens"] += num_draft_tokens
 

@@ -46,16 +46,27 @@ class NgramIndex:
                 self.last_end[tuple(toks[end - n:end])] = end
         self._indexed_to = max(self._indexed_to, len(toks) - 1)
 
-    def propose(self, k: int) -> List[int]:
-        """Up to k draft tokens following the history given to the last sync(); [] for none."""
-        toks = self.tokens
-        length = len(toks)
-        if k <= 0 or length < self.min_window + 1:
+    def propose(self, k: int, extra: Sequence[int] = ()) -> List[int]:
+        """Up to k draft tokens following the history given to the last sync() and then extra
+        (tokens assumed to follow it, not indexed: a verify step in flight's draft); [] for
+        none. The match is looked up among the indexed n-grams (ending in the synced history);
+        its continuation runs on into extra where it reaches the history's end."""
+        toks, extra = self.tokens, list(extra)
+        length, n_extra = len(toks), len(extra)
+        total = length + n_extra
+        if k <= 0 or total < self.min_window + 1:
             return []
-        for n in range(min(self.max_window, length - 1), self.min_window - 1, -1):
-            end = self.last_end.get(tuple(toks[length - n:]))
+        for n in range(min(self.max_window, total - 1), self.min_window - 1, -1):
+            if n <= n_extra:
+                key = tuple(extra[n_extra - n:])
+            else:
+                key = tuple(toks[length - (n - n_extra):]) + tuple(extra)
+            end = self.last_end.get(key)
             if end is not None:
-                return toks[end:end + k]
+                out = toks[end:end + k]
+                if len(out) < k:
+                    out += extra[:k - len(out)]
+                return out
         return []
 
 
