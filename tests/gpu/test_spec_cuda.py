@@ -144,3 +144,55 @@ def test_verify_under_a_tiny_pool_and_aborts(model_dir):
     assert reqs[0].finish_reason["type"] == "abort"
     assert all(len(r.output_ids) == 40 for r in reqs[1:])
     assert on.kv_pool.available_size() + on.cache.evictable_size() == on.kv_pool.num_slots
+
+
+def _greedy_gap(runner, r):
+    """Largest logit gap between the argmax and r's chosen token over its output (0: every
+    token an argmax of the teacher-forced forward)."""
+    logits = _all_logits(runner, r.origin_input_ids + r.output_ids[:-1])
+    rows = logits[len(r.origin_input_ids) - 1:]
+    chosen = rows.gather(1, torch.tensor(r.output_ids, device="cuda")[:, None])[:, 0]
+    return (rows.max(dim=1).values - chosen).max().item()
+
+
+@pytest.mark.parametrize("corrupt_every", [0, 3])
+def test_overlapped_verify_steps_in_graphs(model_dir, monkeypatch, corrupt_every):
+    """Issue 39 point 4 on the GPU: drafts forced to the unspeculated run's continuations (every
+    third one wrong at its second token with corrupt_every=3), gates open. Verify steps are
+    scheduled while the one before runs (CUDA graphs, the device-side keep of a voided
+    request's next input, StepInput.spec_cond_rows); greedy outputs stay greedy sequences of
+    the model, integrity holds after every step, no KV leaks; true drafts are (nearly, up to
+    bf16 near-ties between the runs) all accepted, wrong ones void the step after."""
+    from radixserve.engine.scheduler import spec as spec_mod
+
+    off = _scheduler(model_dir)
+    ref = [r for r in _requests("o") if r.sampling_params.temperature == 0]
+    _run(off, ref)
+    refs = {r.rid: r.output_ids for r in ref}
+    calls = {"n": 0}
+
+    def draft(self, req, extra=(), unknown=False):
+        pos = len(req.output_ids) + len(extra) + (1 if unknown else 0)
+        room = min(self.num_draft, req.max_new_tokens - req.num_output_scheduled - 1)
+        d = list(refs[req.rid][pos:pos + max(room, 0)])
+        calls["n"] += 1
+        if corrupt_every and calls["n"] % corrupt_every == 0 and len(d) >= 2:
+            d[1] = (d[1] + 1) % 512
+        return d
+
+    monkeypatch.setattr(spec_mod.RateGate, "allow", lambda self, *a: True)
+    monkeypatch.setattr(spec_mod.SpecDecoder, "draft", draft)
+    on = _scheduler(model_dir, model=off.runner.model, **SPEC)
+    got = [r for r in _requests("o") if r.sampling_params.temperature == 0]
+    _run(on, got)
+    assert on.runner.graph_runner is not None
+    c = on.counters
+    assert c["spec_verify_steps"] > 0
+    assert c["spec_overlapped_verify_steps"] >= c["spec_verify_steps"] - 2, c
+    for r in got:
+        assert len(r.output_ids) == 48
+        assert _greedy_gap(on.runner, r) < 0.1, r.rid
+    if corrupt_every:
+        assert c["spec_voided_steps"] > 0, c
+    else:
+        assert c["spec_accepted_tokens"] >= 0.9 * c["spec_draft_tokens"], c
