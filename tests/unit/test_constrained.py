@@ -407,3 +407,40 @@ def test_a_grammar_dead_end_fails_its_request_as_a_400_not_a_503():
     err = O.abort_error(reasons[0].to_dict())
     assert err.status == 400 and "no valid continuation" in err.message
     assert O.abort_error({"type": "abort", "message": "the pool is full"}).status == 503
+
+
+def test_speculation_beside_grammar_rows_changes_nothing(make_sched, backend, default_tokenizer):
+    """Issue 39's grammar case: requests with a grammar run unspeculated (and jump forward) in
+    the same steps as speculated free requests on repeating text, overlapped or serial: every
+    output equals the unspeculated run's, each JSON validates, and verify steps ran (over a
+    step in flight when overlapped)."""
+    free_texts = ["one two three four five six seven eight nine ten. one two three four five "
+                  "six seven eight nine ten. one two three four",
+                  "A B C D E F G A B C D E F G A B C"]
+
+    def reqs():
+        out = [constrained_req(backend, f"g{i}", chat_ids(default_tokenizer, f"JSON {i}"),
+                               json_schema=json.dumps(SCHEMAS[i])) for i in range(3)]
+        out += [Req(f"f{i}", default_tokenizer.encode(t),
+                    SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True), 40)
+                for i, t in enumerate(free_texts)]
+        return out
+
+    runs = {}
+    for spec in (False, True):
+        for serial in (False, True):
+            kw = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=5) \
+                if spec else {}
+            sched = make_sched(disable_overlap_schedule=serial, **kw)
+            rs = reqs()
+            run_to_completion(sched, rs)
+            runs[(spec, serial)] = ([r.output_ids for r in rs], sched.counters)
+            for i, r in enumerate(rs[:3]):
+                jsonschema.validate(json.loads(output_text(default_tokenizer, r)), SCHEMAS[i])
+    ref = runs[(False, False)][0]
+    for key, (outs, counters) in runs.items():
+        assert outs == ref, key
+    overlapped = runs[(True, False)][1]
+    assert overlapped["spec_verify_steps"] > 0 and overlapped["spec_accepted_tokens"] > 0
+    assert overlapped["spec_overlapped_verify_steps"] > 0
+    assert runs[(True, True)][1]["spec_overlapped_verify_steps"] == 0

@@ -150,7 +150,8 @@ def _sampled(rid, p, n, **kw):
 
 def _mixed_reqs(p, tag):
     """Sampled requests of every per-row knob, a logprobs request, and the two kinds that
-    run unspeculated (penalties, and below in the grammar test, a grammar)."""
+    run unspeculated (penalties here; a grammar: test_constrained.py's
+    test_speculation_beside_grammar_rows_changes_nothing)."""
     return [
         Req(f"{tag}s", list(p), SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9,
                                                top_k=20, seed=7, ignore_eos=True), 16),

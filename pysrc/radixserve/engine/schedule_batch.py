@@ -113,11 +113,17 @@ class ScheduleBatch:
         """reqs[i] is still in the state this step was scheduled for (not finished, no jump)."""
         return not self.reqs[i].finished and self.reqs[i].epoch == self.epochs[i]
 
+    def sampling_owners(self) -> List[int]:
+        """Per sampling row, in order, the index of the request it belongs to (a verify row's
+        request owns its len(draft) + 1 rows)."""
+        return [i for i in range(self.batch_size) for _ in range(self.num_samples(i))]
+
     def sampling_grammars(self) -> list:
-        """Per sampling row: the grammar whose mask it samples under, None for a free row or a
-        request whose token will be dropped (finished or jumped since it was scheduled)."""
+        """Per sampling row (sampling_owners): the grammar whose mask it samples under, None
+        for a free row or a request whose token will be dropped (finished or jumped since it
+        was scheduled). A request with a grammar never drafts: its one row."""
         return [self.reqs[i].grammar if self.current(i) else None
-                for i in range(self.batch_size) if self.sample[i]]
+                for i in self.sampling_owners()]
 
     @property
     def batch_size(self) -> int:

@@ -54,7 +54,7 @@ class GrammarSlot:
     def bitmask(self, batch: ScheduleBatch) -> torch.Tensor:
         """[S, ceil(vocab / 32)] int32 host bitmask (pinned on CUDA) of batch's sampling rows."""
         grammars = batch.sampling_grammars()
-        owners = [r for i, r in enumerate(batch.reqs) if batch.sample[i]]
+        owners = [batch.reqs[i] for i in batch.sampling_owners()]
         mask = full_bitmask(len(grammars), self.vocab_size, pin_memory=self.pin)
         for row, (g, req) in enumerate(zip(grammars, owners)):
             if g is None:
