@@ -316,6 +316,36 @@ def test_verify_overlap_with_sampled_rows(monkeypatch, make_scheduler, repeat_pr
     assert c["spec_overlapped_verify_steps"] > 0 and c["spec_voided_steps"] > 0
 
 
+@pytest.mark.parametrize("kw", [dict(enable_mixed_chunk=True, chunked_prefill_size=32),
+                                dict(enable_priority_scheduling=True, max_running_requests=4)],
+                         ids=["mixed-chunk", "priority"])
+def test_speculation_with_mixed_chunks_and_priorities(make_scheduler, repeat_prompts,
+                                                      text_prompts, kw):
+    """Mixed chunks (decode rows riding in prefill steps; none over a verify in flight) and
+    priority scheduling (an urgent late arrival preempts speculating requests) with speculation
+    overlapped: outputs equal the same configuration without speculation, integrity after
+    every step."""
+    prompts = repeat_prompts + text_prompts[:5]
+
+    def reqs():
+        out = [greedy_req(f"m{i}", p, 24) for i, p in enumerate(prompts)]
+        for i, r in enumerate(out):
+            r.priority = 20 if i == len(out) - 1 else 0
+        return out
+
+    outs = {}
+    for spec in (False, True):
+        sched = make_scheduler(**(SPEC if spec else {}), **kw)
+        rs = reqs()
+        run_to_completion(sched, rs, arrivals={3: rs[-2:]})
+        outs[spec] = [r.output_ids for r in rs]
+        counters = sched.counters
+    assert outs[True] == outs[False]
+    assert counters["spec_verify_steps"] > 0
+    if "enable_priority_scheduling" in kw:
+        assert counters["num_priority_retractions"] > 0
+
+
 def test_flags_checked():
     ServerArgs(**SPEC).check()
     ServerArgs(speculative_algorithm="suffix").check()
