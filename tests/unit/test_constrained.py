@@ -359,6 +359,34 @@ def test_overlap_and_serial_constrained_outputs_are_equal(make_sched, backend, d
     assert outs[0] == outs[1]
 
 
+def test_grammar_rows_in_speculative_verify_steps(make_sched, backend, default_tokenizer,
+                                                 greedy_alone):
+    """--speculative-algorithm: a grammar request runs unspeculated (one row) in the same verify
+    steps as requests whose drafts take len(draft) + 1 sampling rows each. Its bitmask must
+    have a row per sampling row, its own at its position among them (after the verify rows of
+    the requests before it): a mask of one row per request failed the whole step (IndexError
+    in the sampler: every request of the batch aborted, a 503), or masked the wrong rows."""
+    sched = make_sched(speculative_algorithm="ngram", speculative_num_draft_tokens=5)
+    repeat = default_tokenizer.encode("one two three four five six seven eight nine ten. one two "
+                                      "three four five six seven eight nine ten. one two three")
+    free = [Req(f"free{i}", list(repeat), SamplingParams(max_new_tokens=24, temperature=0.0,
+                                                         ignore_eos=True), 24) for i in range(2)]
+    phone = REGEXES["phone"]
+    grammar = [constrained_req(backend, "g0", chat_ids(default_tokenizer, "A phone number?"),
+                               regex=phone),
+               constrained_req(backend, "g1", chat_ids(default_tokenizer, "JSON 1"),
+                               json_schema=json.dumps(SCHEMAS[1]))]
+    reqs = [free[0], grammar[0], free[1], grammar[1]]   # grammar rows between verify rows
+    run_to_completion(sched, reqs)
+    assert sched.counters["spec_verify_steps"] > 0 and sched.counters["spec_accepted_tokens"] > 0
+    for r in reqs:
+        assert not r.finish_reason.is_abort, (r.rid, r.finish_reason)
+    for r in free:
+        assert r.output_ids == greedy_alone(r.origin_input_ids, 24), r.rid
+    assert re.fullmatch(phone, output_text(default_tokenizer, grammar[0]))
+    jsonschema.validate(json.loads(output_text(default_tokenizer, grammar[1])), SCHEMAS[1])
+
+
 def test_logit_bias_forces_and_bans_tokens(make_sched, default_tokenizer, text_prompts):
     sched = make_sched()
     target = default_tokenizer.encode(" banana", add_special_tokens=False)[0]
