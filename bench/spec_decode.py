@@ -137,8 +137,8 @@ def run_cost(args) -> Dict[str, Any]:
     # the last token, the gates are held open. The step's cost does not depend on acceptance.
     spec_mod.MIN_ACCEPT = -1.0
     spec_mod.RateGate.allow = lambda self, *args: True
-    spec_mod.SpecDecoder.draft = lambda self, req, extra=(), unknown=False: \
-        [req.fill_ids[-1]] * k
+    spec_mod.SpecDecoder.draft = \
+        lambda self, req, extra=(), unknown=False, miss_cooldown=0: [req.fill_ids[-1]] * k
     k = args.num_draft_tokens - 1
     out: Dict[str, Any] = {"preset": args.preset, "k": k, "rows": {}}
     model = None

@@ -583,6 +583,7 @@ class ServerArgs:
     debug_decode_no_split_tokens: Optional[int] = _debug_flag("RADIXSERVE_DECODE_NO_SPLIT_TOKENS")
     debug_graph_context_classes: Optional[bool] = _debug_flag("RADIXSERVE_GRAPH_CONTEXT_CLASSES")
     debug_gc_gen0: Optional[int] = _debug_flag("RADIXSERVE_GC_GEN0")
+    debug_spec_overlap: Optional[str] = _debug_flag("RADIXSERVE_SPEC_OVERLAP")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

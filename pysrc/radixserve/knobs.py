@@ -135,6 +135,13 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
          "(engine/async_engine.GC_GEN0_THRESHOLD; 700 = CPython's own, for A/B runs). Read when "
          "an engine starts",
          ("engine.async_engine.freeze_startup_objects",), _int, "--debug-gc-gen0"),
+    Knob("RADIXSERVE_SPEC_OVERLAP", "auto|on|off", "auto",
+         "speculative verify steps in the overlapped loop (engine/scheduler/spec.py): auto = "
+         "where measured to pay (a serial verify step's period at least 1.5x its device time, "
+         "per batch size), on = always, off = never (a verify step then runs with no step in "
+         "flight, for comparisons and tests). Read at every decode step's planning",
+         ("engine.scheduler.spec.SpecDecoder.overlap_verify",), _choice("auto", "on", "off"),
+         "--debug-spec-overlap"),
     # --- runtime: the rest
     Knob("RADIXSERVE_DISABLE_KERNELS", "0|1", False,
          "1 = radixserve._C is not loaded: the torch reference ops run everywhere (the debugging "

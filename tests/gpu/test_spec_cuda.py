@@ -171,7 +171,7 @@ def test_overlapped_verify_steps_in_graphs(model_dir, monkeypatch, corrupt_every
     refs = {r.rid: r.output_ids for r in ref}
     calls = {"n": 0}
 
-    def draft(self, req, extra=(), unknown=False):
+    def draft(self, req, extra=(), unknown=False, miss_cooldown=0):
         pos = len(req.output_ids) + len(extra) + (1 if unknown else 0)
         room = min(self.num_draft, req.max_new_tokens - req.num_output_scheduled - 1)
         d = list(refs[req.rid][pos:pos + max(room, 0)])

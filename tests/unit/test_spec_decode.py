@@ -248,7 +248,7 @@ def _forced_drafts(monkeypatch, refs, corrupt_every=0):
 
     calls = {"n": 0}
 
-    def draft(self, req, extra=(), unknown=False):
+    def draft(self, req, extra=(), unknown=False, miss_cooldown=0):
         if not self.eligible(req):
             return []
         pos = len(req.output_ids) + len(extra) + (1 if unknown else 0)
@@ -261,6 +261,7 @@ def _forced_drafts(monkeypatch, refs, corrupt_every=0):
 
     monkeypatch.setattr(spec_mod.RateGate, "allow", lambda self, *a: True)
     monkeypatch.setattr(spec_mod.SpecDecoder, "draft", draft)
+    monkeypatch.setenv("RADIXSERVE_SPEC_OVERLAP", "on")     # the CPU's auto runs them serially
 
 
 @pytest.mark.parametrize("corrupt_every", [0, 3])
@@ -344,6 +345,48 @@ def test_speculation_with_mixed_chunks_and_priorities(make_scheduler, repeat_pro
     assert counters["spec_verify_steps"] > 0
     if "enable_priority_scheduling" in kw:
         assert counters["num_priority_retractions"] > 0
+
+
+def test_overlap_is_chosen_where_it_pays():
+    """RADIXSERVE_SPEC_OVERLAP=auto: verify steps overlap at a batch size once a serial verify
+    step's measured period is at least 1.5x its device time (host work and launch latency to
+    hide: a GPU with a small model), never where the forward is the period (the CPU); serial
+    periods are measured first and again every PROBE_EVERY overlapped verify steps."""
+    from radixserve.engine.scheduler.spec import PROBE_EVERY, RateGate
+
+    gpu, cpu = RateGate(), RateGate()
+    t = 0.0
+    for gate, period, device in ((gpu, 2.8e-3, 0.6e-3), (cpu, 0.110, 0.105)):
+        assert not gate.overlap_pays(1)                 # nothing measured: serial
+        t = 0.0
+        for _ in range(4):                              # serial verify steps at B = 1
+            gate.step_scheduled("verify", 1, t)
+            gate.verify_ran(1, device)
+            t += period
+        gate.step_scheduled("decode", 1, t)
+    assert gpu.overlap_pays(1) and not cpu.overlap_pays(1)
+    assert not gpu.overlap_pays(2)                      # per batch size
+    for _ in range(PROBE_EVERY):                        # overlapped verify steps at B = 1
+        t += 1e-3
+        gpu.step_scheduled("verify_over", 1, t)
+    assert not gpu.overlap_pays(1)                      # time to measure a serial one again
+    gpu.step_scheduled("verify", 1, t + 1e-3)
+    assert gpu.overlap_pays(1)
+
+
+def test_auto_overlap_keeps_the_cpu_serial(make_scheduler, repeat_prompts):
+    """On the CPU (auto) verify steps run with no step in flight, as the measured periods say;
+    the knob set to on overlaps them; outputs equal either way."""
+    outs, counters = {}, {}
+    for mode in ("auto", "on"):
+        from radixserve import knobs
+        with knobs.override("RADIXSERVE_SPEC_OVERLAP", mode):
+            sched, outs[mode] = run(make_scheduler, repeat_prompts, 32, spec=True)
+        counters[mode] = sched.counters
+    assert outs["auto"] == outs["on"]
+    assert counters["auto"]["spec_verify_steps"] > 0
+    assert counters["auto"]["spec_overlapped_verify_steps"] == 0
+    assert counters["on"]["spec_overlapped_verify_steps"] > 0
 
 
 def test_flags_checked():

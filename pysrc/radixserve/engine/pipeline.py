@@ -7,11 +7,13 @@
 With overlap (the default) the host processes step N-1's results (stop checks, detokenizing,
 streaming, admission) and builds step N+1 while the device runs step N. A step is scheduled
 over the one in flight only when the host state it needs is known without that step's
-results: after a decode step (a speculative verify step included: the step scheduled over it
-assumes its drafts accepted, and the device and the host drop what a rejection made wrong, see
-engine/scheduler/spec.py), when no retraction is needed (neither for memory,
-Scheduler.decode_memory_short, nor for fairness or priority, Scheduler.preempt_pending); after
-a prefill step whose requests all end their prompts there (no chunk to publish, no prompt
+results: after a decode step, when no retraction is needed (neither for memory,
+Scheduler.decode_memory_short, nor for fairness or priority, Scheduler.preempt_pending); with
+speculation (engine/scheduler/spec.py), after a verify step too where verify steps overlap
+(Scheduler.spec_overlaps: the step scheduled over it assumes its drafts accepted, and the
+device and the host drop what a rejection made wrong), and where they do not, a decode step is
+resolved first when a verify step could be built (Scheduler.spec_wants_host); after a prefill
+step whose requests all end their prompts there (no chunk to publish, no prompt
 logprobs), a step that prefills other waiting requests (Scheduler.can_prefill_over; its
 requests join the running batch when it is resolved, so no decode is scheduled over it).
 Otherwise the step in flight is resolved first. --disable-overlap-schedule resolves every step
@@ -117,7 +119,7 @@ class ThreadedExecutor:
 
 class StepPipeline:
     """scheduler: schedule(prefill_only=), can_prefill_over(batch), decode_memory_short(),
-    preempt_pending(), grammar_bitmask(batch),
+    preempt_pending(), spec_overlaps(batch), spec_wants_host(), grammar_bitmask(batch),
     process_batch_result(batch, out), fail_batch(batch, error), looked up on it at every call. executor: a StepExecutor.
     overlap: schedule over the step in flight where its inputs allow (module docstring)."""
 
@@ -184,8 +186,10 @@ class StepPipeline:
 
     def _can_schedule_over(self, batch) -> bool:
         return (self.overlap and batch.mode is ForwardMode.DECODE
+                and (not batch.verifies or self.scheduler.spec_overlaps(batch))
                 and not self.scheduler.decode_memory_short()
-                and not self.scheduler.preempt_pending())
+                and not self.scheduler.preempt_pending()
+                and not self.scheduler.spec_wants_host())
 
     async def drain(self) -> None:
         """Resolve the step in flight, if any (shutdown, tests)."""

@@ -264,7 +264,8 @@ class Scheduler:
                                          decode_slots=batch.decode_slots,
                                          spec_row_base=self.runner.spec_row_base)
         if self.spec is not None:
-            self.spec.step_scheduled(batch, time.perf_counter())
+            self.spec.step_scheduled(batch, time.perf_counter(),
+                                     overlapped=self.step_in_flight() is not None)
         return batch
 
     # the pipeline's questions and calls (engine/pipeline.py)
@@ -287,6 +288,18 @@ class Scheduler:
         """A decode step now could not give every running request a slot without retracting."""
         return self.decode.memory_short()
 
+    def spec_wants_host(self) -> bool:
+        """Speculation runs serially now (SpecDecoder.overlap_verify) and could build a verify
+        step if the step in flight were processed (its drafts need every token on the host):
+        the pipeline resolves it first rather than scheduling a plain decode over it. Always
+        False without --speculative-algorithm."""
+        return self.spec is not None and self.spec.wants_host(self.decode.decoding())
+
+    def spec_overlaps(self, batch: ScheduleBatch) -> bool:
+        """May a step be scheduled over batch, a verify step in flight
+        (SpecDecoder.overlap_verify at its batch size)?"""
+        return self.spec is not None and self.spec.overlap_verify(batch.batch_size)
+
     def preempt_pending(self) -> bool:
         """The last admission wanted to retract running requests (for fairness: of a client
         over its share for a client under it; for priority: less urgent ones for an urgent
@@ -300,6 +313,8 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, out: Any) -> None:
         """A step's StepOutput reached the host (ResultProcessor.process). Loop thread."""
+        if self.spec is not None and batch.verifies:
+            self.spec.verify_ran(batch.batch_size, out.device_time)
         self.results.process(batch, out)
 
     def fail_batch(self, batch: ScheduleBatch, error: BaseException) -> None:

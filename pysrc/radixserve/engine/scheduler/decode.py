@@ -77,7 +77,9 @@ class DecodeManager:
         if not reqs:
             return None
         pending, unknown = self._in_flight()
-        if self.spec is not None and self.spec.gate(reqs):
+        over = self.sched.step_in_flight() is not None
+        if self.spec is not None and (not over or self.spec.overlap_verify(len(reqs))) \
+                and self.spec.gate(reqs, overlapped=over):
             batch = self._plan_verify(reqs, pending, unknown)
             if batch is not None:
                 return batch

@@ -43,8 +43,15 @@ every row costs compute; a device already busy; drafts rarely accepted) B runs p
 probing one verify step every PROBE_EVERY steps; where either period is unknown, the step
 measures it (the first step of each kind at B is not counted: it carries one-time costs).
 
-Pipeline (issue 39 point 4: the overlapped loop stays on): a verify step is scheduled over the
-step in flight as a decode step is, while the device runs that step. The host does not know
+Pipeline (issue 39 point 4: the overlapped loop stays on): where it pays (overlap_verify: the
+knob RADIXSERVE_SPEC_OVERLAP, auto = RateGate.overlap_pays, measured per batch size: a serial
+verify step's period at least 1.5x its device time, i.e. host work and launch latency worth
+hiding, as on a GPU with a small model; not on the CPU, where the forward is the period), a
+verify step is scheduled over the step in flight as a decode step is, while the device runs
+that step. Where it does not pay, a verify step is built only with no step in flight
+(Scheduler.spec_wants_host makes the pipeline resolve a decode step first while some request
+would draft, and a request that found no draft waits MISS_COOLDOWN steps before it looks
+again), and nothing is scheduled over it. Overlapped: The host does not know
 what the step in flight computes, so the next step assumes it (DecodeManager._in_flight): a
 request it verifies a draft d of is taken to accept all of d (its KV length, output offsets
 and num_output_scheduled count d, add_verify), and the token it samples last (its bonus, or a
@@ -74,6 +81,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
+from radixserve import knobs
 from radixserve.cache.base import PrefixCache
 from radixserve.config import SPEC_MAX_BATCH, ServerArgs
 from radixserve.engine.req import Req
@@ -83,9 +91,13 @@ from radixserve.model.forward_batch import ForwardMode
 EMA_WEIGHT = 0.5        # weight of the newest verify in a request's acceptance average
 MIN_ACCEPT = 0.25       # tokens accepted per verify below which a request stops drafting
 COOLDOWN_STEPS = 16     # decode steps a request then runs undrafted before it probes again
-MISS_COOLDOWN = 4       # decode steps a request runs undrafted after its history had no match
+# decode steps a request runs undrafted after its history had no match, where verify steps run
+# serially (each look needs a serial turn); where they overlap, none (a look is an n-gram lookup)
+MISS_COOLDOWN = 4
 RATE_WEIGHT = 0.3       # weight of the newest step in RateGate's averages
 PROBE_EVERY = 32        # decode steps at a batch size before RateGate probes verify again
+                        # (and overlapped verify steps before it measures a serial one again)
+OVERLAP_MIN_HIDDEN = 1.5   # serial verify period / its device time from which verify overlaps
 MAX_INTERVAL_S = 2.0    # a longer period between two steps' scheduling holds idle time
 
 
@@ -112,10 +124,9 @@ class ReqSpec:
             self.cooldown = COOLDOWN_STEPS
             self.accept_avg = 0.0               # probe with one token after the cooldown
 
-    def missed(self) -> None:
-        """No draft was found: look again after MISS_COOLDOWN steps (the pipeline overlaps
-        those steps; see the module docstring)."""
-        self.cooldown = max(self.cooldown, MISS_COOLDOWN)
+    def missed(self, steps: int = MISS_COOLDOWN) -> None:
+        """No draft was found: look again after `steps` decode steps."""
+        self.cooldown = max(self.cooldown, steps)
 
     def skipped(self) -> None:
         """A decode step ran without a draft for this request."""
@@ -133,11 +144,14 @@ class RateGate:
         self.periods: Dict[Tuple[str, int], float] = {}  # (kind, B) -> EMA seconds
         self.seen: Dict[Tuple[str, int], int] = {}        # (kind, B) -> periods measured
         self.since_verify: Dict[int, int] = {}            # B -> decode steps since a verify
+        self.since_serial: Dict[int, int] = {}            # B -> overlapped verifies since a serial
+        self.verify_device: Dict[int, float] = {}         # B -> EMA device seconds of a verify step
         self._last: Optional[Tuple[str, int, float]] = None   # (kind, B, scheduled at)
 
-    def allow(self, batch_size: int, expected_tokens: float) -> bool:
-        """Build a verify step of batch_size requests expected to yield expected_tokens?"""
-        v = self.periods.get(("verify", batch_size))
+    def allow(self, batch_size: int, expected_tokens: float, overlapped: bool = False) -> bool:
+        """Build a verify step of batch_size requests expected to yield expected_tokens, over a
+        step in flight (overlapped) or not? Each against its own measured period."""
+        v = self.periods.get(("verify_over" if overlapped else "verify", batch_size))
         d = self.periods.get(("decode", batch_size))
         if v is None:
             return True                                   # measure verify steps at B
@@ -146,12 +160,37 @@ class RateGate:
         return (expected_tokens / v >= batch_size / d
                 or self.since_verify.get(batch_size, 0) >= PROBE_EVERY)
 
+    def overlap_pays(self, batch_size: int) -> bool:
+        """Schedule verify steps of batch_size requests over the step in flight? Where a serial
+        verify step's period is at least OVERLAP_MIN_HIDDEN x its device time: then more than a
+        third of it is host work and launch latency that the overlapped loop hides, which pays
+        for the steps a rejection voids (spec.py's "Pipeline": a rejected draft costs its
+        request the step after). On the CPU, where the forward is the period, never; on a GPU
+        with a small model (host-bound steps), yes. Serial periods are measured first, and
+        again every PROBE_EVERY overlapped verify steps."""
+        s = self.periods.get(("verify", batch_size))
+        d = self.verify_device.get(batch_size)
+        if s is None or d is None or self.since_serial.get(batch_size, 0) >= PROBE_EVERY:
+            return False
+        return s >= OVERLAP_MIN_HIDDEN * d
+
+    def verify_ran(self, batch_size: int, device_s: float) -> None:
+        """A verify step of batch_size requests took device_s seconds of device time."""
+        old = self.verify_device.get(batch_size)
+        self.verify_device[batch_size] = device_s if old is None else \
+            (1 - RATE_WEIGHT) * old + RATE_WEIGHT * device_s
+
     def step_scheduled(self, kind: str, batch_size: int, now: float) -> None:
-        """A step was scheduled at now (time.perf_counter()); kind "verify", "decode" or
-        "extend". Ends the previous step's period."""
+        """A step was scheduled at now (time.perf_counter()); kind "verify" (nothing in
+        flight), "verify_over" (over a step in flight), "decode" or "extend". Ends the
+        previous step's period."""
         last, self._last = self._last, (kind, batch_size, now)
         if kind == "verify":
             self.since_verify[batch_size] = 0
+            self.since_serial[batch_size] = 0
+        elif kind == "verify_over":
+            self.since_verify[batch_size] = 0
+            self.since_serial[batch_size] = self.since_serial.get(batch_size, 0) + 1
         elif kind == "decode":
             self.since_verify[batch_size] = self.since_verify.get(batch_size, 0) + 1
         if last is None:
@@ -186,8 +225,30 @@ class SpecDecoder:
         """req's rows may be drafted (see the module docstring)."""
         return req.grammar is None and not req.uses_penalties
 
-    def gate(self, decoding: List[Req]) -> bool:
-        """Speculate in a step of these decoding requests (the batch-size and cost gates)."""
+    def overlap_verify(self, batch_size: int) -> bool:
+        """May a verify step of batch_size requests be scheduled over the step in flight (and a
+        step over it)? The knob RADIXSERVE_SPEC_OVERLAP (--debug-spec-overlap): on, off, or
+        auto = RateGate.overlap_pays."""
+        mode = knobs.value("RADIXSERVE_SPEC_OVERLAP")
+        if mode != "auto":
+            return mode == "on"
+        return self.rate_gate.overlap_pays(batch_size)
+
+    def wants_host(self, decoding: List[Req]) -> bool:
+        """Serially (overlap_verify false), a verify step needs every token on the host: may
+        one be built next if the step in flight were processed? (The pipeline then resolves
+        it instead of scheduling a plain decode over it; only while some request would draft,
+        not cooling down.)"""
+        return not self.overlap_verify(len(decoding)) and self.gate(decoding) and any(
+            self.eligible(r) and (r.spec is None or r.spec.cooldown == 0) for r in decoding)
+
+    def verify_ran(self, batch_size: int, device_s: float) -> None:
+        """A verify step's results arrived (RateGate.verify_ran)."""
+        self.rate_gate.verify_ran(batch_size, device_s)
+
+    def gate(self, decoding: List[Req], overlapped: bool = False) -> bool:
+        """Speculate in a step of these decoding requests (the batch-size and cost gates),
+        scheduled over a step in flight (overlapped) or not."""
         n = len(decoding)
         if not 0 < n <= SPEC_MAX_BATCH:
             return False
@@ -200,11 +261,12 @@ class SpecDecoder:
                 expected += 1.0 + self.num_draft           # unmeasured: optimistic
             else:
                 expected += 1.0 + min(state.accept_avg, state.draft_len())
-        return self.rate_gate.allow(n, expected)
+        return self.rate_gate.allow(n, expected, overlapped)
 
-    def step_scheduled(self, batch, now: float) -> None:
-        """The Scheduler scheduled batch at now (RateGate.step_scheduled)."""
-        kind = "verify" if batch.verifies else \
+    def step_scheduled(self, batch, now: float, overlapped: bool) -> None:
+        """The Scheduler scheduled batch at now, over a step in flight or not
+        (RateGate.step_scheduled)."""
+        kind = ("verify_over" if overlapped else "verify") if batch.verifies else \
             "decode" if batch.mode is ForwardMode.DECODE else "extend"
         self.rate_gate.step_scheduled(kind, batch.batch_size, now)
 
@@ -220,15 +282,19 @@ class SpecDecoder:
         accepted, and {id(req)} of the requests whose next token it computes, not yet known
         here. A request cooling down gets none (and counts nothing: see skip)."""
         pending, unknown = pending or {}, unknown or set()
-        return [self.draft(req, pending.get(id(req), ()), id(req) in unknown) for req in reqs]
+        miss = 0 if self.overlap_verify(len(reqs)) else MISS_COOLDOWN
+        return [self.draft(req, pending.get(id(req), ()), id(req) in unknown, miss)
+                for req in reqs]
 
-    def draft(self, req: Req, extra: Sequence[int] = (), unknown: bool = False) -> List[int]:
+    def draft(self, req: Req, extra: Sequence[int] = (), unknown: bool = False,
+              miss_cooldown: int = MISS_COOLDOWN) -> List[int]:
         """req's draft for its next verify step ([] for none). extra: tokens assumed to
         follow its history (its draft in the step in flight); unknown: the step in flight
         computes one more token after those, which this step reads on the device as its first
         input, so the draft is what follows that token: the proposal for history + extra, its
         first token (a guess of the unknown one) left out. A wrong guess costs only the
-        draft: its first token is then rejected as any mismatch is."""
+        draft: its first token is then rejected as any mismatch is. No draft: the request
+        looks again after miss_cooldown decode steps."""
         if not self.eligible(req):
             return []
         state = self._state(req)
@@ -251,7 +317,7 @@ class SpecDecoder:
             state.index.sync(history)
             draft = state.index.propose(room + skip, extra)[skip:]
         if not draft:
-            state.missed()
+            state.missed(miss_cooldown)
         return draft
 
     def skip(self, reqs: List[Req], drafts: Optional[List[List[int]]] = None) -> None:
