@@ -147,10 +147,13 @@ def run_cost(args) -> Dict[str, Any]:
         for name, kw in (("decode_serial", dict(disable_overlap_schedule=True)),
                          ("decode_overlap", {}),
                          ("verify_serial", dict(
-                             disable_overlap_schedule=True, speculative_algorithm="ngram",
+                             speculative_algorithm="ngram",
                              speculative_num_draft_tokens=args.num_draft_tokens)),
                          ("verify", dict(speculative_algorithm="ngram",
                                          speculative_num_draft_tokens=args.num_draft_tokens))):
+            # the verify rows: serial (no step in flight) and overlapped, forced either way
+            if name.startswith("verify"):
+                kw = dict(kw, debug_spec_overlap="on" if name == "verify" else "off")
             sargs = ServerArgs(model_path=path, load_format="dummy", device="cuda",
                                max_running_requests=max(64, bs), context_length=4096, **kw)
             runner = ModelRunner(sargs, config, path, context_len=4096, model=model)

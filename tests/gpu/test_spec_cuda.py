@@ -182,6 +182,7 @@ def test_overlapped_verify_steps_in_graphs(model_dir, monkeypatch, corrupt_every
 
     monkeypatch.setattr(spec_mod.RateGate, "allow", lambda self, *a: True)
     monkeypatch.setattr(spec_mod.SpecDecoder, "draft", draft)
+    monkeypatch.setenv("RADIXSERVE_SPEC_OVERLAP", "on")
     on = _scheduler(model_dir, model=off.runner.model, **SPEC)
     got = [r for r in _requests("o") if r.sampling_params.temperature == 0]
     _run(on, got)
