@@ -8,6 +8,7 @@ import threading
 import httpx
 import pytest
 import torch
+from conftest import launched_server
 
 pytestmark = pytest.mark.slow
 
@@ -142,8 +143,6 @@ def test_tensor_parallel_server_matches_hf_transformers(tmp_path_factory, prompt
     the embedding and LM head by vocabulary, the KV pool by heads; the default model's 9 heads
     and 3 KV heads split in three) gives HF transformers' greedy tokens, as --tp-size 1 does
     (test_greedy_matches_hf_transformers): all 8 prompts in one batch, 48 tokens each."""
-    from conftest import launched_server
-
     with launched_server(tmp_path_factory.mktemp("tp3"), ["--tp-size", "3"]) as srv:
         info = httpx.get(srv.url + "/get_server_info", timeout=30).json()
         assert info.get("tp_size") == 3, info.get("tp_size")
