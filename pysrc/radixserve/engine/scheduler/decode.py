@@ -76,14 +76,15 @@ class DecodeManager:
         reqs = self.decoding()
         if not reqs:
             return None
-        pending, unknown = self._in_flight()
-        over = self.sched.step_in_flight() is not None
-        if self.spec is not None and (not over or self.spec.overlap_verify(len(reqs))) \
-                and self.spec.gate(reqs, overlapped=over):
-            batch = self._plan_verify(reqs, pending, unknown)
-            if batch is not None:
-                return batch
-        if self.spec is not None:
+        pending: Dict[int, List[int]] = {}
+        if self.spec is not None:          # without speculation nothing in flight has a draft
+            pending, unknown = self._in_flight()
+            over = self.sched.step_in_flight() is not None
+            if (not over or self.spec.overlap_verify(len(reqs))) \
+                    and self.spec.gate(reqs, overlapped=over):
+                batch = self._plan_verify(reqs, pending, unknown)
+                if batch is not None:
+                    return batch
             self.spec.skip(reqs)
         slots = self.ledger.kv_pool.alloc(len(reqs))                # [B] int64
         batch = ScheduleBatch(ForwardMode.DECODE)
@@ -92,7 +93,8 @@ class DecodeManager:
             batch.add(req, req.kv_len, 1, None, sample=True, from_device=True)
             req.kv_len += 1
         batch.decode_slots = slots
-        self._assume(batch, reqs, pending)
+        if pending:
+            self._assume(batch, reqs, pending)
         self.reserve.decay()
         if self.stats.decode_step():
             self.stats.log_decode(len(reqs), self.ledger.num_used_tokens(),
