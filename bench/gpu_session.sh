@@ -2,9 +2,9 @@
 # One device call: install the carried wheels, build radixserve._C for sm_90a, then run the
 # stage(s) named in $@ with logs under $OUT. Used from the device tool as
 #   bash bench/gpu_session.sh build tests kernels
-# The GGUF of the default model travels in two halves (.gguf/part.aa, .gguf/part.ab: over one
-# call's 64 MiB together); stage `gguf` copies whichever half is carried to /tmp and joins them
-# once both are there.
+# The GGUF of the default model travels in parts (.gguf/part.aa, .ab, ...: with the tracked tree
+# it is over one call's 64 MiB); stage `gguf` copies whichever part is carried to /tmp and joins
+# them once all $GGUF_PARTS are there.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -85,12 +85,14 @@ for stage in "$@"; do
         python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu 2>&1 \
         | tee "$OUT/gpu_tests_wheel.txt" | tail -15) ;;
     gguf)
+      # the parts carried by this and earlier calls on this warm machine; joined once all
+      # ${GGUF_PARTS:-2} are there (the part count: the tracked tree leaves ~25 MiB a call)
       mkdir -p /tmp/gguf
       cp .gguf/part.* /tmp/gguf/ 2>/dev/null
       ls -la /tmp/gguf | tee -a "$OUT/log.txt"
-      if [ -f /tmp/gguf/part.aa ] && [ -f /tmp/gguf/part.ab ]; then
-        cat /tmp/gguf/part.aa /tmp/gguf/part.ab > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-        sha256sum /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a "$OUT/log.txt"
+      if [ "$(ls /tmp/gguf/part.* 2>/dev/null | wc -l)" -ge "${GGUF_PARTS:-2}" ]; then
+        cat /tmp/gguf/part.* > "$GGUF"
+        sha256sum "$GGUF" | tee -a "$OUT/log.txt"
       fi ;;
     tests)
       gpu_tests "$OUT/gpu_tests.txt" 15 ;;
@@ -329,10 +331,13 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
       # issue 39: the speculation GPU tests; the verify-step cost at the Llama-3.1-8B shape
       # (dummy weights, batch 1 and 4, k = 4); the copy workload on the default model's real
       # weights when the GGUF is there (stage gguf), concurrency 1 and 4, on vs off
-      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_cuda.py 2>&1 \
-        | tee "$OUT/spec-tests.txt" | tail -5
-      timeout 300 python3 bench/spec_decode.py --preset llama-3.1-8b --batch-sizes 1,4 \
-        --out "$OUT/spec-cost-8b.json" 2>&1 | grep -E "^batch|Error|error" | tee "$OUT/spec.txt"
+      # (SPEC_COPY_ONLY=1: the copy workload alone)
+      if [ -z "${SPEC_COPY_ONLY:-}" ]; then
+        python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_cuda.py 2>&1 \
+          | tee "$OUT/spec-tests.txt" | tail -5
+        timeout 300 python3 bench/spec_decode.py --preset llama-3.1-8b --batch-sizes 1,4 \
+          --out "$OUT/spec-cost-8b.json" 2>&1 | grep -E "^batch|Error|error" | tee "$OUT/spec.txt"
+      fi
       if [ -f "$GGUF" ]; then
         for n in ${SPEC_DRAFT_TOKENS:-5 8}; do
           echo "--num-draft-tokens $n" | tee -a "$OUT/spec.txt"
