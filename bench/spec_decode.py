@@ -76,6 +76,8 @@ def run_copy(args) -> Dict[str, Any]:
     texts = {}
     for spec in (False, True):
         kw = dict(device=args.device, disable_radix_cache=True)
+        if args.dtype:
+            kw["dtype"] = args.dtype
         if spec:
             kw.update(speculative_algorithm="ngram",
                       speculative_num_draft_tokens=args.num_draft_tokens)
@@ -116,6 +118,13 @@ def run_copy(args) -> Dict[str, Any]:
                                                              texts[(False, conc)]))
         print(f"concurrency {conc}: on/off {on['speedup_vs_off']:.2f}x, "
               f"{on['outputs_equal_off']}/{len(convs)} outputs equal", flush=True)
+    # the control: speculation off at concurrency 1 vs 4 (the same greedy requests, batched
+    # differently); where these differ too, the on/off differences are the dtype's near-ties
+    # under a different batch shape, not speculation
+    out["off_c1_equal_off_c4"] = sum(a == b for a, b in zip(texts[(False, 1)],
+                                                           texts[(False, 4)]))
+    print(f"control: off concurrency 1 vs 4, {out['off_c1_equal_off_c4']}/{len(convs)} outputs "
+          f"equal", flush=True)
     return out
 
 
@@ -203,6 +212,8 @@ def main() -> None:
     ap.add_argument("--preset", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--max-new-tokens", type=int, default=400)
+    ap.add_argument("--dtype", default=None,
+                    help="the copy workload's model dtype (e.g. float32: no near-ties)")
     ap.add_argument("--num-draft-tokens", type=int, default=5)
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1, 4])

@@ -180,16 +180,20 @@ class RateGate:
         self.verify_device[batch_size] = device_s if old is None else \
             (1 - RATE_WEIGHT) * old + RATE_WEIGHT * device_s
 
-    def step_scheduled(self, kind: str, batch_size: int, now: float) -> None:
+    def step_scheduled(self, kind: str, batch_size: int, now: float,
+                       over_last: bool = False) -> None:
         """A step was scheduled at now (time.perf_counter()); kind "verify" (nothing in
-        flight), "verify_over" (over a step in flight), "decode" or "extend". Ends the
-        previous step's period."""
+        flight), "verify_over" (over a step in flight), "decode" or "extend"; over_last: it was
+        scheduled while the previous step was still in flight. Ends the previous step's period.
+        A serial verify's period is its host and device time only where the step after it was
+        scheduled once it was processed: one scheduled over it (overlap_pays turned true
+        meanwhile) ends its period at once, and is not counted; the probe of a serial period
+        (overlap_pays false after PROBE_EVERY overlapped verifies) ends when it is counted,
+        so overlap_pays stays false, and the pipeline resolves the probe, until then."""
         last, self._last = self._last, (kind, batch_size, now)
-        if kind == "verify":
+        if kind in ("verify", "verify_over"):
             self.since_verify[batch_size] = 0
-            self.since_serial[batch_size] = 0
-        elif kind == "verify_over":
-            self.since_verify[batch_size] = 0
+        if kind == "verify_over":
             self.since_serial[batch_size] = self.since_serial.get(batch_size, 0) + 1
         elif kind == "decode":
             self.since_verify[batch_size] = self.since_verify.get(batch_size, 0) + 1
@@ -199,6 +203,10 @@ class RateGate:
         if kind == "extend" or batch_size > SPEC_MAX_BATCH or \
                 not 0 < now - start <= MAX_INTERVAL_S:
             return                  # not a decode-phase step, or an idle gap in its period
+        if kind == "verify":
+            if over_last:
+                return              # not a serial period: the next step did not wait for it
+            self.since_serial[batch_size] = 0
         key = (kind, batch_size)
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] == 1:
@@ -268,7 +276,7 @@ class SpecDecoder:
         (RateGate.step_scheduled)."""
         kind = ("verify_over" if overlapped else "verify") if batch.verifies else \
             "decode" if batch.mode is ForwardMode.DECODE else "extend"
-        self.rate_gate.step_scheduled(kind, batch.batch_size, now)
+        self.rate_gate.step_scheduled(kind, batch.batch_size, now, over_last=overlapped)
 
     def _state(self, req: Req) -> ReqSpec:
         if req.spec is None:
