@@ -401,6 +401,59 @@ def test_a_step_scheduled_over_a_serial_verify_does_not_measure_it():
     assert gate.periods[("verify", 1)] == serial
 
 
+def test_auto_overlap_stays_on_where_host_time_dominates(monkeypatch, make_scheduler,
+                                                         repeat_prompts, text_prompts):
+    """The whole loop under auto with a GPU's timing, a clock of our own: processing a step's
+    results costs 2.5 ms of host time, scheduling one 0.05 ms, a verify step 0.6 ms of device
+    time. Serial verify periods (2.55 ms) are then over 1.5x their device time, so verify steps
+    overlap, and keep overlapping: the step scheduled over a verify must not be taken for that
+    verify's period (as it was on an H200, where only 110 of 528 verify steps overlapped). Only
+    the measurements (the first serial periods of each batch size) and the probes every
+    PROBE_EVERY overlapped verifies run serially, and each request's first verify (the step
+    after its prefill, which is resolved first). Outputs equal the unspeculated ones."""
+    import types
+
+    from radixserve import knobs
+    from radixserve.engine.scheduler import Scheduler
+    from radixserve.engine.scheduler import core as core_mod
+    from radixserve.engine.scheduler import spec as spec_mod
+
+    prompts = repeat_prompts + text_prompts[:3]
+    n = 60
+    _, ref = run(make_scheduler, prompts, n, spec=False)
+    _forced_drafts(monkeypatch, {f"r{i}": out for i, out in enumerate(ref)})
+    clock = [0.0]
+
+    def perf_counter():
+        clock[0] += 0.05e-3
+        return clock[0]
+
+    monkeypatch.setattr(core_mod, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    processed = Scheduler.process_batch_result
+
+    def process(self, batch, out):
+        clock[0] += 2.5e-3
+        processed(self, batch, out)
+
+    monkeypatch.setattr(Scheduler, "process_batch_result", process)
+    monkeypatch.setattr(spec_mod.SpecDecoder, "verify_ran",
+                        lambda self, b, device_s: self.rate_gate.verify_ran(b, 0.6e-3))
+    with knobs.override("RADIXSERVE_SPEC_OVERLAP", "auto"):
+        sched = make_scheduler(**SPEC)
+        out = []
+        for i, p in enumerate(prompts):       # one at a time: every verify step at batch 1
+            req = greedy_req(f"r{i}", p, n)
+            run_to_completion(sched, [req])
+            out.append(req.output_ids)
+    assert out == ref
+    c = sched.counters
+    serial = c["spec_verify_steps"] - c["spec_overlapped_verify_steps"]
+    # ~12 verify steps a request (k + 1 = 5 tokens each). Serial ones: each request's first
+    # (its prefill is resolved before it), 3 that measure batch 1, and the probes
+    assert c["spec_verify_steps"] > 60
+    assert serial <= len(prompts) + 3 + c["spec_verify_steps"] // spec_mod.PROBE_EVERY, c
+
+
 def test_auto_overlap_keeps_the_cpu_serial(make_scheduler, repeat_prompts):
     """On the CPU (auto) verify steps run with no step in flight, as the measured periods say;
     the knob set to on overlaps them; outputs equal either way."""
