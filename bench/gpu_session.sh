@@ -474,6 +474,27 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
       fi
       echo "cublas: ${CUB[*]:-not found}" | tee "$OUT/gsweep.txt"
       bash bench/variants/run.sh $V gemv_sweep.cu "${CUB[@]}" 2>&1 | tee -a "$OUT/gsweep.txt" ;;
+    fp8kvsweep)
+      # issue 35's FP8 KV bar (decode attention at batch 256 x 1k >= 0.85 of copy bandwidth in
+      # FP8 bytes; 0.485 at 7f37cc4, in about the bf16 pool's time): variants of the FP8
+      # tensor-core kernel (bench/variants/decode_fp8_sweep.cu): pipeline stages 2 / 4 / 6
+      # against the tree's 3, and two diagnostics whose outputs are wrong on purpose: no
+      # half-precision multiply in the e4m3 conversion (cheapconv) and slots computed instead
+      # of read from kv_indices (noidx)
+      V=/tmp/fp8kvsweep; rm -rf $V; H=decode_attention_mma_fp8.cuh
+      S="constexpr int kDecodeMmaFp8Stages = 3;"
+      python3 bench/variants/make_variant.py $V tree $H
+      for n in 2 4 6; do
+        python3 bench/variants/make_variant.py $V st$n $H --sub "$S" "constexpr int kDecodeMmaFp8Stages = $n;"
+      done
+      python3 bench/variants/make_variant.py $V noidx $H \
+        --sub "tok < kv_len ? __ldg(idx + tok) : 0;" "tok < kv_len ? kv_start + tok + 1 : 0;"
+      python3 bench/variants/make_variant.py $V cheapconv fp8_kv.cuh \
+        --sub "__half2 a = __hmul2(*reinterpret_cast<const __half2*>(&l), k256);" \
+              "__half2 a = *reinterpret_cast<const __half2*>(&l);" \
+        --sub "__half2 b = __hmul2(*reinterpret_cast<const __half2*>(&h), k256);" \
+              "__half2 b = *reinterpret_cast<const __half2*>(&h);"
+      bash bench/variants/run.sh $V decode_fp8_sweep.cu 2>&1 | tee "$OUT/fp8kvsweep.txt" ;;
     fp8sweep)
       # FP8 skinny GEMM variants (bench/variants/fp8_gemv_sweep.cu): warps per CTA (the in-CTA k
       # split) and k blocks in flight per warp of the plain and the gated forms against the
