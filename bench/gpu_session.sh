@@ -477,14 +477,14 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
     fp8kvsweep)
       # issue 35's FP8 KV bar (decode attention at batch 256 x 1k >= 0.85 of copy bandwidth in
       # FP8 bytes; 0.485 at 7f37cc4, in about the bf16 pool's time): variants of the FP8
-      # tensor-core kernel (bench/variants/decode_fp8_sweep.cu): pipeline stages 2 / 4 / 6
+      # tensor-core kernel (bench/variants/decode_fp8_sweep.cu): pipeline stages 2 / 4 / 5 / 6
       # against the tree's 3, and two diagnostics whose outputs are wrong on purpose: no
       # half-precision multiply in the e4m3 conversion (cheapconv) and slots computed instead
       # of read from kv_indices (noidx)
       V=/tmp/fp8kvsweep; rm -rf $V; H=decode_attention_mma_fp8.cuh
       S="constexpr int kDecodeMmaFp8Stages = 3;"
       python3 bench/variants/make_variant.py $V tree $H
-      for n in 2 4 6; do
+      for n in 2 4 5 6; do
         python3 bench/variants/make_variant.py $V st$n $H --sub "$S" "constexpr int kDecodeMmaFp8Stages = $n;"
       done
       python3 bench/variants/make_variant.py $V noidx $H \
