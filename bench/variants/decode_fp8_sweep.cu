@@ -42,12 +42,7 @@ void run_shape(int B, int L, int sms, double copy_bw, cudaStream_t st, cudaEvent
     gen<<<1024, 256, 0, st>>>((__nv_bfloat16*)k, pool, 2); gen<<<1024, 256, 0, st>>>((__nv_bfloat16*)v, pool, 3);
   }
   gen<<<1024, 256, 0, st>>>(q, (int64_t)B * HQ * D, 1);
-  std::vector<int32_t> hptr(B + 1), hidx(nnz * layers);
-  for (int b = 0; b <= B; ++b) hptr[b] = b * L;
-  for (int64_t i = 0; i < nnz * layers; ++i) hidx[i] = (int32_t)(i + 1);
-  CK(cudaMalloc(&ptr, (B + 1) * 4)); CK(cudaMalloc(&idx, nnz * layers * 4));
-  CK(cudaMemcpy(ptr, hptr.data(), (B + 1) * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(idx, hidx.data(), nnz * layers * 4, cudaMemcpyHostToDevice));
+  contiguous_pages(B, L, layers, &ptr, &idx);
   DecodeParams p{};
   p.q = q; p.k = k; p.v = v; p.out = o; p.kv_indptr = ptr;
   p.q_stride_b = HQ * D; p.q_stride_h = D; p.kv_stride_slot = HKV * D; p.kv_stride_h = D;

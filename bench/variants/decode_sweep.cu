@@ -32,12 +32,7 @@ int main() {
     int* ctr; CK(cudaMalloc(&ctr, (size_t)B * HKV * 4)); CK(cudaMemset(ctr, 0, (size_t)B * HKV * 4));
     gen<<<1024, 256, 0, st>>>(k, per_layer * layers + HKV * D, 2); gen<<<1024, 256, 0, st>>>(v, per_layer * layers + HKV * D, 3);
     gen<<<1024, 256, 0, st>>>(q, (int64_t)B * HQ * D, 1);
-    std::vector<int32_t> hptr(B + 1), hidx(nnz * layers);
-    for (int b = 0; b <= B; ++b) hptr[b] = b * L;
-    for (int64_t i = 0; i < nnz * layers; ++i) hidx[i] = (int32_t)(i + 1);
-    CK(cudaMalloc(&ptr, (B + 1) * 4)); CK(cudaMalloc(&idx, nnz * layers * 4));
-    CK(cudaMemcpy(ptr, hptr.data(), (B + 1) * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(idx, hidx.data(), nnz * layers * 4, cudaMemcpyHostToDevice));
+    contiguous_pages(B, L, layers, &ptr, &idx);
     for (int mode = 0; mode < 2; ++mode) {
       const int64_t plan_nnz = mode == 0 ? nnz : (int64_t)B * 8192;
       DecodeParams p{};

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -42,4 +43,17 @@ inline double copy_bandwidth(cudaStream_t st) {
   float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
   CK(cudaFree(ca)); CK(cudaFree(cb)); CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1));
   return 2.0 * cn * 16 * 10 / (ms * 1e-3);
+}
+
+// B requests of L KV tokens each, over `layers` layers of consecutive slots (slot 0 unused, as
+// in the server's pool): kv_indptr [B + 1] and kv_indices [layers * B * L] on the device,
+// layer i's indices at *idx + i * B * L.
+inline void contiguous_pages(int B, int L, int layers, int32_t** ptr, int32_t** idx) {
+  const int64_t nnz = (int64_t)B * L;
+  std::vector<int32_t> hptr(B + 1), hidx(nnz * layers);
+  for (int b = 0; b <= B; ++b) hptr[b] = b * L;
+  for (int64_t i = 0; i < nnz * layers; ++i) hidx[i] = (int32_t)(i + 1);
+  CK(cudaMalloc(ptr, (B + 1) * 4)); CK(cudaMalloc(idx, nnz * layers * 4));
+  CK(cudaMemcpy(*ptr, hptr.data(), (B + 1) * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(*idx, hidx.data(), nnz * layers * 4, cudaMemcpyHostToDevice));
 }
