@@ -474,6 +474,13 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
       fi
       echo "cublas: ${CUB[*]:-not found}" | tee "$OUT/gsweep.txt"
       bash bench/variants/run.sh $V gemv_sweep.cu "${CUB[@]}" 2>&1 | tee -a "$OUT/gsweep.txt" ;;
+    fp8cc)
+      # issue 35's batch-1 bar: the CUDA-core FP8 skinny GEMM candidate
+      # (bench/variants/fp8_gemv_cc.cuh, rows fp8cc / fp8ccg) beside the tree's tensor-core
+      # kernel and the bf16 one, same weights, same graphs; ~1 min
+      V=/tmp/fp8cc; rm -rf $V
+      python3 bench/variants/make_variant.py $V tree fp8_gemv.cuh
+      bash bench/variants/run.sh $V fp8_gemv_sweep.cu 2>&1 | tee "$OUT/fp8cc.txt" ;;
     fp8kvsweep)
       # issue 35's FP8 KV bar (decode attention at batch 256 x 1k >= 0.85 of copy bandwidth in
       # FP8 bytes; 0.485 at 7f37cc4, in about the bf16 pool's time): variants of the FP8

@@ -5,11 +5,14 @@
 // beside it, at 1 row, the bf16 skinny GEMM (gemv.cuh, from the tree) on bf16 copies of the same
 // shape. Prints microseconds per launch, the fraction of copy bandwidth the weight bytes reach
 // (e4m3 bytes for FP8, bf16 bytes for bf16; the time over a measured device copy) and a checksum
-// of the last outputs (equal across variants up to fp32 summation order).
+// of the last outputs (equal across variants up to fp32 summation order). Rows fp8cc / fp8ccg:
+// the CUDA-core candidate of fp8_gemv_cc.cuh (this folder) at 1, 2 and 4 rows on the same
+// weights, its checksums against the tensor-core kernel's at the same row count.
 #include <cstdio>
 #include <vector>
 #include "radixserve/fp8_gemv.cuh"
 #include "radixserve/gemv.cuh"
+#include "fp8_gemv_cc.cuh"
 #include "sweep_common.cuh"
 
 // e4m3 codes from the hash: any sign, exponent 0..14 (no NaN: 0x7f / 0xff need exponent 15)
@@ -79,6 +82,23 @@ int main() {
           CK(radixserve::fp8_gemv::launch(p, st));
         });
         printf("%-8s %-7s fp8gat m=%-2d %8.2f us  %.3f of copy bw  checksum %.4f\n", VARIANT, sh.name, m,
+               gus, (welems / (gus * 1e-6)) / copy_bw, checksum(m, sh.n / 2));
+      }
+    }
+    for (int m : {1, 2, 4}) {
+      const double us = time_graph([&](int l) {
+        radixserve::fp8_gemv::Params p{x, sh.k, w[l], scale, 1, nullptr, out, sh.n, m, sh.n, sh.k, true};
+        CK(radixserve::fp8_gemv_cc::launch(p, st));
+      });
+      printf("%-8s %-7s fp8cc  m=%-2d %8.2f us  %.3f of copy bw  checksum %.4f\n", VARIANT, sh.name, m,
+             us, (welems / (us * 1e-6)) / copy_bw, checksum(m, sh.n));
+      if (sh.n == 28672) {
+        const double gus = time_graph([&](int l) {
+          radixserve::fp8_gemv::Params p{x, sh.k, w[l], scale, 1, nullptr, out, sh.n / 2, m, sh.n / 2, sh.k, true};
+          p.gated = true;
+          CK(radixserve::fp8_gemv_cc::launch(p, st));
+        });
+        printf("%-8s %-7s fp8ccg m=%-2d %8.2f us  %.3f of copy bw  checksum %.4f\n", VARIANT, sh.name, m,
                gus, (welems / (gus * 1e-6)) / copy_bw, checksum(m, sh.n / 2));
       }
     }
