@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from _gpu import requires_kernels, rescale_dummy_weights
+from spec_forced import force_drafts
 from radixserve.config import ModelConfig, ServerArgs
 
 pytestmark = requires_kernels
@@ -163,26 +164,10 @@ def test_overlapped_verify_steps_in_graphs(model_dir, monkeypatch, corrupt_every
     request's next input, StepInput.spec_cond_rows); greedy outputs stay greedy sequences of
     the model, integrity holds after every step, no KV leaks; true drafts are (nearly, up to
     bf16 near-ties between the runs) all accepted, wrong ones void the step after."""
-    from radixserve.engine.scheduler import spec as spec_mod
-
     off = _scheduler(model_dir)
     ref = [r for r in _requests("o") if r.sampling_params.temperature == 0]
     _run(off, ref)
-    refs = {r.rid: r.output_ids for r in ref}
-    calls = {"n": 0}
-
-    def draft(self, req, extra=(), unknown=False, miss_cooldown=0):
-        pos = len(req.output_ids) + len(extra) + (1 if unknown else 0)
-        room = min(self.num_draft, req.max_new_tokens - req.num_output_scheduled - 1)
-        d = list(refs[req.rid][pos:pos + max(room, 0)])
-        calls["n"] += 1
-        if corrupt_every and calls["n"] % corrupt_every == 0 and len(d) >= 2:
-            d[1] = (d[1] + 1) % 512
-        return d
-
-    monkeypatch.setattr(spec_mod.RateGate, "allow", lambda self, *a: True)
-    monkeypatch.setattr(spec_mod.SpecDecoder, "draft", draft)
-    monkeypatch.setenv("RADIXSERVE_SPEC_OVERLAP", "on")
+    force_drafts(monkeypatch, {r.rid: r.output_ids for r in ref}, corrupt_every, vocab=512)
     on = _scheduler(model_dir, model=off.runner.model, **SPEC)
     got = [r for r in _requests("o") if r.sampling_params.temperature == 0]
     _run(on, got)

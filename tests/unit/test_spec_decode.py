@@ -9,6 +9,7 @@ from radixserve.engine.req import Req
 from radixserve.sampling.params import SamplingParams
 
 from conftest import run_to_completion
+from spec_forced import force_drafts
 
 SPEC = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=5)
 
@@ -238,32 +239,6 @@ def test_suffix_drafts_from_the_radix_tree(make_scheduler, text_prompts):
     assert accepted["suffix"] >= 16 and accepted["suffix"] > accepted["ngram"], accepted
 
 
-def _forced_drafts(monkeypatch, refs, corrupt_every=0):
-    """Hold speculation's gates open and make every draft the request's true greedy
-    continuation (refs: rid -> its unspeculated output), so each draft is fully accepted; with
-    corrupt_every = n, every n-th draft has its second token wrong (accepted up to there). The
-    continuation starts after the token the draft's first row reads (DecodeManager._in_flight:
-    the step in flight's draft counts as accepted, its next token as unknown)."""
-    from radixserve.engine.scheduler import spec as spec_mod
-
-    calls = {"n": 0}
-
-    def draft(self, req, extra=(), unknown=False, miss_cooldown=0):
-        if not self.eligible(req):
-            return []
-        pos = len(req.output_ids) + len(extra) + (1 if unknown else 0)
-        room = min(self.num_draft, req.max_new_tokens - req.num_output_scheduled - 1)
-        d = list(refs[req.rid][pos:pos + max(room, 0)])
-        calls["n"] += 1
-        if corrupt_every and calls["n"] % corrupt_every == 0 and len(d) >= 2:
-            d[1] = (d[1] + 1) % 1000
-        return d
-
-    monkeypatch.setattr(spec_mod.RateGate, "allow", lambda self, *a: True)
-    monkeypatch.setattr(spec_mod.SpecDecoder, "draft", draft)
-    monkeypatch.setenv("RADIXSERVE_SPEC_OVERLAP", "on")     # the CPU's auto runs them serially
-
-
 @pytest.mark.parametrize("corrupt_every", [0, 3])
 def test_verify_steps_overlap_and_rejections_void_the_step_after(
         monkeypatch, make_scheduler, repeat_prompts, text_prompts, corrupt_every):
@@ -276,7 +251,7 @@ def test_verify_steps_overlap_and_rejections_void_the_step_after(
     prompts = repeat_prompts + text_prompts[:3]
     n = 30
     _, ref = run(make_scheduler, prompts, n, spec=False)
-    _forced_drafts(monkeypatch, {f"r{i}": out for i, out in enumerate(ref)}, corrupt_every)
+    force_drafts(monkeypatch, {f"r{i}": out for i, out in enumerate(ref)}, corrupt_every)
     sched, out = run(make_scheduler, prompts, n, spec=True)
     assert out == ref
     c = sched.counters
@@ -300,7 +275,7 @@ def test_verify_overlap_with_sampled_rows(monkeypatch, make_scheduler, repeat_pr
     runs = {}
     for spec in (False, True):
         if spec:
-            _forced_drafts(monkeypatch, {r.rid: r.output_ids for r in runs[False][1]},
+            force_drafts(monkeypatch, {r.rid: r.output_ids for r in runs[False][1]},
                            corrupt_every=4)
         sched = make_scheduler(**(SPEC if spec else {}))
         reqs = _mixed_reqs(p, "x")
@@ -421,7 +396,7 @@ def test_auto_overlap_stays_on_where_host_time_dominates(monkeypatch, make_sched
     prompts = repeat_prompts + text_prompts[:3]
     n = 60
     _, ref = run(make_scheduler, prompts, n, spec=False)
-    _forced_drafts(monkeypatch, {f"r{i}": out for i, out in enumerate(ref)})
+    force_drafts(monkeypatch, {f"r{i}": out for i, out in enumerate(ref)})
     clock = [0.0]
 
     def perf_counter():
