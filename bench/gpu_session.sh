@@ -501,7 +501,9 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
               "__half2 a = *reinterpret_cast<const __half2*>(&l);" \
         --sub "__half2 b = __hmul2(*reinterpret_cast<const __half2*>(&h), k256);" \
               "__half2 b = *reinterpret_cast<const __half2*>(&h);"
-      bash bench/variants/run.sh $V decode_fp8_sweep.cu 2>&1 | tee "$OUT/fp8kvsweep.txt" ;;
+      bash bench/variants/run.sh $V decode_fp8_sweep.cu 2>&1 | tee "$OUT/fp8kvsweep.txt"
+      # the tree's kernel over a head-major pool: bytes or touched rows?
+      SWEEP_LAYOUT=hmajor timeout 120 $V/var_tree/sweep 2>&1 | tee -a "$OUT/fp8kvsweep.txt" ;;
     fp8sweep)
       # FP8 skinny GEMM variants (bench/variants/fp8_gemv_sweep.cu): warps per CTA (the in-CTA k
       # split) and k blocks in flight per warp of the plain and the gated forms against the

@@ -46,6 +46,12 @@ void run_shape(int B, int L, int sms, double copy_bw, cudaStream_t st, cudaEvent
   DecodeParams p{};
   p.q = q; p.k = k; p.v = v; p.out = o; p.kv_indptr = ptr;
   p.q_stride_b = HQ * D; p.q_stride_h = D; p.kv_stride_slot = HKV * D; p.kv_stride_h = D;
+  // SWEEP_LAYOUT=hmajor: the pool as [head][slot][D] (a head's consecutive slots adjacent)
+  // instead of the server's [slot][head][D], same bytes: does the kernel's time follow the
+  // bytes or the number of separate 128-byte (FP8) / 256-byte (bf16) rows it touches?
+  const char* layout = getenv("SWEEP_LAYOUT");
+  const bool hmajor = layout != nullptr && strcmp(layout, "hmajor") == 0;
+  if (hmajor) { p.kv_stride_slot = D; p.kv_stride_h = (nnz * layers + 1) * D; }
   p.num_q_heads = HQ; p.num_kv_heads = HKV; p.group = HQ / HKV; p.num_sub = 1;
   p.num_splits = decode_num_splits(B, HKV, 1, nnz, sms);
   p.num_sms = sms;
@@ -71,8 +77,8 @@ void run_shape(int B, int L, int sms, double copy_bw, cudaStream_t st, cudaEvent
     std::vector<uint16_t> h((size_t)B * HQ * D); CK(cudaMemcpy(h.data(), o, h.size() * 2, cudaMemcpyDeviceToHost));
     double cs = 0; for (size_t i = 0; i < h.size(); ++i) { uint32_t u = (uint32_t)h[i] << 16; float f; memcpy(&f, &u, 4); cs += f; }
     const double bytes = 2.0 * per_layer * kBytes;
-    printf("%-12s %-5s b%-4d ctx%-5d %-4s splits %2d layers %2d  %8.1f us/launch  %5.3f bw  checksum %.6f\n",
-           VARIANT, kFp8 ? "e4m3" : "bf16", B, L, tc ? "tc" : "simt", p.num_splits, layers, us,
+    printf("%-12s %-6s %-5s b%-4d ctx%-5d %-4s splits %2d layers %2d  %8.1f us/launch  %5.3f bw  checksum %.6f\n",
+           VARIANT, hmajor ? "hmajor" : "slot", kFp8 ? "e4m3" : "bf16", B, L, tc ? "tc" : "simt", p.num_splits, layers, us,
            bytes / (us * 1e-6) / copy_bw, cs);
     CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
   }
