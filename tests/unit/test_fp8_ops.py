@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from radixserve import ops
 from radixserve.ops import reference as ref
-from radixserve.quant.fp8 import quantize_weight_per_channel
+from radixserve.ops.reference import FP8_MIN_AMAX
+from radixserve.quant.fp8 import SCALE_SEARCH, quantize_weight_per_channel
 
 E4M3 = torch.float8_e4m3fn
 
@@ -22,10 +23,11 @@ def _e4m3_rel_step():
 
 
 def test_quantize_weight_per_channel_formula():
+    """search=False: the plain absmax scale (the dummy weights' form)."""
     w = _randn(37, 80, seed=1, scale=0.05)
     w[3] = 0.0                                    # an all-zero row: tiny scale, zero codes
     w[5, 7] = 9.0                                 # an outlier sets its row's scale alone
-    q, scale = quantize_weight_per_channel(w)
+    q, scale = quantize_weight_per_channel(w, search=False)
     assert q.dtype == E4M3 and q.shape == w.shape
     assert scale.dtype == torch.float32 and scale.shape == (37,)
     amax = w.abs().amax(dim=1)
@@ -36,6 +38,42 @@ def test_quantize_weight_per_channel_formula():
     assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
     back = q.float() * scale[:, None]
     assert bool(((back - w).abs() <= _e4m3_rel_step() * w.abs() + 2.0 ** -9 * scale[:, None]).all())
+
+
+def _row_sq_err(w, q, scale):
+    return (q.float() * scale[:, None] - w).square().sum(dim=1)
+
+
+def test_quantize_weight_per_channel_scale_search():
+    """The default (--quantization fp8) scale search: each row's scale is amax * c / 448 for a
+    c of SCALE_SEARCH, its codes are the row quantized at that scale, its squared error is the
+    least over every c (never above the absmax scale's), and in total clearly below it on
+    heavy-tailed rows."""
+    g = torch.Generator().manual_seed(3)
+    chi2 = torch.randn(3, 64, 96, generator=g).square().sum(0) / 3
+    w = torch.randn(64, 96, generator=g) / chi2.sqrt() * 0.02     # Student t (3 dof): heavy tails
+    w[3] = 0.0
+    q, scale = quantize_weight_per_channel(w)
+    q0, scale0 = quantize_weight_per_channel(w, search=False)
+    amax = w.abs().amax(dim=1)
+    errs = []
+    for c in SCALE_SEARCH:
+        s_c = (amax * c).clamp(min=FP8_MIN_AMAX) / 448.0
+        errs.append(_row_sq_err(w, (w / s_c[:, None]).clamp(-448, 448).to(E4M3), s_c))
+    errs = torch.stack(errs, dim=1)                                  # [rows, candidates]
+    err = _row_sq_err(w, q, scale)
+    torch.testing.assert_close(err, errs.min(dim=1).values, rtol=1e-6, atol=0)
+    ratio = scale / scale0
+    for r in range(64):
+        if r == 3:
+            continue
+        assert any(abs(ratio[r].item() - c) < 1e-6 for c in SCALE_SEARCH), (r, ratio[r])
+        expected = (w[r] / scale[r]).clamp(-448, 448).to(E4M3)
+        assert torch.equal(q[r].view(torch.uint8), expected.view(torch.uint8))
+    assert bool((err <= _row_sq_err(w, q0, scale0)).all())
+    assert err.sum() < 0.95 * _row_sq_err(w, q0, scale0).sum()
+    assert bool((q[3].float() == 0).all()) and scale[3] > 0          # a zero row stays zero
+    assert SCALE_SEARCH[0] == 1.0 and min(SCALE_SEARCH) < 1.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -317,21 +317,53 @@ def resolve_quant_config(hf_config: Dict[str, Any], quantization: Optional[str] 
 # ----------------------------------------------------------------------------- weights
 
 
-def quantize_weight_per_channel(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+# The per-row scales --quantization fp8 tries (as llm-compressor's MSE observer does): amax * c /
+# 448 for each c here, 0.70 to 1.00 in steps of 0.02 (c < 1 clips the row's largest values to
+# +-448 and moves every other value onto a different part of e4m3's grid). The row keeps the c
+# whose dequantized row has the least squared error; c = 1 (the plain absmax scale) comes first
+# and is replaced only by a strictly smaller error, so no row is worse than absmax. On the default
+# model (tests/unit/test_fp8_accuracy.py: 64 x 64 positions, W8A8 prefill) the mean KL to bf16
+# fell from 0.0385 to 0.0307 nats, top-1 agreement from 0.895 to 0.899. In a trial on 32 x 64
+# positions, 31 steps over the same range gave 0.0279 and 64 over 0.50-1.00 0.0293 (against
+# 0.0294 for these 16): weight error is not the logits' error, and each step is one more
+# quantization pass at load, so 16 it is.
+SCALE_SEARCH = tuple((50 - i) / 50 for i in range(16))        # 1.00, 0.98, ..., 0.70
+
+
+def quantize_weight_per_channel(w: torch.Tensor,
+                                search: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] (any float dtype) -> (w_fp8 [N, K] float8_e4m3fn, scale [N] fp32) with
-    scale = amax(|w[n]|) / 448 (floored at 1e-12 / 448) and w_fp8 = (w / scale) clamped to
-    +-448, rounded to e4m3: w[n] ~= w_fp8[n].float() * scale[n]. In slices of rows (bounded
-    fp32 copies)."""
+    w[n] ~= w_fp8[n].float() * scale[n]: scale = amax(|w[n]|) * c / 448 (amax floored at
+    FP8_MIN_AMAX) and w_fp8 = (w / scale) clamped to +-448, rounded to e4m3. search: c is the
+    SCALE_SEARCH value of least squared error per row (ties keep the earlier c), else 1 (the
+    plain absmax scale). In slices of rows (bounded fp32 copies: about 4 x 64 MiB at a time)."""
     rows = w.shape[0]
     q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
     scale = torch.empty(rows, dtype=torch.float32, device=w.device)
-    step = max(1, (64 << 20) // max(1, w.shape[1]))
+    step = max(1, (16 << 20) // max(1, w.shape[1]))
     for start in range(0, rows, step):
-        part = w[start:start + step].float()
-        s = fp8_scale_of(part.abs().amax(dim=1, keepdim=True))           # [rows, 1]
-        q[start:start + step] = fp8_cast(part, s)
-        scale[start:start + step] = s[:, 0]
+        part = w[start:start + step].float()                             # [rows, K]
+        amax = part.abs().amax(dim=1, keepdim=True)                      # [rows, 1]
+        best_s = fp8_scale_of(amax)
+        best_q = fp8_cast(part, best_s)
+        if search:
+            best_err = _row_sq_error(part, best_q, best_s)
+            for c in SCALE_SEARCH[1:]:
+                s = fp8_scale_of(amax * c)
+                cand = fp8_cast(part, s)
+                err = _row_sq_error(part, cand, s)
+                better = err < best_err                                  # [rows, 1]
+                best_q = torch.where(better, cand, best_q)
+                best_s = torch.where(better, s, best_s)
+                best_err = torch.where(better, err, best_err)
+        q[start:start + step] = best_q
+        scale[start:start + step] = best_s[:, 0]
     return q, scale
+
+
+def _row_sq_error(part: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    # sum over k of (q * s - w)^2 per row: [rows, 1] fp32
+    return (q.float() * s - part).square_().sum(dim=1, keepdim=True)
 
 
 def init_fp8_params(layer: torch.nn.Module, rows: int, cols: int, scheme: Fp8Scheme) -> None:
@@ -402,7 +434,8 @@ def load_fp8_tensor(layer: torch.nn.Module, name: str, loaded: torch.Tensor, wha
 
 def init_dummy_fp8(model: torch.nn.Module, gen: torch.Generator) -> None:
     """Random FP8 layers for --load-format dummy: normal(0, 0.02) weights quantized per output
-    channel (in slices of rows), and a static input scale of 8 / 448 (activations up to +-8)."""
+    channel with the plain absmax scale (no search: nothing to preserve in random weights), in
+    slices of rows, and a static input scale of 8 / 448 (activations up to +-8)."""
     for module in model.modules():
         scheme = getattr(module, "quant", None)
         if scheme is None:
@@ -412,7 +445,7 @@ def init_dummy_fp8(model: torch.nn.Module, gen: torch.Generator) -> None:
         for start in range(0, w.shape[0], step):
             part = torch.empty(w[start:start + step].shape, dtype=torch.float32, device=w.device)
             part.normal_(0.0, 0.02, generator=gen)
-            q, s = quantize_weight_per_channel(part)
+            q, s = quantize_weight_per_channel(part, search=False)
             w[start:start + step].copy_(q)
             module.weight_scale.data[start:start + step].copy_(s)
         if module.input_scale is not None:
