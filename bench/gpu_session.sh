@@ -485,15 +485,31 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
       # issue 35's FP8 KV bar (decode attention at batch 256 x 1k >= 0.85 of copy bandwidth in
       # FP8 bytes; 0.485 at 7f37cc4, in about the bf16 pool's time): variants of the FP8
       # tensor-core kernel (bench/variants/decode_fp8_sweep.cu): pipeline stages 2 / 4 / 5 / 6
-      # against the tree's 3, and two diagnostics whose outputs are wrong on purpose: no
-      # half-precision multiply in the e4m3 conversion (cheapconv) and slots computed instead
-      # of read from kv_indices (noidx)
+      # against the tree's 3, the tree's with head pairs, the kernel before 2026-12-07, four
+      # CTAs an SM (lb4), and two
+      # diagnostics whose outputs are wrong on purpose: no half-precision multiply in the e4m3
+      # conversion (cheapconv) and slots computed instead of read from kv_indices (noidx)
       V=/tmp/fp8kvsweep; rm -rf $V; H=decode_attention_mma_fp8.cuh
       S="constexpr int kDecodeMmaFp8Stages = 3;"
       python3 bench/variants/make_variant.py $V tree $H
       for n in 2 4 5 6; do
         python3 bench/variants/make_variant.py $V st$n $H --sub "$S" "constexpr int kDecodeMmaFp8Stages = $n;"
       done
+      # the tree's kernel with two KV heads per CTA (pairs; measured slower on an H100,
+      # bench/results/h100-2026-12-07.md), and the kernel before 2026-12-07 (prev: lane t's K
+      # bytes one contiguous D/4 run, every 32-byte sector split over two load instructions,
+      # so read from L2 twice)
+      P="constexpr bool kDecodeMmaFp8PairHeads = false;"; Q="constexpr bool kDecodeMmaFp8PairHeads = true;"
+      python3 bench/variants/make_variant.py $V pairs $H --sub "$P" "$Q"
+      python3 bench/variants/make_variant.py $V prev $H \
+        --sub "(int64_t)(qh0 + g) * p.q_stride_h + t * 16;" "(int64_t)(qh0 + g) * p.q_stride_h + t * (D / 4);" \
+        --sub "qrow + (kk / 4) * 64 + (kk % 4) * 4)" "qrow + kk * 4)" \
+        --sub "(int64_t)kvh * p.kv_stride_h + t * 16;" "(int64_t)kvh * p.kv_stride_h + t * (D / 4);" \
+        --sub "kbase + off + i * 64, ok);" "kbase + off + i * 16, ok);"
+      # at most 128 registers a thread (149 at 7f37cc4: three CTAs an SM), four CTAs an SM
+      python3 bench/variants/make_variant.py $V lb4 $H \
+        --sub "__launch_bounds__(kDecodeMmaThreads)\n    paged_decode_mma_fp8_kernel" \
+              "__launch_bounds__(kDecodeMmaThreads, 4)\n    paged_decode_mma_fp8_kernel"
       python3 bench/variants/make_variant.py $V noidx $H \
         --sub "tok < kv_len ? __ldg(idx + tok) : 0;" "tok < kv_len ? kv_start + tok + 1 : 0;"
       python3 bench/variants/make_variant.py $V cheapconv fp8_kv.cuh \
@@ -501,9 +517,16 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
               "__half2 a = *reinterpret_cast<const __half2*>(&l);" \
         --sub "__half2 b = __hmul2(*reinterpret_cast<const __half2*>(&h), k256);" \
               "__half2 b = *reinterpret_cast<const __half2*>(&h);"
-      bash bench/variants/run.sh $V decode_fp8_sweep.cu 2>&1 | tee "$OUT/fp8kvsweep.txt"
-      # the tree's kernel over a head-major pool: bytes or touched rows?
-      SWEEP_LAYOUT=hmajor timeout 120 $V/var_tree/sweep 2>&1 | tee -a "$OUT/fp8kvsweep.txt" ;;
+      BUILD_ONLY=1 bash bench/variants/run.sh $V decode_fp8_sweep.cu 2>&1 | tee "$OUT/fp8kvsweep.txt"
+      for d in "$V"/var_*/; do  # the bf16 pool beside the tree's kernel only
+        n=${d%/}; n=${n##*/var_}
+        if [ "$n" = tree ]; then timeout 120 "${d}sweep"; else SWEEP_NO_BF16=1 timeout 60 "${d}sweep"; fi \
+          || cat "${d}build.txt"
+      done 2>&1 | tee -a "$OUT/fp8kvsweep.txt"
+      # one head per CTA over a head-major pool (a head's slots adjacent): bytes or touched rows?
+      for n in tree prev; do
+        SWEEP_LAYOUT=hmajor SWEEP_NO_BF16=1 timeout 60 $V/var_$n/sweep 2>&1 | tee -a "$OUT/fp8kvsweep.txt"
+      done ;;
     fp8sweep)
       # FP8 skinny GEMM variants (bench/variants/fp8_gemv_sweep.cu): warps per CTA (the in-CTA k
       # split) and k blocks in flight per warp of the plain and the gated forms against the

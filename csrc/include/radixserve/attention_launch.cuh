@@ -67,11 +67,19 @@ cudaError_t launch_paged_decode(const DecodeParams& p, int batch, cudaStream_t s
     if constexpr ((G == 4 || G == 8) && D % 64 == 0) {
       if (mma) {
         if constexpr (fp8::is_fp8<KV>()) {
-          constexpr auto kernel = paged_decode_mma_fp8_kernel<T, KV, D, G>;
           constexpr int mma_smem = decode_mma_fp8_smem_bytes<D>();
-          err = set_max_dynamic_smem<kernel>(mma_smem);
-          if (err != cudaSuccess) return err;
-          kernel<<<grid, kDecodeMmaThreads, mma_smem, stream>>>(p);
+          if (decode_mma_fp8_heads(p.num_kv_heads, batch, p.num_sub, p.num_sms) == 2) {
+            constexpr auto kernel = paged_decode_mma_fp8_kernel<T, KV, D, G, 2>;
+            err = set_max_dynamic_smem<kernel>(mma_smem);
+            if (err != cudaSuccess) return err;
+            const dim3 pairs(grid.x, grid.y / 2, grid.z);
+            kernel<<<pairs, kDecodeMmaThreads, mma_smem, stream>>>(p);
+          } else {
+            constexpr auto kernel = paged_decode_mma_fp8_kernel<T, KV, D, G, 1>;
+            err = set_max_dynamic_smem<kernel>(mma_smem);
+            if (err != cudaSuccess) return err;
+            kernel<<<grid, kDecodeMmaThreads, mma_smem, stream>>>(p);
+          }
         } else {
           constexpr auto kernel = paged_decode_mma_kernel<T, D, G>;
           constexpr int mma_smem = decode_mma_smem_bytes<D>();

@@ -12,11 +12,15 @@
 // leave the products unchanged:
 //   S = q K^T, m16n8k16: lane (g, t) (g = lane / 4, t = lane % 4) supplies B's rows (logical
 //     k) 2t, 2t+1, 2t+8, 2t+9 of column (token) g, and A's (q's) same columns of row g. Logical
-//     k (k-step kk, those four) is physical dim t * D/4 + 4 kk + {0, 2, 1, 3}: the lane's K
-//     bytes are the D/4 contiguous bytes [t * D/4, (t+1) * D/4) of tokens g and g + 8 (one or
-//     two 16-byte loads each), and 32-bit word kk of them, [b3 b2 b1 b0], is the pair (b0, b2)
-//     for b0 and (b1, b3) for b1, as fp8_kv.cuh's conversion produces them. q gets the same
-//     order (one byte permute per k-step, once per CTA).
+//     k (k-step kk, those four) is physical dim 64 (kk / 4) + 16 t + 4 (kk % 4) + {0, 2, 1, 3}:
+//     the lane's K bytes of tokens g and g + 8 are D/64 16-byte pieces, piece i at byte
+//     64 i + 16 t of the row, so that one load instruction of piece i reads bytes [64 i,
+//     64 i + 64) of each of the warp's 8 rows whole (two 32-byte sectors, each read once; lane
+//     t's bytes as one contiguous D/4 run would have split every sector over two instructions,
+//     each sector then crossing from L2 twice: 299.9 us against 225.4 at batch 256 x 1k on an
+//     H100, bench/results/h100-2026-12-07.md). 32-bit word kk of the pieces, [b3 b2 b1 b0], is
+//     the pair (b0, b2) for b0 and (b1, b3) for b1, as fp8_kv.cuh's conversion produces them.
+//     q gets the same order (one byte permute per k-step, once per CTA).
 //   O += P V: B's rows are tokens (P's columns, as S left them: no permutation), its column g of
 //     n-tile nn is physical dim g * D/8 + nn: the lane's V bytes are the D/8 contiguous bytes
 //     [g * D/8, (g+1) * D/8) of tokens 2t, 2t+1, 2t+8, 2t+9; a byte permute pairs token 2t's
@@ -39,6 +43,23 @@ namespace attn {
 
 constexpr int kDecodeMmaFp8Stages = 3;   // tiles per warp in the pipeline (2 in flight)
 
+// KV heads per CTA: 1, or 2 with kDecodeMmaFp8PairHeads (warps 0-1 head 2y, warps 2-3 head
+// 2y+1, over the same tiles at the same time, so that a token's two adjacent 128-byte rows of
+// the [slot][head][D] pool are read together, as the 16-bit kernel reads its 256-byte rows),
+// where the heads pair up and the halved grid still gives every SM two CTAs; a shape property,
+// as graphs need. Off: on an H100 pairs were slower at every batch (bench/results/
+// h100-2026-12-07.md: batch 256 x 1k 232.5 us against 225.4, batch 128 x 1k 138.6 against
+// 119.2), and a head-major pool gave the unpaired kernel nothing (224.2 us): its time follows
+// the bytes and sectors it reads, not the rows. Kept for the sweep (gpu_session.sh fp8kvsweep,
+// variant "pairs") on other cards.
+constexpr bool kDecodeMmaFp8PairHeads = false;
+inline int decode_mma_fp8_heads(int num_kv_heads, int64_t batch, int num_sub, int sms) {
+  return kDecodeMmaFp8PairHeads && num_kv_heads % 2 == 0 &&
+                 batch * (num_kv_heads / 2) * num_sub >= 2 * (int64_t)sms
+             ? 2
+             : 1;
+}
+
 // dynamic shared memory: [warps][stages][pieces][32 lanes] 16-byte slots, pieces = 2 * D/64 (K:
 // tokens g, g + 8) + 4 (V: tokens 2t, 2t+1, 2t+8, 2t+9; 8 bytes used of a slot when D = 64)
 template <int D>
@@ -53,11 +74,14 @@ __device__ __forceinline__ uint32_t word_of(const uint4 (&v)[N], int w) {
   return c == 0 ? x.x : c == 1 ? x.y : c == 2 ? x.z : x.w;
 }
 
-template <typename T, typename F8, int D, int kGroupMax>
+// grid (num_sub, num_kv_heads / kHeads, batch)
+template <typename T, typename F8, int D, int kGroupMax, int kHeads>
 __global__ void __launch_bounds__(kDecodeMmaThreads)
     paged_decode_mma_fp8_kernel(const DecodeParams p) {
   static_assert(D % 64 == 0, "D / 4 bytes of K per lane: whole 16-byte pieces");
   static_assert(kGroupMax == 4 || kGroupMax == 8, "q heads of a subgroup: rows 0..7 of the mma");
+  static_assert(kHeads == 1 || kHeads == 2, "one head or a pair per CTA");
+  constexpr int kWarpsPerHead = kDecodeMmaWarps / kHeads;
   pdl_launch_dependents();  // the o projection after attention may start streaming its weights
   constexpr int kKSteps = D / 16;          // mma k-steps of S = q K^T
   constexpr int kNTiles = D / 8;           // mma n-tiles of O
@@ -78,8 +102,9 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const int wl = warp % kWarpsPerHead;  // this warp's place among its head's warps
   const int sg = blockIdx.x;  // q-head subgroup (one split: blockIdx.x < num_sub)
-  const int kvh = blockIdx.y;
+  const int kvh = blockIdx.y * kHeads + warp / kWarpsPerHead;
   const int b = blockIdx.z;
   const int qh0 = kvh * p.group + sg * kGroupMax;
   const int gcount = min(kGroupMax, p.group - sg * kGroupMax);
@@ -88,31 +113,32 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
   const int kv_len = range.len;
 
   // q as the A operand (row g; rows >= gcount and 8..15 zero), fp16, in the permuted k order:
-  // k-step kk takes physical dims t * D/4 + 4 kk + {0, 2} (qa[kk][0]) and {1, 3} (qa[kk][1])
+  // k-step kk takes physical dims 64 (kk / 4) + 16 t + 4 (kk % 4) + {0, 2} (qa[kk][0]) and
+  // {1, 3} (qa[kk][1])
   uint32_t qa[kKSteps][2];
   {
     const T* qrow = static_cast<const T*>(p.q) + (int64_t)b * p.q_stride_b +
-                    (int64_t)(qh0 + g) * p.q_stride_h + t * (D / 4);
+                    (int64_t)(qh0 + g) * p.q_stride_h + t * 16;
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
-      const uint2 w = g < gcount ? *reinterpret_cast<const uint2*>(qrow + kk * 4) : make_uint2(0u, 0u);
+      const uint2 w = g < gcount ? *reinterpret_cast<const uint2*>(qrow + (kk / 4) * 64 + (kk % 4) * 4) : make_uint2(0u, 0u);
       const uint32_t h01 = fp8::to_half2_word<T>(w.x), h23 = fp8::to_half2_word<T>(w.y);
       qa[kk][0] = __byte_perm(h01, h23, 0x5410);  // (q0, q2)
       qa[kk][1] = __byte_perm(h01, h23, 0x7632);  // (q1, q3)
     }
   }
 
-  // this warp's tiles: w, w + warps, ... of the request's ceil(kv_len / 16)
+  // this warp's tiles: wl, wl + warps per head, ... of the request's ceil(kv_len / 16)
   const int tiles = (kv_len + kDecodeMmaTile - 1) / kDecodeMmaTile;
-  const int n_it = tiles > warp ? (tiles - warp + kDecodeMmaWarps - 1) / kDecodeMmaWarps : 0;
+  const int n_it = tiles > wl ? (tiles - wl + kWarpsPerHead - 1) / kWarpsPerHead : 0;
   const int32_t* idx = p.kv_indices + kv_start;
-  const uint8_t* kbase = static_cast<const uint8_t*>(p.k) + (int64_t)kvh * p.kv_stride_h + t * (D / 4);
+  const uint8_t* kbase = static_cast<const uint8_t*>(p.k) + (int64_t)kvh * p.kv_stride_h + t * 16;
   const uint8_t* vbase = static_cast<const uint8_t*>(p.v) + (int64_t)kvh * p.kv_stride_h + g * (D / 8);
   uint4* pipe = reinterpret_cast<uint4*>(decode_mma_smem);
   auto piece = [&](int stage, int j) -> uint4* {
     return pipe + ((warp * kStages + stage) * kPieces + j) * 32 + lane;
   };
-  auto tile_start = [&](int it) { return (it * kDecodeMmaWarps + warp) * kDecodeMmaTile; };
+  auto tile_start = [&](int it) { return (it * kWarpsPerHead + wl) * kDecodeMmaTile; };
 
   // lane l < 16 holds the slot of token l of the tile fetched last (0 past the request)
   int slot = 0;
@@ -133,7 +159,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
         const int64_t off = ok ? (int64_t)s * p.kv_stride_slot : 0;
 #pragma unroll
         for (int i = 0; i < kKPieces; ++i)
-          cp_async_16(smem_u32(piece(stage, h * kKPieces + i)), kbase + off + i * 16, ok);
+          cp_async_16(smem_u32(piece(stage, h * kKPieces + i)), kbase + off + i * 64, ok);
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {  // V of tokens 2t, 2t+1, 2t+8, 2t+9
@@ -256,8 +282,14 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
     }
   }
   __syncthreads();
-  decode_combine_parts<T, D, kGroupMax, kDecodeMmaWarps>(p, b, qh0, gcount, 0, false, sm_m, sm_l,
-                                                         sm_acc);
+  // head h of the CTA: warps h * kWarpsPerHead .. (h + 1) * kWarpsPerHead - 1
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) {
+    const int o = h * kWarpsPerHead;
+    decode_combine_parts<T, D, kGroupMax, kWarpsPerHead>(
+        p, b, (blockIdx.y * kHeads + h) * p.group + sg * kGroupMax, gcount, 0, false, sm_m + o,
+        sm_l + o, sm_acc + o);
+  }
 }
 
 }  // namespace attn

@@ -50,6 +50,23 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_RUNNING_REQUESTS = {"cpu": 64, "cuda": 256}
 CPU_MEM_FRACTION = 0.10
 GPU_MEM_FRACTION = 0.85
+FIXED_STEP_RESERVE = 1 << 30   # cuBLAS(Lt) workspaces, CUDA graph pools, allocator slack
+
+
+def step_reserve_bytes(mc: ModelConfig, step_tokens: int, max_running: int) -> int:
+    """Device memory a step needs beyond the weights and the KV pool, at its peak (an upper
+    estimate): a prefill step of step_tokens tokens through the MLP (the residual, the normed
+    input and the layer output in 16 bits, gate|up's output and the activation, their FP8
+    copies under W8A8) or through attention (q|k|v), whichever is larger; plus the fp32 logits
+    of max_running decode rows three times over (logits, probabilities, the sampler's scratch);
+    plus FIXED_STEP_RESERVE. The KV pool leaves at least this much free (_kv_pool_tokens): with
+    a 70B model on an 80 GB GPU, 15% of what the weights leave is ~1.6 GB, and prefill steps ran
+    out of memory (bench/results/h100-2026-12-07.md)."""
+    h, i = mc.hidden_size, mc.intermediate_size
+    qkv = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+    per_token = 2 * (3 * h + max(3 * i, qkv)) + (h + i)
+    logits = 3 * 4 * max_running * mc.vocab_size
+    return step_tokens * per_token + logits + FIXED_STEP_RESERVE
 
 
 def reference_attention(model: torch.nn.Module, head_dim: Optional[int] = None) -> Optional[str]:
@@ -278,6 +295,13 @@ class ModelRunner:
             devices = getattr(self.model, "devices", None) or [self.device]
             free = min(torch.cuda.mem_get_info(d)[0] for d in devices)
             budget = int(free * fraction)
+            if sa.mem_fraction_static is None:   # the default leaves room for a step's peak
+                step_tokens = max(sa.max_prefill_tokens, sa.resolved_chunked_prefill_size() or 0)
+                reserve = step_reserve_bytes(mc, step_tokens, self.max_running_requests)
+                if free - budget < reserve:
+                    budget = max(0, free - reserve)
+                    logger.info("KV pool: %.1f GB of %.1f GB free left for steps (their peak "
+                                "at %d prefill tokens)", reserve / 1e9, free / 1e9, step_tokens)
         else:
             fraction = sa.mem_fraction_static or CPU_MEM_FRACTION
             budget = int(_cpu_available_bytes() * fraction)
