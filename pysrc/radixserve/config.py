@@ -353,7 +353,8 @@ class ServerArgs:
     # memory and scheduling
     mem_fraction_static: Optional[float] = _flag(
         None, "fraction in (0, 1) of free memory the KV pool takes; default: 0.85 of the GPU's free "
-        "memory after the weights, 0.10 of available RAM on the CPU", metavar="FRACTION",
+        "memory after the weights, less where that would not leave a prefill step its peak, and "
+        "0.10 of available RAM on the CPU", metavar="FRACTION",
         group="memory and scheduling")
     max_total_tokens: Optional[int] = _flag(
         None, "KV pool size in tokens (overrides --mem-fraction-static); default: from "
