@@ -2,7 +2,8 @@
 decode steps and a 4k-token prefill, each against the same model shape in bf16.
 
 For each configuration (default: bf16, fp8 = `--quantization fp8` quantizing the dummy bf16
-weights at load, per-output-channel e4m3; fp8-kv = the same plus `--kv-cache-dtype fp8_e4m3`),
+weights at load, per-output-channel e4m3; fp8-kv = the same plus `--kv-cache-dtype fp8_e4m3`;
+fp8-mma / fp8-cc = fp8 with the skinny GEMM's tensor-core / CUDA-core kernel forced),
 in turn, one model at a time on the device:
   decode   step_ms of the real step pipeline (the overlap loop, CUDA graphs on) at each batch
            size of --batch-sizes, prompts of --prompt-len random tokens (decode_steps.measure)
@@ -39,6 +40,10 @@ CONFIGS = {
     "bf16": {},
     "fp8": {"quantization": "fp8"},
     "fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+    # the FP8 skinny GEMM's two kernels forced (ops.FP8_CUDA_CORE_ROWS): tensor cores at every
+    # batch, or CUDA cores up to 4 rows; "fp8" runs the op's default
+    "fp8-mma": {"quantization": "fp8", "fp8_cuda_core_rows": 0},
+    "fp8-cc": {"quantization": "fp8", "fp8_cuda_core_rows": 4},
 }
 
 
@@ -110,8 +115,12 @@ def main(argv=None):
                                                        f"preset-{args.preset}"))
     bw = copy_bandwidth(torch.device("cuda"))
     results = {}
+    from radixserve import ops
+
     for name in names:
-        sched = make_scheduler(model_dir, args, CONFIGS[name])
+        extra = dict(CONFIGS[name])
+        ops.FP8_CUDA_CORE_ROWS = extra.pop("fp8_cuda_core_rows", -1)
+        sched = make_scheduler(model_dir, args, extra)
         floor_ms = 1e3 * streamed_weight_bytes(sched.runner.model) / bw
         decode = {str(b): measure(sched, b, args, seed=b) for b in args.batch_sizes}
         prefill = measure_prefill(sched, args, seed=7)

@@ -475,12 +475,28 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
       echo "cublas: ${CUB[*]:-not found}" | tee "$OUT/gsweep.txt"
       bash bench/variants/run.sh $V gemv_sweep.cu "${CUB[@]}" 2>&1 | tee -a "$OUT/gsweep.txt" ;;
     fp8cc)
-      # issue 35's batch-1 bar: the CUDA-core FP8 skinny GEMM candidate
-      # (bench/variants/fp8_gemv_cc.cuh, rows fp8cc / fp8ccg) beside the tree's tensor-core
-      # kernel and the bf16 one, same weights, same graphs; ~1 min
-      V=/tmp/fp8cc; rm -rf $V
-      python3 bench/variants/make_variant.py $V tree fp8_gemv.cuh
+      # issue 35's batch-1 bar: the CUDA-core FP8 skinny GEMM (fp8_gemv_cc.cuh, rows fp8cc /
+      # fp8ccg) beside the tree's tensor-core kernel and the bf16 one, same weights, same
+      # graphs; ~1 min
+      # Variants of the CUDA-core kernel (the tree's: 4 chunks a lane per plain trip, the next
+      # trip's loads first): np8 = 8 chunks a trip, no prefetch; pf8 = 8 with prefetch; w4 = 4
+      # warps (columns) per CTA
+      V=/tmp/fp8cc; rm -rf $V; H=fp8_gemv_cc.cuh
+      # (FP8CC_TREE_ONLY=1: the tree's alone)
+      python3 bench/variants/make_variant.py $V tree $H
+      if [ "${FP8CC_TREE_ONLY:-0}" != 1 ]; then
+        python3 bench/variants/make_variant.py $V np8 $H --sub "kPrefetch = true" "kPrefetch = false" \
+          --sub "kPlainU = 4, kGatedU = 2" "kPlainU = 8, kGatedU = 4"
+        python3 bench/variants/make_variant.py $V pf8 $H --sub "kPlainU = 4, kGatedU = 2" "kPlainU = 8, kGatedU = 4"
+        python3 bench/variants/make_variant.py $V w4 $H --sub "kWarps = 8;" "kWarps = 4;"
+      fi
       bash bench/variants/run.sh $V fp8_gemv_sweep.cu 2>&1 | tee "$OUT/fp8cc.txt" ;;
+    fp8ccspeed)
+      # the same two kernels inside the real decode step (bench/fp8_speed.py, one process):
+      # bf16, FP8 as served (the default dispatch), FP8 with the tensor-core kernel forced
+      python3 bench/fp8_speed.py --preset llama-3.1-8b --configs ${CC_CONFIGS:-bf16,fp8,fp8-mma} \
+        --batch-sizes ${CC_BS:-1,2,4,8} --prefill-reps 1 --out "$OUT/fp8-speed-cc.json" 2>&1 \
+        | tee "$OUT/fp8ccspeed.txt" | tail -30 ;;
     fp8kvsweep)
       # issue 35's FP8 KV bar (decode attention at batch 256 x 1k >= 0.85 of copy bandwidth in
       # FP8 bytes; 0.485 at 7f37cc4, in about the bf16 pool's time): variants of the FP8

@@ -23,7 +23,7 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, bool gated) -> Tensor");
   m.def("fp8_skinny_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, "
-        "bool gated=False) -> Tensor");
+        "bool gated=False, int cuda_core_rows=-1) -> Tensor");
   m.def("fp8_quantize(Tensor x, Tensor? input_scale) -> (Tensor, Tensor)");
   m.def("rmsnorm_quant_fp8(Tensor x, Tensor(a!)? residual, Tensor weight, float eps, "
         "Tensor? input_scale) -> (Tensor, Tensor)");

@@ -1,18 +1,19 @@
 // Times a variant of fp8_gemv.cuh (see README.md): the FP8-weight skinny GEMM on the
-// Llama-3.1-8B weight shapes (q|k|v, o, gate|up unfused, down) at 1, 2, 4, 8 and 16 bf16
-// activation rows, each shape one CUDA graph of 32 launches with programmatic dependent launch
-// over 32 distinct e4m3 weight copies (the 32 layers: no launch reads its weight from L2), and
-// beside it, at 1 row, the bf16 skinny GEMM (gemv.cuh, from the tree) on bf16 copies of the same
-// shape. Prints microseconds per launch, the fraction of copy bandwidth the weight bytes reach
-// (e4m3 bytes for FP8, bf16 bytes for bf16; the time over a measured device copy) and a checksum
-// of the last outputs (equal across variants up to fp32 summation order). Rows fp8cc / fp8ccg:
-// the CUDA-core candidate of fp8_gemv_cc.cuh (this folder) at 1, 2 and 4 rows on the same
-// weights, its checksums against the tensor-core kernel's at the same row count.
+// Llama-3.1-8B weight shapes (q|k|v, o, gate|up unfused, down; and the 70B's q|k|v and o) at
+// 1, 2, 4, 8 and 16 bf16 activation rows, each shape one CUDA graph of 32 launches with
+// programmatic dependent launch over 32 distinct e4m3 weight copies (the 32 layers: no launch
+// reads its weight from L2), and beside it, at 1 row, the bf16 skinny GEMM (gemv.cuh, from the
+// tree) on bf16 copies of the same shape. Prints microseconds per launch, the fraction of copy
+// bandwidth the weight bytes reach (e4m3 bytes for FP8, bf16 bytes for bf16; the time over a
+// measured device copy) and a checksum of the last outputs (equal across variants up to fp32
+// summation order). Rows fp8cc / fp8ccg: the CUDA-core kernel of fp8_gemv_cc.cuh
+// (csrc/include/radixserve) at 1, 2 and 4 rows on the same weights, its checksums against the
+// tensor-core kernel's at the same row count.
 #include <cstdio>
 #include <vector>
 #include "radixserve/fp8_gemv.cuh"
 #include "radixserve/gemv.cuh"
-#include "fp8_gemv_cc.cuh"
+#include "radixserve/fp8_gemv_cc.cuh"
 #include "sweep_common.cuh"
 
 // e4m3 codes from the hash: any sign, exponent 0..14 (no NaN: 0x7f / 0xff need exponent 15)
@@ -35,7 +36,9 @@ int main() {
   printf("%-8s copy %.2f TB/s\n", VARIANT, copy_bw / 1e12);
   struct Shape { const char* name; int64_t n, k; };
   const Shape shapes[] = {{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 28672, 4096},
-                          {"down", 4096, 14336}};
+                          {"down", 4096, 14336},
+                          // Llama-3.1-70B's q|k|v and o: rows of 8192 bytes
+                          {"qkv70", 10240, 8192}, {"o70", 8192, 8192}};
   for (const Shape& sh : shapes) {
     const int64_t welems = sh.n * sh.k;
     std::vector<uint8_t*> w(kLayers);

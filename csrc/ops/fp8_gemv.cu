@@ -1,5 +1,6 @@
 // fp8_skinny_linear: input checks, launch on the current stream.
-// Kernel: csrc/include/radixserve/fp8_gemv.cuh. Contract: pysrc/radixserve/ops/__init__.py.
+// Kernels: csrc/include/radixserve/fp8_gemv.cuh (tensor cores, 1..16 rows) and fp8_gemv_cc.cuh
+// (CUDA cores, 1..4 rows). Contract: pysrc/radixserve/ops/__init__.py.
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -10,12 +11,13 @@
 #include "ops/check.h"
 #include "ops/ops.h"
 #include "radixserve/fp8_gemv.cuh"
+#include "radixserve/fp8_gemv_cc.cuh"
 
 namespace radixserve {
 
 at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                              const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
-                             bool gated) {
+                             bool gated, int64_t cuda_core_rows) {
   RS_CHECK(x.is_cuda() && weight.is_cuda() && weight_scale.is_cuda() &&
                weight.device() == x.device() && weight_scale.device() == x.device(),
            "x, weight and weight_scale must be CUDA tensors on one device");
@@ -47,6 +49,10 @@ at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
     RS_CHECK(bias->dim() == 1 && bias->size(0) == rows && bias->is_contiguous(),
              "bias must be contiguous [", rows, "]");
   }
+  // up to this many rows run on the CUDA-core kernel (-1: where it serves by default)
+  RS_CHECK(cuda_core_rows >= -1 && cuda_core_rows <= fp8_gemv_cc::kMaxRows,
+           "cuda_core_rows must be -1 (the default) or 0..", fp8_gemv_cc::kMaxRows, ", got ",
+           cuda_core_rows);
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({m, n}, x.options());  // [m, n]
   fp8_gemv::Params p;
@@ -63,7 +69,9 @@ at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   p.k = k;
   p.pdl = at::cuda::getCurrentDeviceProperties()->major >= 9;
   p.gated = gated;
-  const cudaError_t err = fp8_gemv::launch(p, at::cuda::getCurrentCUDAStream());
+  const bool cuda_cores = cuda_core_rows < 0 ? fp8_gemv_cc::serves_by_default(p) : m <= cuda_core_rows;
+  const cudaError_t err = cuda_cores ? fp8_gemv_cc::launch(p, at::cuda::getCurrentCUDAStream())
+                                     : fp8_gemv::launch(p, at::cuda::getCurrentCUDAStream());
   RS_CHECK(err == cudaSuccess, "fp8_skinny_linear launch failed: ", cudaGetErrorString(err));
   return out;
 }

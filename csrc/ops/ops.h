@@ -48,7 +48,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
 // fp8_gemv.cu
 at::Tensor fp8_skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                              const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
-                             bool gated);
+                             bool gated, int64_t cuda_core_rows);
 
 // fp8_quant.cu
 std::tuple<at::Tensor, at::Tensor> fp8_quantize(const at::Tensor& x,

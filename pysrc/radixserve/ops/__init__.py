@@ -500,6 +500,11 @@ def fp8_scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tens
 
 # fp8_skinny_linear (csrc/include/radixserve/fp8_gemv.cuh) serves up to this many rows.
 FP8_SKINNY_MAX_ROWS = 16
+# Up to how many rows fp8_skinny_linear runs its CUDA-core kernel (fp8_gemv_cc.cuh) instead of
+# the tensor-core one: -1 = where that kernel serves by default (fp8_gemv_cc::serves_by_default,
+# measured per shape: the fused gate|up at 1-2 rows, long rows at 1), 0 = never, 1..4. Read at every call (so at CUDA-graph capture): bench/fp8_speed.py's A/B sets it before a
+# model is built; the server leaves it at -1.
+FP8_CUDA_CORE_ROWS = -1
 
 
 def fp8_skinny_linear_fits(x: torch.Tensor, weight: torch.Tensor,
@@ -532,7 +537,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                   fp8_act_quant):
                   "none"    weight-only (W8A16): the weight dequantized, math in x's dtype. CUDA:
                             fp8_skinny_linear where fp8_skinny_linear_fits (dequantization in
-                            registers, bf16 x bf16 -> fp32 on the tensor cores); elsewhere the
+                            registers, bf16 x bf16 -> fp32 on the tensor cores, or fp32 FMAs
+                            on the CUDA cores up to FP8_CUDA_CORE_ROWS rows); elsewhere the
                             reference: (weight.float() * scale).to(x.dtype), then F.linear in
                             x's dtype (on a GPU that dequantizes the whole weight per call)
                   "dynamic" W8A8: x quantized per token (fp8_quantize(x)), then fp8_scaled_mm
@@ -544,7 +550,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         raise ValueError(f"act_quant must be one of {FP8_ACT_QUANT}, not {act_quant!r}")
     if act_quant == "none":
         if fp8_skinny_linear_fits(x, weight, weight_scale, bias):
-            return torch.ops.radixserve.fp8_skinny_linear(x, weight, weight_scale, bias)
+            return torch.ops.radixserve.fp8_skinny_linear(x, weight, weight_scale, bias, False,
+                                                          FP8_CUDA_CORE_ROWS)
         return ref.fp8_linear(x, weight, weight_scale, bias, "none", None)
     if act_quant == "static" and input_scale is None:
         raise ValueError("fp8_linear: act_quant 'static' needs input_scale")
@@ -568,7 +575,8 @@ def fp8_skinny_gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale:
     Elsewhere the two ops (the reference on a CPU).
     """
     if fp8_skinny_linear_fits(x, weight, weight_scale, bias) and weight.shape[0] % 2 == 0:
-        return torch.ops.radixserve.fp8_skinny_linear(x, weight, weight_scale, bias, True)
+        return torch.ops.radixserve.fp8_skinny_linear(x, weight, weight_scale, bias, True,
+                                                      FP8_CUDA_CORE_ROWS)
     return silu_and_mul(fp8_linear(x, weight, weight_scale, bias, act_quant="none"))
 
 
