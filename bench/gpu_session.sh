@@ -58,14 +58,22 @@ for stage in "$@"; do
     build)
       # an extension built by an earlier call on this warm machine from the same csrc/ is reused
       # (/tmp/rs_C, keyed by a hash of csrc/ and setup.py)
+      # (an extension left in pysrc/ by an earlier call from other sources is removed first: its
+      # key is in pysrc/radixserve/.C_key; without that, a stale one went on under the new key)
       key=$(find csrc setup.py -type f | sort | xargs sha1sum | sha1sum | cut -c1-16)
+      if [ "$(cat pysrc/radixserve/.C_key 2>/dev/null)" != "$key" ]; then
+        rm -f pysrc/radixserve/_C*.so pysrc/radixserve/.C_key
+      fi
       if ! ls pysrc/radixserve/_C*.so >/dev/null 2>&1 && ls /tmp/rs_C/$key/_C*.so >/dev/null 2>&1; then
         cp /tmp/rs_C/$key/_C*.so pysrc/radixserve/ && echo "ext reused ($key)" | tee -a "$OUT/log.txt"
       fi
       if ! ls pysrc/radixserve/_C*.so >/dev/null 2>&1; then
         build_ext 20 | tee -a "$OUT/log.txt"
       fi
-      mkdir -p /tmp/rs_C/$key && cp pysrc/radixserve/_C*.so /tmp/rs_C/$key/ 2>/dev/null
+      if ls pysrc/radixserve/_C*.so >/dev/null 2>&1; then
+        echo "$key" > pysrc/radixserve/.C_key
+        mkdir -p /tmp/rs_C/$key && cp pysrc/radixserve/_C*.so /tmp/rs_C/$key/
+      fi
       python3 -c "import torch, radixserve._C; print('ext ok', torch.__version__)" 2>&1 | tee -a "$OUT/log.txt" ;;
     wheel)
       # issue 14: the release wheel for this image's Python and torch, built from the carried

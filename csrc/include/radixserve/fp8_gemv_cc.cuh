@@ -167,10 +167,13 @@ cudaError_t launch_rows(const Params& p, dim3 grid, dim3 block, cudaStream_t str
 constexpr int kPlainU = 4, kGatedU = 2;
 constexpr bool kPrefetch = true;
 
-// Where the op runs this kernel unless told otherwise (the measurements above): the fused
-// gate|up projection at 1-2 rows, a plain projection at 1 row with rows of at least 8192 bytes.
+// Where the op runs this kernel unless told otherwise (the measurements above): at 1 row, the
+// fused gate|up projection and plain projections with rows of at least 8192 bytes. The gated
+// pair at 2 rows won in the sweep (48.5 / 44.0 us) but lost inside the decode step (batch 2:
+// 4.18 ms a step against 3.98 with the tensor cores, same H100 call,
+// bench/results/h100-2026-12-07-fp8gemv.md), so 2 rows stay on the tensor cores.
 inline bool serves_by_default(const Params& p) {
-  return p.gated ? p.m <= 2 : p.m == 1 && p.k >= 8192;
+  return p.m == 1 && (p.gated || p.k >= 8192);
 }
 
 inline cudaError_t launch(const Params& p, cudaStream_t stream) {
