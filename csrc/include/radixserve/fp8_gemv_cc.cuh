@@ -168,10 +168,11 @@ constexpr int kPlainU = 4, kGatedU = 2;
 constexpr bool kPrefetch = true;
 
 // Where the op runs this kernel unless told otherwise (the measurements above): at 1 row, the
-// fused gate|up projection and plain projections with rows of at least 8192 bytes. The gated
-// pair at 2 rows won in the sweep (48.5 / 44.0 us) but lost inside the decode step (batch 2:
-// 4.18 ms a step against 3.98 with the tensor cores, same H100 call,
-// bench/results/h100-2026-12-07-fp8gemv.md), so 2 rows stay on the tensor cores.
+// fused gate|up projection and plain projections with rows of at least 8192 bytes (the 70B's
+// q|k|v and o at 8192: 34.2 / 32.3 and 27.7 / 26.1 us). The gated pair at 2 rows won in the
+// sweep (48.5 / 44.0 us), but batch-2 decode steps with it varied from 3.75 to 4.18 ms against
+// 3.97 with the tensor cores (bench/results/h100-2026-12-07-fp8gemv.md: a spread seen with the
+// same kernels too), so 2 rows stay on the tensor cores until a clean A/B says otherwise.
 inline bool serves_by_default(const Params& p) {
   return p.m == 1 && (p.gated || p.k >= 8192);
 }
