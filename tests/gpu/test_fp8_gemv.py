@@ -84,7 +84,7 @@ def _kernels_run(fn):
 
 
 @pytest.mark.parametrize("m,gated,k,cuda_cores", [
-    (1, True, 256, True), (2, True, 256, False), (3, True, 256, False),
+    (1, True, 256, True), (2, True, 256, True), (3, True, 256, False),
     (1, False, 8192, True), (1, False, 8176, False), (2, False, 8192, False)])
 def test_default_dispatch(m, gated, k, cuda_cores):
     """cuda_core_rows=-1 (what the server passes) runs the CUDA-core kernel exactly where

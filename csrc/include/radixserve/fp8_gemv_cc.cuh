@@ -167,14 +167,14 @@ cudaError_t launch_rows(const Params& p, dim3 grid, dim3 block, cudaStream_t str
 constexpr int kPlainU = 4, kGatedU = 2;
 constexpr bool kPrefetch = true;
 
-// Where the op runs this kernel unless told otherwise (the measurements above): at 1 row, the
-// fused gate|up projection and plain projections with rows of at least 8192 bytes (the 70B's
-// q|k|v and o at 8192: 34.2 / 32.3 and 27.7 / 26.1 us). The gated pair at 2 rows won in the
-// sweep (48.5 / 44.0 us), but batch-2 decode steps with it varied from 3.75 to 4.18 ms against
-// 3.97 with the tensor cores (bench/results/h100-2026-12-07-fp8gemv.md: a spread seen with the
-// same kernels too), so 2 rows stay on the tensor cores until a clean A/B says otherwise.
+// Where the op runs this kernel unless told otherwise (the measurements above): the fused
+// gate|up projection at 1-2 rows, plain projections at 1 row with rows of at least 8192 bytes
+// (the 70B's q|k|v and o at 8192: 34.2 / 32.3 and 27.7 / 26.1 us). In the decode step (H100,
+// bench/results/h100-2026-12-07-fp8gemv.md): batch 1 3.63 ms against 3.91-3.93 with the tensor
+// cores alone; batch 2 3.75 against 3.97 in the two calls whose steps ran undisturbed (GPU busy
+// 0.999; two disturbed runs, 0.99 busy, gave 4.18 with it and 4.38 without).
 inline bool serves_by_default(const Params& p) {
-  return p.m == 1 && (p.gated || p.k >= 8192);
+  return p.gated ? p.m <= 2 : p.m == 1 && p.k >= 8192;
 }
 
 inline cudaError_t launch(const Params& p, cudaStream_t stream) {

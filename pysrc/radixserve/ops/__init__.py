@@ -502,7 +502,8 @@ def fp8_scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tens
 FP8_SKINNY_MAX_ROWS = 16
 # Up to how many rows fp8_skinny_linear runs its CUDA-core kernel (fp8_gemv_cc.cuh) instead of
 # the tensor-core one: -1 = where that kernel serves by default (fp8_gemv_cc::serves_by_default,
-# measured per shape: at 1 row the fused gate|up and rows of >= 8192 bytes), 0 = never, 1..4. Read at every call (so at CUDA-graph capture): bench/fp8_speed.py's A/B sets it before a
+# measured per shape: the fused gate|up at 1-2 rows, rows of >= 8192 bytes at 1), 0 = never,
+# 1..4. Read at every call (so at CUDA-graph capture): bench/fp8_speed.py's A/B sets it before a
 # model is built; the server leaves it at -1.
 FP8_CUDA_CORE_ROWS = -1
 
