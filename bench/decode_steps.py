@@ -6,6 +6,8 @@ For each batch size B (default 1, 8, 64, 128, 256) the scheduler gets B requests
 processes it). Measured per configuration (overlap, serial):
   step_ms     wall time per decode step (mean over the timed turns)
   gpu_busy    device time of the steps (CUDA events) / wall time; idle = 1 - gpu_busy
+  turn_ms_median  the median wall time of one turn (a turn is one step at steady state; unlike
+              step_ms, a mean, one stalled turn does not move it)
 and once per process:
   floor_ms    streamed weight bytes (every parameter but the embedding table, read once per
               step) / the device-to-device copy bandwidth measured here (bytes read + written)
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -71,8 +74,13 @@ def measure(sched, batch_size, args, seed):
     dev0 = sched.total_device_time
     steps0 = sched.counters["num_decode_steps"]
     t0 = time.perf_counter()
+    turns = []                                         # wall time of each turn (its median is
+    t_prev = t0                                        # blind to a one-off host stall)
     for _ in range(args.steps):
         sched.step()
+        t = time.perf_counter()
+        turns.append(t - t_prev)
+        t_prev = t
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     steps = sched.counters["num_decode_steps"] - steps0
@@ -81,7 +89,8 @@ def measure(sched, batch_size, args, seed):
         sched.abort(r.rid)
     while sched.has_work():
         sched.step()
-    return {"step_ms": 1e3 * wall / max(steps, 1), "gpu_busy": busy, "steps": steps}
+    return {"step_ms": 1e3 * wall / max(steps, 1), "gpu_busy": busy, "steps": steps,
+            "turn_ms_median": 1e3 * statistics.median(turns) if turns else None}
 
 
 def main(argv=None):

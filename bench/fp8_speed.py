@@ -127,7 +127,9 @@ def main(argv=None):
         results[name] = {"floor_ms": floor_ms, "decode": decode, "prefill": prefill,
                          "kv_pool_tokens": sched.runner.max_total_tokens}
         for b in args.batch_sizes:
-            print(f"{name:7s} bs {b:4d}: {decode[str(b)]['step_ms']:7.2f} ms/step", flush=True)
+            d = decode[str(b)]
+            print(f"{name:7s} bs {b:4d}: {d['step_ms']:7.2f} ms/step (median turn "
+                  f"{d['turn_ms_median']:.2f}, GPU busy {d['gpu_busy']:.4f})", flush=True)
         print(f"{name:7s} floor {floor_ms:.2f} ms; prefill {args.prefill_len}: "
               f"{prefill['tokens_per_s']:,.0f} tok/s", flush=True)
         del sched
