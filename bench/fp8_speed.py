@@ -128,8 +128,10 @@ def main(argv=None):
                          "kv_pool_tokens": sched.runner.max_total_tokens}
         for b in args.batch_sizes:
             d = decode[str(b)]
+            med = d["turn_ms_median"]
             print(f"{name:7s} bs {b:4d}: {d['step_ms']:7.2f} ms/step (median turn "
-                  f"{d['turn_ms_median']:.2f}, GPU busy {d['gpu_busy']:.4f})", flush=True)
+                  f"{'-' if med is None else f'{med:.2f}'}, GPU busy {d['gpu_busy']:.4f})",
+                  flush=True)
         print(f"{name:7s} floor {floor_ms:.2f} ms; prefill {args.prefill_len}: "
               f"{prefill['tokens_per_s']:,.0f} tok/s", flush=True)
         del sched
