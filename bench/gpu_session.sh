@@ -551,6 +551,42 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
       for n in tree prev; do
         SWEEP_LAYOUT=hmajor SWEEP_NO_BF16=1 timeout 60 $V/var_$n/sweep 2>&1 | tee -a "$OUT/fp8kvsweep.txt"
       done ;;
+    fp8kvrows)
+      # the FP8 KV kernel's row tiles (kDecodeMmaFp8RowTiles: K and V rows copied whole into
+      # shared memory, swizzled) against its lane tiles (each lane copies the bytes it reads),
+      # and the row tiles with 2 / 4 stages, head pairs and four CTAs an SM
+      # (bench/variants/decode_fp8_sweep.cu, batch 256 x 1k down to 8 x 8k)
+      V=/tmp/fp8kvrows; rm -rf $V; H=decode_attention_mma_fp8.cuh
+      S="constexpr int kDecodeMmaFp8Stages = 3;"
+      python3 bench/variants/make_variant.py $V rows $H
+      python3 bench/variants/make_variant.py $V lanes $H \
+        --sub "constexpr bool kDecodeMmaFp8RowTiles = true;" "constexpr bool kDecodeMmaFp8RowTiles = false;"
+      for n in 2 4; do
+        python3 bench/variants/make_variant.py $V rows_st$n $H --sub "$S" "constexpr int kDecodeMmaFp8Stages = $n;"
+      done
+      python3 bench/variants/make_variant.py $V rows_pairs $H \
+        --sub "constexpr bool kDecodeMmaFp8PairHeads = false;" "constexpr bool kDecodeMmaFp8PairHeads = true;"
+      python3 bench/variants/make_variant.py $V rows_lb4 $H \
+        --sub "__launch_bounds__(kDecodeMmaThreads)\n    paged_decode_mma_fp8_kernel" \
+              "__launch_bounds__(kDecodeMmaThreads, 4)\n    paged_decode_mma_fp8_kernel"
+      BUILD_ONLY=1 bash bench/variants/run.sh $V decode_fp8_sweep.cu 2>&1 | tee "$OUT/fp8kvrows.txt"
+      for n in rows lanes rows_st2 rows_st4 rows_pairs rows_lb4 lanes rows; do
+        if [ $n = rows ]; then timeout 90 $V/var_$n/sweep; else SWEEP_NO_BF16=1 timeout 60 $V/var_$n/sweep; fi \
+          || cat $V/var_$n/build.txt
+      done 2>&1 | tee -a "$OUT/fp8kvrows.txt" ;;
+    ncufp8kv)
+      # Nsight Compute's per-instruction tables (SASS, csv) of the FP8 KV decode kernel and of the
+      # bf16 tensor-core decode kernel, each its first launch in bench/attention_bench.py's FP8
+      # run (batch 256 x 1k, slots in order); the reports stay on the device
+      for k in paged_decode_mma_fp8 paged_decode_mma_kernel; do
+        timeout 240 ncu --clock-control none --kernel-name regex:$k --launch-count 1 --set full \
+          --import-source no -f -o /tmp/ncu-$k python3 bench/attention_bench.py \
+          --kv-cache-dtype fp8_e4m3 > "$OUT/ncu-$k-run.txt" 2>&1
+        tail -3 "$OUT/ncu-$k-run.txt"
+        ncu -i /tmp/ncu-$k.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-$k-sass.csv" 2>&1
+        ncu -i /tmp/ncu-$k.ncu-rep --page details > "$OUT/ncu-$k-details.txt" 2>&1
+        wc -l "$OUT/ncu-$k-sass.csv" "$OUT/ncu-$k-details.txt"
+      done ;;
     fp8sweep)
       # FP8 skinny GEMM variants (bench/variants/fp8_gemv_sweep.cu): warps per CTA (the in-CTA k
       # split) and k blocks in flight per warp of the plain and the gated forms against the

@@ -230,13 +230,21 @@ __device__ __forceinline__ void decode_merge_splits(const DecodeParams& p, int b
 // sm_acc[r][g][:]; a part that saw no token has max -inf) and store the result: the output row
 // (bf16/fp16), or with partial set the split's normalised partial output and log2-sum-exp in
 // p.part_o / p.part_lse. Every thread of a CTA of kDecodeThreads calls it after a barrier that
-// makes the parts visible.
-template <typename T, int D, int kGroupMax, int kParts>
+// makes the parts visible. kAccRow: the length of an sm_acc row, D, or D + D / 8 for rows with
+// 4 floats of padding after every 32 (decode_acc_index), which a kernel that writes its
+// accumulators 16 bytes a lane at lane strides of 32 floats uses to spread them over the banks.
+template <int D, int kAccRow>
+__device__ __forceinline__ int decode_acc_index(int d) {
+  static_assert(kAccRow == D || (kAccRow == D + D / 8 && D % 32 == 0), "plain or padded rows");
+  return kAccRow == D ? d : d + (d / 32) * 4;
+}
+
+template <typename T, int D, int kGroupMax, int kParts, int kAccRow = D>
 __device__ __forceinline__ void decode_combine_parts(const DecodeParams& p, int b, int qh0,
                                                      int gcount, int split, bool partial,
                                                      const float (*sm_m)[kGroupMax],
                                                      const float (*sm_l)[kGroupMax],
-                                                     const float (*sm_acc)[kGroupMax][D]) {
+                                                     const float (*sm_acc)[kGroupMax][kAccRow]) {
   for (int e = threadIdx.x; e < kGroupMax * D; e += kDecodeThreads) {
     const int g = e / D;
     const int d = e % D;
@@ -250,7 +258,7 @@ __device__ __forceinline__ void decode_combine_parts(const DecodeParams& p, int 
       for (int r = 0; r < kParts; ++r) {
         const float w = fast_exp2(sm_m[r][g] - M);  // -inf -> 0
         den += w * sm_l[r][g];
-        num += w * sm_acc[r][g][d];
+        num += w * sm_acc[r][g][decode_acc_index<D, kAccRow>(d)];
       }
     }
     const int qh = qh0 + g;

@@ -53,6 +53,25 @@ constexpr int kDecodeMmaFp8Stages = 3;   // tiles per warp in the pipeline (2 in
 // the bytes and sectors it reads, not the rows. Kept for the sweep (gpu_session.sh fp8kvsweep,
 // variant "pairs") on other cards.
 constexpr bool kDecodeMmaFp8PairHeads = false;
+
+// Row tiles (D = 128): the warp copies a tile's K and V rows whole into shared memory, 8 lanes a
+// 128-byte row, so that each copy instruction fills whole lines (4 rows, 16 sectors) and each
+// line's data lands in one shared-memory wavefront; the lanes then read their fragments' bytes
+// from the shared rows (a __syncwarp after the wait, and one before a stage is refilled). Without
+// it (lane tiles, the only form for D = 64) each lane copies exactly the bytes it reads: K then
+// touches 8 lines a copy at 64 bytes each, and V's copies land 4-way bank-conflicted, since its
+// lanes' 16-byte slots sit 64 bytes apart (Nsight Compute on an H100: 66% of the kernel's shared
+// wavefronts and 35% of its global sectors counted excessive, bench/results/h100-2026-12-07-
+// fp8gemv.md).
+constexpr bool kDecodeMmaFp8RowTiles = true;
+
+// 16-byte chunk c of row r of a row tile ([16 tokens][8 chunks]), swizzled so that the fragment
+// reads are conflict-free: a quarter-warp reads K chunks 4i + t of rows g, g + 1 (bit 2 of the
+// chunk flips with the row's parity) and V chunks g, g + 1 of rows 2t + b (bits 1-2 flip with
+// the row's bits 1-2); a row's 8 chunks stay a permutation of its 128 bytes.
+__device__ __forceinline__ int row_tile_chunk(int r, int c) {
+  return c ^ ((r & 1) << 2) ^ (((r >> 1) & 3) << 1);
+}
 inline int decode_mma_fp8_heads(int num_kv_heads, int64_t batch, int num_sub, int sms) {
   return kDecodeMmaFp8PairHeads && num_kv_heads % 2 == 0 &&
                  batch * (num_kv_heads / 2) * num_sub >= 2 * (int64_t)sms
@@ -89,6 +108,8 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
   constexpr int kVBytes = D / 8;           // one token's V bytes per lane (8 or 16)
   static_assert(kVBytes <= 16, "one 16-byte slot per token of V (D <= 128)");
   constexpr int kPieces = 2 * kKPieces + 4;
+  constexpr bool kRows = kDecodeMmaFp8RowTiles && D == 128;
+  static_assert(!kRows || kPieces * 32 == 2 * 16 * 8, "a stage holds the K and V row tiles");
   constexpr int kStages = kDecodeMmaFp8Stages;
   using H = TypeTraits<__half>;
 
@@ -96,9 +117,13 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
   extern __shared__ __align__(128) unsigned char decode_mma_smem[];
   __shared__ float sm_m[kDecodeMmaWarps][kGroupMax];
   __shared__ float sm_l[kDecodeMmaWarps][kGroupMax];
-  static_assert(kDecodeMmaWarps * kGroupMax * D * 4 <= decode_mma_fp8_smem_bytes<D>(),
+  // the warps' accumulators for the combine, rows padded (decode_acc_index): a lane writes its
+  // D / 4 contiguous dims 16 bytes at a time, lanes 2 D / 8 floats apart, so that plain rows
+  // would put every lane's store on the same 4 banks
+  constexpr int kAccRow = D + D / 8;
+  static_assert(kDecodeMmaWarps * kGroupMax * kAccRow * 4 <= decode_mma_fp8_smem_bytes<D>(),
                 "combine buffer inside the pipeline's");
-  auto sm_acc = reinterpret_cast<float (*)[kGroupMax][D]>(decode_mma_smem);
+  auto sm_acc = reinterpret_cast<float (*)[kGroupMax][kAccRow]>(decode_mma_smem);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -139,6 +164,10 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
     return pipe + ((warp * kStages + stage) * kPieces + j) * 32 + lane;
   };
   auto tile_start = [&](int it) { return (it * kWarpsPerHead + wl) * kDecodeMmaTile; };
+  // row tiles: the stage's K tile [16][8] chunks, then its V tile
+  auto row_tile = [&](int stage) -> uint4* { return pipe + (warp * kStages + stage) * kPieces * 32; };
+  const uint8_t* krow = static_cast<const uint8_t*>(p.k) + (int64_t)kvh * p.kv_stride_h;
+  const uint8_t* vrow = static_cast<const uint8_t*>(p.v) + (int64_t)kvh * p.kv_stride_h;
 
   // lane l < 16 holds the slot of token l of the tile fetched last (0 past the request)
   int slot = 0;
@@ -151,27 +180,42 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
     if (it < n_it) {
       const int t0 = tile_start(it);
       const int stage = it % kStages;
+      if constexpr (kRows) {  // rows 4j + lane / 8, chunk lane % 8, of K and of V
+        uint4* tile = row_tile(stage);
+        const int c = lane & 7;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // K of tokens g, g + 8
-        const int r = g + 8 * h;
-        const int s = __shfl_sync(0xffffffffu, slot, r);
-        const bool ok = t0 + r < kv_len;
-        const int64_t off = ok ? (int64_t)s * p.kv_stride_slot : 0;
+        for (int j = 0; j < 4; ++j) {
+          const int r = 4 * j + (lane >> 3);
+          const int s = __shfl_sync(0xffffffffu, slot, r);
+          const bool ok = t0 + r < kv_len;
+          const int64_t off = ok ? (int64_t)s * p.kv_stride_slot + c * 16 : 0;
+          const int at = r * 8 + row_tile_chunk(r, c);
+          cp_async_16(smem_u32(tile + at), krow + off, ok);
+          cp_async_16(smem_u32(tile + 128 + at), vrow + off, ok);
+        }
+      } else {
 #pragma unroll
-        for (int i = 0; i < kKPieces; ++i)
-          cp_async_16(smem_u32(piece(stage, h * kKPieces + i)), kbase + off + i * 64, ok);
-      }
+        for (int h = 0; h < 2; ++h) {  // K of tokens g, g + 8
+          const int r = g + 8 * h;
+          const int s = __shfl_sync(0xffffffffu, slot, r);
+          const bool ok = t0 + r < kv_len;
+          const int64_t off = ok ? (int64_t)s * p.kv_stride_slot : 0;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {  // V of tokens 2t, 2t+1, 2t+8, 2t+9
-        const int r = 2 * t + (j & 1) + (j >> 1) * 8;
-        const int s = __shfl_sync(0xffffffffu, slot, r);
-        const bool ok = t0 + r < kv_len;
-        const int64_t off = ok ? (int64_t)s * p.kv_stride_slot : 0;
-        if constexpr (kVBytes == 16)
-          cp_async_16(smem_u32(piece(stage, 2 * kKPieces + j)), vbase + off, ok);
-        else
-          cp_async_8(smem_u32(piece(stage, 2 * kKPieces + j)), vbase + off, ok);
-      }
+          for (int i = 0; i < kKPieces; ++i)
+            cp_async_16(smem_u32(piece(stage, h * kKPieces + i)), kbase + off + i * 64, ok);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // V of tokens 2t, 2t+1, 2t+8, 2t+9
+          const int r = 2 * t + (j & 1) + (j >> 1) * 8;
+          const int s = __shfl_sync(0xffffffffu, slot, r);
+          const bool ok = t0 + r < kv_len;
+          const int64_t off = ok ? (int64_t)s * p.kv_stride_slot : 0;
+          if constexpr (kVBytes == 16)
+            cp_async_16(smem_u32(piece(stage, 2 * kKPieces + j)), vbase + off, ok);
+          else
+            cp_async_8(smem_u32(piece(stage, 2 * kKPieces + j)), vbase + off, ok);
+        }
+      }  // lane tiles
     }  // n_it is warp-uniform: the shuffles above run on every lane or on none
     cp_async_commit();
   };
@@ -190,11 +234,14 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
   fetch(kStages - 1);
 
   for (int it = 0; it < n_it; ++it) {
-    // the stage issue() refills is the one this lane read in the last iteration (its own copies,
-    // read into registers before use): no barrier
+    // the stage issue() refills is the one read in the last iteration: lane tiles, this lane's
+    // own copies, read into registers before use (no barrier); row tiles, every lane's reads of
+    // it come before the refill
+    if constexpr (kRows) __syncwarp();
     issue(it + kStages - 1);
     fetch(it + kStages);
     cp_async_wait<kStages - 1>();
+    if constexpr (kRows) __syncwarp();  // the other lanes' copies of this stage are visible
     const int stage = it % kStages;
     const int t0 = tile_start(it);
 
@@ -202,8 +249,14 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
     uint4 k0[kKPieces], k1[kKPieces];
 #pragma unroll
     for (int i = 0; i < kKPieces; ++i) {
-      k0[i] = *piece(stage, i);
-      k1[i] = *piece(stage, kKPieces + i);
+      if constexpr (kRows) {  // row g (g + 8), bytes 64 i + 16 t: chunk 4 i + t
+        const uint4* tile = row_tile(stage);
+        k0[i] = tile[g * 8 + row_tile_chunk(g, 4 * i + t)];
+        k1[i] = tile[(g + 8) * 8 + row_tile_chunk(g + 8, 4 * i + t)];
+      } else {
+        k0[i] = *piece(stage, i);
+        k1[i] = *piece(stage, kKPieces + i);
+      }
     }
     float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -244,10 +297,19 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
     // O += P V: P's A fragment (k = tokens 2t, 2t+1 | 2t+8, 2t+9), V's B fragments from the
     // lane's bytes of those tokens, token 2t's byte nn paired with token 2t+1's
     const uint32_t pa[4] = {H::pack(pr[0], pr[1]), 0u, H::pack(pr[2], pr[3]), 0u};
-    const uint4 va[1] = {*piece(stage, 2 * kKPieces + 0)};
-    const uint4 vb[1] = {*piece(stage, 2 * kKPieces + 1)};
-    const uint4 vc[1] = {*piece(stage, 2 * kKPieces + 2)};
-    const uint4 vd[1] = {*piece(stage, 2 * kKPieces + 3)};
+    uint4 va[1], vb[1], vc[1], vd[1];
+    if constexpr (kRows) {  // V rows 2t, 2t+1, 2t+8, 2t+9, chunk g
+      const uint4* vt = row_tile(stage) + 128;
+      va[0] = vt[(2 * t) * 8 + row_tile_chunk(2 * t, g)];
+      vb[0] = vt[(2 * t + 1) * 8 + row_tile_chunk(2 * t + 1, g)];
+      vc[0] = vt[(2 * t + 8) * 8 + row_tile_chunk(2 * t + 8, g)];
+      vd[0] = vt[(2 * t + 9) * 8 + row_tile_chunk(2 * t + 9, g)];
+    } else {
+      va[0] = *piece(stage, 2 * kKPieces + 0);
+      vb[0] = *piece(stage, 2 * kKPieces + 1);
+      vc[0] = *piece(stage, 2 * kKPieces + 2);
+      vd[0] = *piece(stage, 2 * kKPieces + 3);
+    }
 #pragma unroll
     for (int w = 0; w < kVBytes / 4; ++w) {
       const uint32_t a = word_of(va, w), bw = word_of(vb, w);
@@ -275,10 +337,17 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
       sm_m[warp][g] = m;
       sm_l[warp][g] = l;
     }
+    // dims (2t) D/8 + n (acc[n][0]) and (2t + 1) D/8 + n (acc[n][1]): D / 4 contiguous dims
+    float* row = sm_acc[warp][g];
+    const int d0 = 2 * t * (D / 8);
 #pragma unroll
-    for (int n = 0; n < kNTiles; ++n) {
-      sm_acc[warp][g][(2 * t) * (D / 8) + n] = acc[n][0];
-      sm_acc[warp][g][(2 * t + 1) * (D / 8) + n] = acc[n][1];
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int k = 0; k < kNTiles / 4; ++k) {
+        const int d = d0 + c * (D / 8) + 4 * k;  // a multiple of 4 inside one 32-float block
+        *reinterpret_cast<float4*>(row + decode_acc_index<D, kAccRow>(d)) =
+            make_float4(acc[4 * k][c], acc[4 * k + 1][c], acc[4 * k + 2][c], acc[4 * k + 3][c]);
+      }
     }
   }
   __syncthreads();
@@ -286,7 +355,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads)
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
     const int o = h * kWarpsPerHead;
-    decode_combine_parts<T, D, kGroupMax, kWarpsPerHead>(
+    decode_combine_parts<T, D, kGroupMax, kWarpsPerHead, kAccRow>(
         p, b, (blockIdx.y * kHeads + h) * p.group + sg * kGroupMax, gcount, 0, false, sm_m + o,
         sm_l + o, sm_acc + o);
   }
