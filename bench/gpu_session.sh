@@ -520,12 +520,13 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
         python3 bench/variants/make_variant.py $V st$n $H --sub "$S" "constexpr int kDecodeMmaFp8Stages = $n;"
       done
       # the tree's kernel with two KV heads per CTA (pairs; measured slower on an H100,
-      # bench/results/h100-2026-12-07.md), and the kernel before 2026-12-07 (prev: lane t's K
-      # bytes one contiguous D/4 run, every 32-byte sector split over two load instructions,
-      # so read from L2 twice)
+      # bench/results/h100-2026-12-07.md), and the kernel before 2026-12-07 (prev: lane tiles,
+      # lane t's K bytes one contiguous D/4 run, every 32-byte sector split over two load
+      # instructions, so read from L2 twice)
       P="constexpr bool kDecodeMmaFp8PairHeads = false;"; Q="constexpr bool kDecodeMmaFp8PairHeads = true;"
       python3 bench/variants/make_variant.py $V pairs $H --sub "$P" "$Q"
       python3 bench/variants/make_variant.py $V prev $H \
+        --sub "constexpr bool kDecodeMmaFp8RowTiles = true;" "constexpr bool kDecodeMmaFp8RowTiles = false;" \
         --sub "(int64_t)(qh0 + g) * p.q_stride_h + t * 16;" "(int64_t)(qh0 + g) * p.q_stride_h + t * (D / 4);" \
         --sub "qrow + (kk / 4) * 64 + (kk % 4) * 4)" "qrow + kk * 4)" \
         --sub "(int64_t)kvh * p.kv_stride_h + t * 16;" "(int64_t)kvh * p.kv_stride_h + t * (D / 4);" \

@@ -5,11 +5,13 @@
 //
 // Why not the 16-bit kernel's tiles: it gathers K/V rows into shared memory and feeds the mma
 // through ldmatrix. FP8 bytes would need converting in shared memory first (a second pass over
-// every byte). Here each lane loads exactly the bytes that its mma fragments hold, converts them
-// in registers (fp8_kv.cuh: bit placement, no conversion instruction) and never shares them, so
-// its cp.async pipeline is thread-private, as the CUDA-core kernel's is (no barriers, no
-// ldmatrix). That needs two permutations, each applied to both operands of a product, which
-// leave the products unchanged:
+// every byte). Here each lane reads from shared memory exactly the bytes that its mma fragments
+// hold and converts them in registers (fp8_kv.cuh: bit placement, no conversion instruction); no
+// ldmatrix, and the pipeline is the warp's own (no CTA barrier). With row tiles (D = 128, the
+// default: kDecodeMmaFp8RowTiles) the warp copies the tile's rows whole and each lane then reads
+// its fragments' bytes from them; with lane tiles each lane copies exactly the bytes it reads.
+// Both need two permutations, each applied to both operands of a product, which leave the
+// products unchanged:
 //   S = q K^T, m16n8k16: lane (g, t) (g = lane / 4, t = lane % 4) supplies B's rows (logical
 //     k) 2t, 2t+1, 2t+8, 2t+9 of column (token) g, and A's (q's) same columns of row g. Logical
 //     k (k-step kk, those four) is physical dim 64 (kk / 4) + 16 t + 4 (kk % 4) + {0, 2, 1, 3}:
@@ -62,7 +64,9 @@ constexpr bool kDecodeMmaFp8PairHeads = false;
 // touches 8 lines a copy at 64 bytes each, and V's copies land 4-way bank-conflicted, since its
 // lanes' 16-byte slots sit 64 bytes apart (Nsight Compute on an H100: 66% of the kernel's shared
 // wavefronts and 35% of its global sectors counted excessive, bench/results/h100-2026-12-07-
-// fp8gemv.md).
+// fp8gemv.md). On an H100 at batch 256 x 1k: 195.6 us (0.952 of copy bandwidth in the sweep)
+// against 220.1 for lane tiles, equal outputs, and no loss at other shapes (bench/results/logs/
+// fp8kv-rowtiles-sweep-h100-2026-12-07.txt; gpu_session.sh stage fp8kvrows).
 constexpr bool kDecodeMmaFp8RowTiles = true;
 
 // 16-byte chunk c of row r of a row tile ([16 tokens][8 chunks]), swizzled so that the fragment
