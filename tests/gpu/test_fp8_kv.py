@@ -421,3 +421,34 @@ def test_fp8_pool_kernels_agree_with_references(fp8_runner, monkeypatch):
         _release(runner, slots)
     a, b = out["kernels"], out["references"]
     assert (a - b).abs().max().item() <= 0.03 * b.abs().max().item()
+
+
+@pytest.mark.parametrize("pool", ["e4m3", "bf16"])
+@pytest.mark.parametrize("shape", ["split_b8_8k", "tc_b128_1k"])
+def test_decode_repeats_bit_for_bit(pool, shape):
+    """The same inputs give the same bits, call after call, over layers that alternate (as a
+    decode step's do): the split kernel's last-CTA merge (b8 x 8k: 5 splits a request) and the
+    tensor-core kernels (b128 x 1k, group 4; the FP8 one's row tiles share shared memory across
+    a warp's lanes). A race in either would show here as a changed bit."""
+    batch, kv_len = (8, 8192) if shape.startswith("split") else (128, 1024)
+    hq, hkv, d, layers, rounds = 32, 8, 128, 4, 24
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    nnz = batch * kv_len
+    indptr = torch.arange(0, nnz + 1, kv_len, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, d, generator=gen, device="cuda").bfloat16()
+    caches = []
+    for _ in range(layers):
+        k = torch.randn(nnz + 1, hkv, d, generator=gen, device="cuda")
+        v = torch.randn(nnz + 1, hkv, d, generator=gen, device="cuda") * 0.2
+        if pool == "e4m3":
+            k, v = (ref.quantize_fp8(t, torch.float8_e4m3fn, 1.0) for t in (k, v))
+        else:
+            k, v = k.bfloat16(), v.bfloat16()
+        idx = (torch.randperm(nnz, generator=gen, device="cuda") + 1).to(torch.int32)
+        caches.append((k, v, idx))
+    first = [ops.paged_decode_attention(q, k, v, indptr, idx, d ** -0.5)
+             for k, v, idx in caches]
+    for r in range(rounds):
+        for layer, (k, v, idx) in enumerate(caches):
+            out = ops.paged_decode_attention(q, k, v, indptr, idx, d ** -0.5)
+            assert torch.equal(out, first[layer]), f"round {r}, layer {layer}: bits changed"
