@@ -218,9 +218,14 @@ def main(argv=None):
                    help="decode: skip the per-shape cuBLAS / skinny GEMM timings")
     p.add_argument("--cuda-graph", action="store_true",
                    help="decode: profile the steps as the engine runs them, as CUDA graph replays")
+    p.add_argument("--server-config", default="bf16", choices=("bf16", "fp8", "fp8-kv"),
+                   help="bf16, or fp8_speed's FP8 configurations: --quantization fp8 (and "
+                        "--kv-cache-dtype fp8_e4m3)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.batch_sizes = [args.batch_size]
+    from fp8_speed import CONFIGS
+    args.server_extra = dict(CONFIGS[args.server_config])
 
     from radixserve.bench.presets import build_preset
 

@@ -45,7 +45,8 @@ def make_scheduler(model_dir, args, serial, model=None):
                     max_running_requests=max_bs, context_length=args.prompt_len + 4096,
                     disable_overlap_schedule=serial, tp_size=getattr(args, "tp_size", 1),
                     chunked_prefill_size=getattr(args, "chunked_prefill_size", 8192),
-                    max_prefill_tokens=getattr(args, "max_prefill_tokens", 16384))
+                    max_prefill_tokens=getattr(args, "max_prefill_tokens", 16384),
+                    **getattr(args, "server_extra", {}))
     runner = ModelRunner(sa, ModelConfig.from_path(model_dir), model_dir,
                          context_len=sa.context_length, model=model)
     return Scheduler(sa, runner)
