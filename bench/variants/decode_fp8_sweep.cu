@@ -62,6 +62,9 @@ void run_shape(int B, int L, int sms, double copy_bw, cudaStream_t st, cudaEvent
     CK(cudaMalloc(&ctr, (size_t)B * HKV * 4)); CK(cudaMemset(ctr, 0, (size_t)B * HKV * 4));
   }
   p.part_o = po; p.part_lse = pl; p.split_counters = ctr;
+  // the index copies and the counters' memset ran on the legacy stream, the generators on st:
+  // all of it done before the first replay on st (a non-blocking stream orders nothing with it)
+  CK(cudaDeviceSynchronize());
   for (int tc = 1; tc >= 0; --tc) {
     cudaGraph_t g; cudaGraphExec_t ge;
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));

@@ -429,7 +429,8 @@ def test_decode_repeats_bit_for_bit(pool, shape):
     """The same inputs give the same bits, call after call, over layers that alternate (as a
     decode step's do): the split kernel's last-CTA merge (b8 x 8k: 5 splits a request) and the
     tensor-core kernels (b128 x 1k, group 4; the FP8 one's row tiles share shared memory across
-    a warp's lanes). A race in either would show here as a changed bit."""
+    a warp's lanes), eagerly and as CUDA-graph replays. A race in either, or a split arrival
+    counter left wrong by one launch for the next, would show here as a changed bit."""
     batch, kv_len = (8, 8192) if shape.startswith("split") else (128, 1024)
     hq, hkv, d, layers, rounds = 32, 8, 128, 4, 24
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -446,9 +447,28 @@ def test_decode_repeats_bit_for_bit(pool, shape):
             k, v = k.bfloat16(), v.bfloat16()
         idx = (torch.randperm(nnz, generator=gen, device="cuda") + 1).to(torch.int32)
         caches.append((k, v, idx))
-    first = [ops.paged_decode_attention(q, k, v, indptr, idx, d ** -0.5)
-             for k, v, idx in caches]
+
+    def step():
+        return [ops.paged_decode_attention(q, k, v, indptr, idx, d ** -0.5) for k, v, idx in caches]
+
+    first = step()
     for r in range(rounds):
-        for layer, (k, v, idx) in enumerate(caches):
-            out = ops.paged_decode_attention(q, k, v, indptr, idx, d ** -0.5)
-            assert torch.equal(out, first[layer]), f"round {r}, layer {layer}: bits changed"
+        for layer, out in enumerate(step()):
+            assert torch.equal(out, first[layer]), f"eager round {r}, layer {layer}: bits changed"
+    # the same layers as one CUDA graph, replayed as a decode step is (the split kernel's
+    # arrival counters persist from replay to replay)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for r in range(4 * rounds):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer, out in enumerate(outs):
+            assert torch.equal(out, first[layer]), f"replay {r}, layer {layer}: bits changed"
