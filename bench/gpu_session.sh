@@ -643,6 +643,20 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
         python3 bench/variants/make_variant.py $V c${c}m$m attention_launch.cuh
       done
       bash bench/variants/run.sh $V decode_sweep.cu 2>&1 | tee "$OUT/dsweep.txt" ;;
+    servprof)
+      # issue 35's serving gap: where a decode step at a serving-like batch and context goes
+      # (bench/decode_profile.py under CUDA graphs, batch 128 x 1,536 tokens, as the fixed-length
+      # 1k/1k run's steps were), bf16 against FP8 weights and FP8 weights + FP8 KV
+      for c in ${SERVPROF_CONFIGS:-fp8-kv bf16 fp8}; do
+        timeout 150 python3 bench/decode_profile.py --batch-size ${SERVPROF_BS:-128} \
+          --prompt-len ${SERVPROF_LEN:-1536} --cuda-graph --no-linear-bandwidth \
+          --server-config $c --steps 10 --out "$OUT/decode-profile-servprof-$c.json" \
+          > "$OUT/servprof-$c.txt" 2>&1
+        python3 -c "import json; d = json.load(open('$OUT/decode-profile-servprof-$c.json'))
+print('$c', {k: d[k] for k in ('kernel_us_per_step', 'floor_us', 'groups_us_per_step')})
+for t in d['top_kernels'][:10]: print(round(t['us_per_step'], 1), t['calls_per_step'], t['name'][:110])" \
+          2>&1 | tee -a "$OUT/servprof.txt"
+      done ;;
     profile)
       for len in ${PROFILE_LENS:-128 1024}; do
         python3 bench/decode_profile.py --batch-size 1 --prompt-len $len \
