@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from _gpu import requires_kernels, rescale_dummy_weights
+from _gpu import capture_graph, requires_kernels, rescale_dummy_weights
 from radixserve import ops
 from radixserve.ops import reference as ref
 
@@ -457,14 +457,7 @@ def test_decode_repeats_bit_for_bit(pool, shape):
             assert torch.equal(out, first[layer]), f"eager round {r}, layer {layer}: bits changed"
     # the same layers as one CUDA graph, replayed as a decode step is (the split kernel's
     # arrival counters persist from replay to replay)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_graph(step)
     for r in range(4 * rounds):
         for out in outs:
             out.fill_(float("nan"))
