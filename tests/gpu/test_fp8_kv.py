@@ -452,6 +452,10 @@ def test_decode_repeats_bit_for_bit(pool, shape):
         return [ops.paged_decode_attention(q, k, v, indptr, idx, d ** -0.5) for k, v, idx in caches]
 
     first = step()
+    if shape.startswith("tc"):   # the tensor-core kernel ran, not the CUDA-core one
+        k, v, idx = caches[0]
+        simt = ops.paged_decode_attention(q, k, v, indptr, idx, d ** -0.5, kernel="simt")
+        assert not torch.equal(simt, first[0]), "the same bits: the tensor-core kernel did not run"
     for r in range(rounds):
         for layer, out in enumerate(step()):
             assert torch.equal(out, first[layer]), f"eager round {r}, layer {layer}: bits changed"
