@@ -88,6 +88,22 @@ constexpr int kGatedWarps = 8, kGatedUnroll = 2;
 constexpr int kBlockK = 64;    // k per warp per block: 16 bytes of e4m3 per thread per row
 constexpr float kDequantScale = 72057594037927936.0f;  // 2^56: see the header comment
 
+// The epilogue both skinny kernels share (this one and fp8_gemv_cc.cuh's). Weight row jr's output
+// before any activation: its fp32 sum times the row's dequantization scale, plus its bias,
+// rounded step by step (no fma contraction, whichever instantiation the compiler schedules).
+__device__ __forceinline__ float scaled_row(const Params& p, int64_t jr, float acc) {
+  float v = __fmul_rn(acc, p.w_scale[jr * p.scale_stride] * kDequantScale);
+  if (p.bias) v = __fadd_rn(v, __bfloat162float(p.bias[jr]));
+  return v;
+}
+// The gated form's activation: silu(gate) * up, each projection rounded to bf16 first, as the
+// unfused path rounds them before silu_and_mul computes in fp32.
+__device__ __forceinline__ float gated_silu(float gate, float up) {
+  gate = __bfloat162float(__float2bfloat16_rn(gate));
+  up = __bfloat162float(__float2bfloat16_rn(up));
+  return gate / (1.f + __expf(-gate)) * up;
+}
+
 // Two bf16x2 words from four e4m3 bytes v = [q3 q2 q1 q0]: lo = (q0, q2), hi = (q1, q3), each
 // the e4m3 value times 2^-56 (header comment).
 __device__ __forceinline__ void dequant4(uint32_t v, uint32_t& lo, uint32_t& hi) {
@@ -209,20 +225,12 @@ __global__ void __launch_bounds__(WARPS * 32) fp8_skinny_kernel(Params p) {
   float v[TILES];
 #pragma unroll
   for (int ti = 0; ti < TILES; ++ti) {
-    const int64_t jr = ti * p.n + j;  // the weight row (GATED: gate j, up n + j)
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) s += red[w][ti][col][row];
-    // rounded step by step: no fma contraction, whichever instantiation the compiler schedules
-    v[ti] = __fmul_rn(s, p.w_scale[jr * p.scale_stride] * kDequantScale);
-    if (p.bias) v[ti] = __fadd_rn(v[ti], __bfloat162float(p.bias[jr]));
+    v[ti] = scaled_row(p, ti * p.n + j, s);  // the weight row (GATED: gate j, up n + j)
   }
-  if constexpr (GATED) {
-    // the unfused path rounds each projection to bf16, then silu_and_mul computes in fp32
-    const float gate = __bfloat162float(__float2bfloat16_rn(v[0]));
-    const float up = __bfloat162float(__float2bfloat16_rn(v[1]));
-    v[0] = gate / (1.f + __expf(-gate)) * up;
-  }
+  if constexpr (GATED) v[0] = gated_silu(v[0], v[1]);
   p.out[row * p.out_stride + j] = __float2bfloat16_rn(v[0]);
 }
 

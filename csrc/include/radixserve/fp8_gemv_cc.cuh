@@ -135,16 +135,8 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_cc_kernel(Params p) {
   for (int mi = 0; mi < M; ++mi) {
     float v[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t jr = r * p.n + j;
-      v[r] = __fmul_rn(acc[r][mi], p.w_scale[jr * p.scale_stride] * fp8_gemv::kDequantScale);
-      if (p.bias) v[r] = __fadd_rn(v[r], __bfloat162float(p.bias[jr]));
-    }
-    if constexpr (GATED) {
-      const float gate = __bfloat162float(__float2bfloat16_rn(v[0]));
-      const float up = __bfloat162float(__float2bfloat16_rn(v[1]));
-      v[0] = gate / (1.f + __expf(-gate)) * up;
-    }
+    for (int r = 0; r < ROWS; ++r) v[r] = fp8_gemv::scaled_row(p, r * p.n + j, acc[r][mi]);
+    if constexpr (GATED) v[0] = fp8_gemv::gated_silu(v[0], v[1]);
     p.out[mi * p.out_stride + j] = __float2bfloat16_rn(v[0]);
   }
 }
