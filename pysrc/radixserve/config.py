@@ -585,6 +585,7 @@ class ServerArgs:
     debug_graph_context_classes: Optional[bool] = _debug_flag("RADIXSERVE_GRAPH_CONTEXT_CLASSES")
     debug_gc_gen0: Optional[int] = _debug_flag("RADIXSERVE_GC_GEN0")
     debug_spec_overlap: Optional[str] = _debug_flag("RADIXSERVE_SPEC_OVERLAP")
+    debug_switch_interval_us: Optional[int] = _debug_flag("RADIXSERVE_SWITCH_INTERVAL_US")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -135,6 +135,11 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
          "(engine/async_engine.GC_GEN0_THRESHOLD; 700 = CPython's own, for A/B runs). Read when "
          "an engine starts",
          ("engine.async_engine.freeze_startup_objects",), _int, "--debug-gc-gen0"),
+    Knob("RADIXSERVE_SWITCH_INTERVAL_US", "N", 200,
+         "the interpreter's thread switch interval (sys.setswitchinterval) in microseconds while "
+         "an engine runs (engine/async_engine.SWITCH_INTERVAL_US; 5000 = CPython's own, for A/B "
+         "runs). Read when an engine starts",
+         ("engine.async_engine.shorten_switch_interval",), _int, "--debug-switch-interval-us"),
     Knob("RADIXSERVE_SPEC_OVERLAP", "auto|on|off", "auto",
          "speculative verify steps in the overlapped loop (engine/scheduler/spec.py): auto = "
          "where measured to pay (a serial verify step's period at least 1.5x its device time, "

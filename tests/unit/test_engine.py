@@ -214,6 +214,29 @@ def test_merge_outputs_keeps_every_delta_in_order():
     assert m.input_token_logprobs == [(None, 9, None)] and m.queue_time_s == 0.5
 
 
+def test_switch_interval_is_short_while_an_engine_runs(default_model_path):
+    """While an engine runs, the interpreter hands the GIL over after SWITCH_INTERVAL_US (the
+    forward worker's launches wait on a busy loop thread for at most that long), or the
+    --debug-switch-interval-us flag's value; shutdown restores the process's own interval."""
+    import sys
+
+    import radixserve
+    from radixserve.engine.async_engine import SWITCH_INTERVAL_US
+
+    before = sys.getswitchinterval()
+    assert before != pytest.approx(SWITCH_INTERVAL_US * 1e-6, abs=2e-6)   # CPython's 5 ms here
+    engine = radixserve.Engine(default_model_path, device="cpu", max_total_tokens=256,
+                               max_running_requests=2)
+    assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_US * 1e-6, abs=2e-6)
+    engine.shutdown()
+    assert sys.getswitchinterval() == before
+    engine = radixserve.Engine(default_model_path, device="cpu", max_total_tokens=256,
+                               max_running_requests=2, debug_switch_interval_us=1000)
+    assert sys.getswitchinterval() == pytest.approx(1e-3, abs=2e-6)
+    engine.shutdown()
+    assert sys.getswitchinterval() == before
+
+
 def test_startup_objects_are_frozen_until_shutdown(default_model_path):
     """An engine's start-up objects leave the collector's scans (gc.freeze) and the young
     generation's threshold is raised while it serves; shutdown unfreezes them and restores the

@@ -288,6 +288,10 @@ COMPARE_SETS: Dict[str, List[Tuple[str, List[str]]]] = {
     "fp8": [("bf16", []),
             ("fp8", ["--quantization", "fp8"]),
             ("fp8-kv", ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"])],
+    # the engine's thread switch interval (engine/async_engine.SWITCH_INTERVAL_US) against
+    # CPython's own 5 ms
+    "switch": [("switch-200us", []),
+               ("switch-5ms", ["--debug-switch-interval-us", "5000"])],
     # issue 39: n-gram speculation on a workload it cannot help (its gates must keep it off)
     "spec": [("spec-off", []),
              ("spec-ngram", ["--speculative-algorithm", "ngram"])],
@@ -301,6 +305,7 @@ COMPARE_PAIRS: Dict[str, List[Tuple[str, str, str]]] = {
                  ("prefill_first_over_alternate", "prefill-first", "alternate")],
     "fp8": [("fp8_over_bf16", "fp8", "bf16"), ("fp8_kv_over_bf16", "fp8-kv", "bf16")],
     "spec": [("spec_over_off", "spec-ngram", "spec-off")],
+    "switch": [("switch_200us_over_5ms", "switch-200us", "switch-5ms")],
 }
 # kept for callers of the old module-level name
 COMPARE_CONFIGS = COMPARE_SETS["radix"]

@@ -22,6 +22,7 @@ import dataclasses
 import gc
 import logging
 import os
+import sys
 from typing import Any, AsyncIterator, Callable, Dict, Optional, Tuple
 
 from radixserve import knobs
@@ -85,6 +86,28 @@ def freeze_startup_objects() -> tuple:
     before = gc.get_threshold()
     gen0 = knobs.value("RADIXSERVE_GC_GEN0")
     gc.set_threshold(max(gen0, 1), *before[1:])
+    return before
+
+
+# The interpreter's thread switch interval while an engine runs, in microseconds (CPython's
+# default: 5,000). The loop thread (HTTP, detokenizing, streaming, scheduling) and the forward
+# worker (a step's uploads and launches) share the GIL. Every time the worker gives the GIL up
+# inside a step's launch (a CUDA event recorded, a copy enqueued, a graph replayed: calls that
+# release it), a busy loop thread keeps it until the switch interval runs out, so a launch that
+# needs a millisecond of the GIL can take several intervals and the device idles meanwhile.
+# Measured on an H100 (Llama-3.1-8B shape, random fixed 1024/1024 at 16 req/s, one run each,
+# bench/results/h100-2026-12-07-late.md): 5,000 us -> 200 us took the FP8 + FP8 KV server from
+# 5,833 to 7,070 output tok/s (mean decode step 15.9 -> 12.5 ms) and bf16 from 6,360 to 6,529.
+# The knob RADIXSERVE_SWITCH_INTERVAL_US (knobs.py; serve's hidden --debug-switch-interval-us)
+# overrides it (5000: CPython's behaviour, for A/B runs).
+SWITCH_INTERVAL_US = knobs.KNOBS["RADIXSERVE_SWITCH_INTERVAL_US"].default     # 200
+
+
+def shorten_switch_interval() -> float:
+    """Set the thread switch interval to the knob's value (at least 1 us); returns the previous
+    interval in seconds, which shutdown restores (the interval is the whole process's)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(max(knobs.value("RADIXSERVE_SWITCH_INTERVAL_US"), 1) * 1e-6)
     return before
 
 
@@ -153,6 +176,7 @@ class AsyncEngine:
         self._wakeup: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
         self._gc_thresholds: Optional[tuple] = None   # set by start(): restored at shutdown
+        self._switch_interval: Optional[float] = None  # likewise (seconds)
         self._stopping = False
         self._loop_error: Optional[BaseException] = None
         self._thread_cpu = ThreadCPU()      # loop thread and forward worker, while started
@@ -178,6 +202,7 @@ class AsyncEngine:
         self._task = asyncio.get_running_loop().create_task(self._run_loop(),
                                                             name="radixserve-scheduler")
         self._gc_thresholds = freeze_startup_objects()
+        self._switch_interval = shorten_switch_interval()
 
     async def drain(self, timeout_s: float) -> None:
         """Graceful stop, part one: refuse new requests (check_capacity raises), let the live
@@ -219,6 +244,9 @@ class AsyncEngine:
         if self._gc_thresholds is not None:
             gc.set_threshold(*self._gc_thresholds)
             self._gc_thresholds = None
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     async def _run_loop(self) -> None:
         sched = self.scheduler
