@@ -99,3 +99,39 @@ def test_no_stop_deltas_concatenate_to_full_decode(default_tokenizer):
     deltas, tail, detok = _run(default_tokenizer, ids, stop_strs=["never appears", "\n\n"])
     assert detok.stop_matched is None
     assert "".join(deltas) + tail == text
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_random_ids_concatenate_to_full_decode(default_tokenizer, chunk):
+    """Any ids (random ones cut characters, mix special tokens in and start words anywhere):
+    the deltas and the flush are the full decode, whichever way the window moved."""
+    import random
+
+    rng = random.Random(chunk)
+    vocab = default_tokenizer.vocab_size
+    for _ in range(20):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        deltas, tail, _ = _run(default_tokenizer, ids, chunk)
+        assert "".join(deltas) + tail == default_tokenizer.decode(ids)
+
+
+class _CountingTokenizer:
+    def __init__(self, tok):
+        self.tok, self.calls = tok, 0
+
+    def decode(self, ids, **kw):
+        self.calls += 1
+        return self.tok.decode(ids, **kw)
+
+
+def test_about_one_decode_a_token(default_tokenizer):
+    """The window's prefix text is kept from the push before (the loop thread decodes each
+    streamed token's window once, not twice): one decode a push, plus one each time the
+    window's start moves up (every WINDOW tokens or so)."""
+    from radixserve.tokenizer.detokenizer import WINDOW
+
+    ids = default_tokenizer.encode(SENTENCE * 8, add_special_tokens=False)
+    counting = _CountingTokenizer(default_tokenizer)
+    deltas, tail, _ = _run(counting, ids)
+    assert "".join(deltas) + tail == SENTENCE * 8
+    assert counting.calls <= len(ids) * (1 + 1 / (WINDOW - 1)) + 2, (counting.calls, len(ids))

@@ -302,7 +302,9 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
 
 
 def native_result(r: SeqResult, rid: str, return_logprob: bool) -> dict:
-    """A /generate result: {"text", "output_ids", "meta_info": {...}} (text and ids cumulative)."""
+    """A /generate result: {"text", "output_ids", "meta_info": {...}} (text and ids cumulative).
+    "output_ids" is r's own list, not a copy (a streamed chunk's ids are as many as the tokens so
+    far): serialize the result before r is fed again."""
     meta = {"id": rid, "prompt_tokens": r.prompt_tokens or len(r.prompt_ids),
             "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens,
             "finish_reason": r.finish_reason}
@@ -312,4 +314,4 @@ def native_result(r: SeqResult, rid: str, return_logprob: bool) -> dict:
         meta["input_top_logprobs"] = [None if t is None else [list(e) for e in t]
                                       for t in (r.input_top_logprobs or [])]
         meta["output_top_logprobs"] = [[list(e) for e in t] for t in r.output_top_logprobs]
-    return {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
+    return {"text": r.text, "output_ids": r.output_ids, "meta_info": meta}

@@ -1,9 +1,12 @@
 """Incremental detokenization with stop strings, one instance per request.
 
 Text is produced by decoding a short window of ids: decode(ids[prefix_offset:]) minus
-decode(ids[prefix_offset:read_offset]). The window starts a few tokens back so that decoders
-which depend on neighbours (sentencepiece's leading-space rule, byte-level BPE) see them. While
-the window's text ends in U+FFFD (a UTF-8 character cut between tokens) nothing is released.
+decode(ids[prefix_offset:read_offset]). The window starts at least one token back so that
+decoders which depend on neighbours (sentencepiece's leading-space rule, byte-level BPE) see
+them. While the window's text ends in U+FFFD (a UTF-8 character cut between tokens) nothing is
+released. The window's start stays put until it is more than WINDOW tokens behind, so the
+prefix's text is the previous push's full text, kept rather than decoded again: about one
+decode a token instead of two (the loop thread pays this for every token it streams).
 
 Stop strings: released text is scanned for every stop string; the longest suffix of the
 unreleased text that is a prefix of some stop string is held back, so a stop string spanning
@@ -22,6 +25,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
 REGEX_LOOKBACK = 256
+WINDOW = 8       # ids behind the end at which the decode window's start moves up
 
 
 class DetokenizeResult(NamedTuple):
@@ -49,6 +53,7 @@ class IncrementalDetokenizer:
         self._ids: List[int] = []
         self._prefix_offset = 0     # window start for decoding
         self._read_offset = 0       # ids before this are already turned into text
+        self._prefix_text: Optional[str] = ""   # decode(ids[prefix:read]) when known, else None
         self._pending = ""          # decoded text not yet emitted (held for stop matching)
         self.stop_matched: Optional[str] = None
         self.finished = False
@@ -60,16 +65,20 @@ class IncrementalDetokenizer:
     def _decode_new(self, final: bool) -> str:
         """Text of the ids past read_offset; "" while it would end in a cut character
         (unless final, when whatever is there is released)."""
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            self._prefix_text = prefix_text
         full_text = self._decode(self._ids[self._prefix_offset:])
         if not final and (full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text)):
             return ""
-        if not full_text.startswith(prefix_text):
-            # the decoder rewrote the window's start (rare); the difference is the best delta
-            new_text = full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
+        # (where the decoder rewrote the window's start, rare, the difference is the best delta)
+        new_text = full_text[len(prefix_text):]
+        if len(self._ids) - self._prefix_offset > WINDOW:
+            self._prefix_offset = self._read_offset        # its text is not known: decoded next time
+            self._prefix_text = None
         else:
-            new_text = full_text[len(prefix_text):]
-        self._prefix_offset = self._read_offset
+            self._prefix_text = full_text                  # the next prefix is this window
         self._read_offset = len(self._ids)
         return new_text
 
@@ -160,6 +169,7 @@ class IncrementalDetokenizer:
         appended = new_text[len(old_text):] if new_text.startswith(old_text) else ""
         self._prefix_offset = max(keep, self._prefix_offset)
         self._read_offset = len(self._ids)
+        self._prefix_text = None
         return self._release(appended, final=False)
 
     def flush(self) -> str:
