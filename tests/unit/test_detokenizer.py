@@ -7,6 +7,17 @@ MULTIBYTE = "Hi 😀👍🏽 日本語のテキスト, 한국어 and ñandú �
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 
 
+class _CountingTokenizer:
+    """A tokenizer with decode only (no byte_level_pieces): the window decoder's path."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, 0
+
+    def decode(self, ids, **kw):
+        self.calls += 1
+        return self.tok.decode(ids, **kw)
+
+
 def _run(tok, ids, chunk=1, **kw):
     """Push ids in chunks; return (deltas, flushed text, detokenizer)."""
     kw.setdefault("stop_strs", [])
@@ -30,11 +41,17 @@ def test_multibyte_never_broken(default_tokenizer, chunk):
     assert "".join(deltas) + tail == default_tokenizer.decode(ids) == MULTIBYTE
 
 
-def test_incomplete_character_released_by_flush(default_tokenizer):
+@pytest.mark.parametrize("path", ["bytes", "window"])
+def test_incomplete_character_released_by_flush(default_tokenizer, path):
+    tok = default_tokenizer if path == "bytes" else _CountingTokenizer(default_tokenizer)
     ids = default_tokenizer.encode("ok 😀", add_special_tokens=False)
-    deltas, tail, _ = _run(default_tokenizer, ids[:-1])      # the emoji's last byte never comes
-    assert "".join(deltas) == "ok"
-    assert tail == default_tokenizer.decode(ids[:-1])[len("ok"):] and tail.endswith("\ufffd")
+    deltas, tail, detok = _run(tok, ids[:-1])      # the emoji's last byte never comes
+    assert (detok._utf8 is not None) == (path == "bytes")
+    # the byte path holds back only the cut character's bytes; the window decoder holds back
+    # the whole token they came in (" " and the first bytes of the emoji)
+    assert "".join(deltas) == ("ok " if path == "bytes" else "ok")
+    assert "".join(deltas) + tail == default_tokenizer.decode(ids[:-1])
+    assert tail.endswith("\ufffd") and len(tail) == (1 if path == "bytes" else 2)
 
 
 def test_special_tokens_skipped_or_kept(default_tokenizer):
@@ -101,27 +118,26 @@ def test_no_stop_deltas_concatenate_to_full_decode(default_tokenizer):
     assert "".join(deltas) + tail == text
 
 
+@pytest.mark.parametrize("path", ["bytes", "window"])
 @pytest.mark.parametrize("chunk", [1, 3])
-def test_random_ids_concatenate_to_full_decode(default_tokenizer, chunk):
+@pytest.mark.parametrize("skip", [True, False])
+def test_random_ids_concatenate_to_full_decode(default_tokenizer, chunk, path, skip):
     """Any ids (random ones cut characters, mix special tokens in and start words anywhere):
-    the deltas and the flush are the full decode, whichever way the window moved."""
+    the deltas and the flush are the full decode, on the byte path and on the window decoder
+    (whichever way its window moved)."""
     import random
 
+    tok = default_tokenizer if path == "bytes" else _CountingTokenizer(default_tokenizer)
     rng = random.Random(chunk)
     vocab = default_tokenizer.vocab_size
-    for _ in range(20):
+    special = sorted(default_tokenizer.all_special_ids)
+    for n in range(20):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
-        deltas, tail, _ = _run(default_tokenizer, ids, chunk)
-        assert "".join(deltas) + tail == default_tokenizer.decode(ids)
-
-
-class _CountingTokenizer:
-    def __init__(self, tok):
-        self.tok, self.calls = tok, 0
-
-    def decode(self, ids, **kw):
-        self.calls += 1
-        return self.tok.decode(ids, **kw)
+        if n % 2:
+            ids[rng.randrange(len(ids))] = rng.choice(special)
+        deltas, tail, detok = _run(tok, ids, chunk, skip_special_tokens=skip)
+        assert (detok._utf8 is not None) == (path == "bytes")
+        assert "".join(deltas) + tail == default_tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 def test_about_one_decode_a_token(default_tokenizer):

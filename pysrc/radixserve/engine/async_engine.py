@@ -136,6 +136,7 @@ class AsyncEngine:
         chat_template = server_args.resolved_chat_template()
         if chat_template is not None:                     # --chat-template replaces the model's
             self.tokenizer.set_chat_template(chat_template)
+        self.tokenizer.byte_level_pieces()   # built here, not by the first streamed request
         self.served_model_name = (server_args.served_model_name
                                   or os.path.basename(os.path.normpath(self.model_path)))
         self.context_len = check_context_length(server_args.context_length, self.model_config)

@@ -7,6 +7,10 @@ them. While the window's text ends in U+FFFD (a UTF-8 character cut between toke
 released. The window's start stays put until it is more than WINDOW tokens behind, so the
 prefix's text is the previous push's full text, kept rather than decoded again: about one
 decode a token instead of two (the loop thread pays this for every token it streams).
+A tokenizer that offers byte_level_pieces() (tokenizer/byte_level.py: byte-level BPE, checked
+to decode exactly as the table says) needs no window: each token's bytes go to an incremental
+UTF-8 decoder, which holds a cut character back until its last byte comes (flush() releases it
+as U+FFFD). A jump-forward (replace_tail) moves such a request to the window decoder.
 
 Stop strings: released text is scanned for every stop string; the longest suffix of the
 unreleased text that is a prefix of some stop string is held back, so a stop string spanning
@@ -20,6 +24,7 @@ Concatenating every text_delta and the final flush() gives the full decode of th
 """
 from __future__ import annotations
 
+import codecs
 import re
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -57,6 +62,14 @@ class IncrementalDetokenizer:
         self._pending = ""          # decoded text not yet emitted (held for stop matching)
         self.stop_matched: Optional[str] = None
         self.finished = False
+        # the byte path (module docstring): the token bytes table, the ids it skips, and the
+        # incremental UTF-8 decoder; None: the window decoder
+        pieces = getattr(tokenizer, "byte_level_pieces", None)
+        pieces = pieces() if pieces is not None else None
+        self._table = pieces.table if pieces is not None else None
+        self._skip_ids = pieces.special if pieces is not None and skip_special_tokens else ()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if pieces is not None \
+            else None
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special,
@@ -146,13 +159,22 @@ class IncrementalDetokenizer:
         """Add the step's new token ids; return the text that can be streamed now."""
         if self.finished:
             return DetokenizeResult("", self.stop_matched)
+        start = len(self._ids)
         self._ids.extend(int(i) for i in new_ids)
+        if self._utf8 is not None:
+            table, skip = self._table, self._skip_ids
+            data = b"".join(table[i] for i in self._ids[start:] if i not in skip)
+            return self._release(self._utf8.decode(data), final=False)
         return self._release(self._decode_new(final=False), final=False)
 
     @property
     def caught_up(self) -> bool:
         """Every pushed id is turned into text (none held back inside a cut character)."""
-        return not self.finished and self._read_offset == len(self._ids)
+        if self.finished:
+            return False
+        if self._utf8 is not None:
+            return not self._utf8.getstate()[0]       # no bytes of a cut character held
+        return self._read_offset == len(self._ids)
 
     def replace_tail(self, num_removed: int, new_ids: Sequence[int]) -> DetokenizeResult:
         """Jump-forward: the last num_removed ids become new_ids, whose text extends the old
@@ -161,6 +183,10 @@ class IncrementalDetokenizer:
         Requires caught_up."""
         if self.finished:
             return DetokenizeResult("", self.stop_matched)
+        if self._utf8 is not None:      # to the window decoder, everything so far turned to text
+            self._utf8 = None
+            self._prefix_offset = self._read_offset = len(self._ids)
+            self._prefix_text = ""
         keep = len(self._ids) - num_removed
         old_text = self._decode(self._ids[min(self._prefix_offset, keep):])
         self._ids = self._ids[:keep] + [int(i) for i in new_ids]
@@ -178,7 +204,9 @@ class IncrementalDetokenizer:
         completes a stop string, the text is cut there and self.stop_matched is set."""
         if self.finished:
             return ""
-        result = self._release(self._decode_new(final=True), final=True)
+        tail = self._utf8.decode(b"", final=True) if self._utf8 is not None \
+            else self._decode_new(final=True)
+        result = self._release(tail, final=True)
         self.finished = True
         return result.text_delta
 

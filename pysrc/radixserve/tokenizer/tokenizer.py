@@ -198,6 +198,17 @@ class _TokenizersBackend:
             spec = json.load(f)
         bound = tokenizers_chars_bound(spec, list(self.tok.get_vocab(with_added_tokens=True)))
         self.max_chars_per_token, self.silent_chars = bound if bound else (None, frozenset())
+        self._decoder_spec = spec.get("decoder")
+        self._pieces: Any = False              # byte_level_pieces(): False until built
+
+    def byte_level_pieces(self):
+        """tokenizer/byte_level.ByteLevelPieces of a ByteLevel decoder (None for others);
+        built and checked on the first call."""
+        if self._pieces is False:
+            from radixserve.tokenizer.byte_level import byte_level_pieces
+
+            self._pieces = byte_level_pieces(self.tok, self._decoder_spec)
+        return self._pieces
 
     def encode(self, text: str, add_special_tokens: bool,
                max_tokens: Optional[int] = None) -> List[int]:
@@ -231,6 +242,10 @@ class _SentencePieceBackend:
     # default) drops control characters and collapses runs of whitespace.
     max_chars_per_token: Optional[int] = None
     silent_chars: FrozenSet[str] = frozenset()
+
+    def byte_level_pieces(self):
+        """No byte table: sentencepiece decodes through its own normalizer."""
+        return None
 
     def __init__(self, path: str, add_bos: bool, add_eos: bool):
         import sentencepiece
@@ -408,6 +423,12 @@ class Tokenizer:
                spaces_between_special_tokens: bool = True) -> str:
         """Text of ids; equals HF `tokenizer.decode(ids, skip_special_tokens=...)`."""
         return self._backend.decode(ids, skip_special_tokens, spaces_between_special_tokens)
+
+    def byte_level_pieces(self):
+        """The bytes of every token (tokenizer/byte_level.ByteLevelPieces) where the tokenizer
+        decodes byte-level BPE exactly as that table does, else None. Built on the first call
+        (about 0.3 s for 128k tokens): AsyncEngine calls it at start, not a request."""
+        return self._backend.byte_level_pieces()
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (special tokens included), e.g. for logprob output. A token that
