@@ -159,11 +159,14 @@ class IncrementalDetokenizer:
         """Add the step's new token ids; return the text that can be streamed now."""
         if self.finished:
             return DetokenizeResult("", self.stop_matched)
-        start = len(self._ids)
-        self._ids.extend(int(i) for i in new_ids)
+        new = [int(i) for i in new_ids]
+        self._ids += new
         if self._utf8 is not None:
-            table, skip = self._table, self._skip_ids
-            data = b"".join(table[i] for i in self._ids[start:] if i not in skip)
+            skip = self._skip_ids
+            if len(new) == 1:                      # a decode step's one token
+                data = b"" if new[0] in skip else self._table[new[0]]
+            else:
+                data = b"".join(self._table[i] for i in new if i not in skip)
             return self._release(self._utf8.decode(data), final=False)
         return self._release(self._decode_new(final=False), final=False)
 
