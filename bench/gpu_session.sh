@@ -643,6 +643,38 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
         python3 bench/variants/make_variant.py $V c${c}m$m attention_launch.cuh
       done
       bash bench/variants/run.sh $V decode_sweep.cu 2>&1 | tee "$OUT/dsweep.txt" ;;
+    servhost)
+      # issue 35's serving gap is on the host (bench/results/h100-2026-12-07-late.md): bf16 and
+      # FP8 + FP8 KV servers at fixed 1024/1024 then SGLang's default lengths (SERVHOST_RATIOS),
+      # then a py-spy profile of the FP8 server's threads mid-run (the py-spy wheel carried in
+      # .whl-spy/, git-excluded: `pip download py-spy --no-deps -d .whl-spy`)
+      F="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+      for r in ${SERVHOST_RATIOS:-1 0}; do
+        for cfg in "fp8-kv:$F" "bf16:"; do
+          n=${cfg%%:*}; a=${cfg#*:}
+          timeout 150 python3 bench/serving.py --preset llama-3.1-8b --launch --server-args "$a" \
+            --dataset random --random-input-len 1024 --random-output-len 1024 \
+            --random-range-ratio $r --num-prompts 200 --request-rate 16 --no-plots --disable-tqdm \
+            --server-log-dir "$OUT/servhost-$n-r$r" --output-file "$OUT/serving-$n-r$r.json" 2>&1 \
+            | grep -E "^(Output token|Failed|Server mean|Server loop|Server tokens|Median ITL)" \
+            | sed "s/^/[$n r$r] /"
+        done
+      done
+      if ls .whl-spy/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-deps --target /tmp/spy .whl-spy/*.whl 2>&1 | tail -1
+        P=/tmp/preset-8b; python3 -m radixserve bench presets llama-3.1-8b --out $P > /dev/null
+        python3 -m radixserve.launch_server --model-path $P --load-format dummy --port 30124 $F \
+          > "$OUT/servhost-spy-server.log" 2>&1 &
+        pid=$!
+        for i in $(seq 200); do curl -sf localhost:30124/health >/dev/null && break; sleep 1; done
+        (sleep 10; timeout 40 /tmp/spy/bin/py-spy record -p $pid -d 12 -r 200 --threads --native \
+          --format raw -o "$OUT/spy-fp8kv.txt" > "$OUT/spy.log" 2>&1) &
+        sp=$!
+        timeout 100 python3 bench/serving.py --port 30124 --dataset random --random-range-ratio 1 \
+          --random-input-len 1024 --random-output-len 1024 --num-prompts 200 --request-rate 16 \
+          --disable-tqdm --no-plots 2>&1 | grep -E "^(Output token|Server loop)" | sed "s/^/[spy] /"
+        wait $sp; tail -1 "$OUT/spy.log"; kill $pid; wait $pid 2>/dev/null
+      fi ;;
     servprof)
       # issue 35's serving gap: where a decode step at a serving-like batch and context goes
       # (bench/decode_profile.py under CUDA graphs, batch 128 x 1,536 tokens, as the fixed-length
