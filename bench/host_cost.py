@@ -9,7 +9,8 @@ than the FP8 + FP8 KV server's 9.7 ms of kernels, so the step waits on the host.
 This launches `python -m radixserve.launch_server` on the CPU with the smollm2-135m preset's
 tokenizer and vocabulary but one layer of width 64 (dummy weights: its steps take a few
 milliseconds, so the loop is measured at realistic batch sizes), sends --concurrency requests
-of --output-len tokens (ignore_eos) to /generate, streamed (one SSE event a token) and not
+of --output-len tokens (ignore_eos) to /generate (--route completions: /v1/completions),
+streamed (one SSE event a token) and not
 (one answer a request: the engine's share alone), --repeats times each, and reports the loop
 thread's CPU microseconds per generated token from /metrics (loop_thread_cpu_seconds_total
 over generation_tokens_total, deltas over each run).
@@ -52,17 +53,23 @@ def counter(text: str, name: str) -> float:
 
 async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, args,
                       stream: bool) -> None:
-    body = {"input_ids": [rng.randrange(1000, 40000) for _ in range(args.input_len)],
-            "sampling_params": {"max_new_tokens": args.output_len, "ignore_eos": True,
-                                "temperature": 0.0},
-            "stream": stream}
+    ids = [rng.randrange(1000, 40000) for _ in range(args.input_len)]
+    if args.route == "generate":
+        path = "/generate"
+        body = {"input_ids": ids, "stream": stream,
+                "sampling_params": {"max_new_tokens": args.output_len, "ignore_eos": True,
+                                    "temperature": 0.0}}
+    else:                                  # OpenAI's completions, the prompt as token ids
+        path = "/v1/completions"
+        body = {"model": args.served_model, "prompt": ids, "max_tokens": args.output_len,
+                "ignore_eos": True, "temperature": 0.0, "stream": stream}
     if stream:
-        async with client.stream("POST", url + "/generate", json=body) as r:
+        async with client.stream("POST", url + path, json=body) as r:
             r.raise_for_status()
             async for _ in r.aiter_lines():
                 pass
     else:
-        (await client.post(url + "/generate", json=body)).raise_for_status()
+        (await client.post(url + path, json=body)).raise_for_status()
 
 
 async def one_run(url: str, args, stream: bool, seed: int) -> dict:
@@ -87,6 +94,9 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=384)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--route", choices=("generate", "completions"), default="generate",
+                   help="SGLang's /generate (bench serving's sglang backend) or OpenAI's "
+                        "/v1/completions")
     p.add_argument("--server-args", default="", help="extra launch_server flags")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--output-file", default=None)
@@ -100,6 +110,7 @@ def main(argv=None) -> int:
     cfg.update(TINY)
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
+    args.served_model = os.path.basename(model)     # the server's default served name
     port = free_port()
     cmd = radixserve_command(port, ["--model-path", model, "--load-format", "dummy",
                                     "--device", "cpu", *args.server_args.split()])
