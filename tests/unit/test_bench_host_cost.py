@@ -1,13 +1,32 @@
 """bench/host_cost.py's reading of the server's counters."""
 import importlib.util
 import os
+import sys
 
 import pytest
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "host_cost.py")
-_spec = importlib.util.spec_from_file_location("host_cost", _PATH)
-host_cost = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(host_cost)
+
+
+def _load():
+    """The script as a module, without leaving bench/ on sys.path (its kernels.py would shadow
+    the `kernels` package that transformers imports) or its sibling modules in sys.modules."""
+    path, modules = list(sys.path), set(sys.modules)
+    try:
+        spec = importlib.util.spec_from_file_location("host_cost", _PATH)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            if getattr(sys.modules[name], "__file__", "") and \
+                    os.path.dirname(os.path.abspath(sys.modules[name].__file__)) == \
+                    os.path.dirname(os.path.abspath(_PATH)):
+                del sys.modules[name]
+
+
+host_cost = _load()
 
 PAGE = """# HELP radixserve:generation_tokens_total Tokens generated
 # TYPE radixserve:generation_tokens_total counter
