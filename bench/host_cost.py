@@ -12,8 +12,8 @@ milliseconds, so the loop is measured at realistic batch sizes), sends --concurr
 of --output-len tokens (ignore_eos) to /generate (--route completions: /v1/completions),
 streamed (one SSE event a token) and not
 (one answer a request: the engine's share alone), --repeats times each, and reports the loop
-thread's CPU microseconds per generated token from /metrics (loop_thread_cpu_seconds_total
-over generation_tokens_total, deltas over each run).
+thread's CPU microseconds per generated token from /metrics (radixserve.bench.server_steps'
+loop_cpu_us_per_token: the counters' deltas over each run).
 
     PYTHONPATH=pysrc python bench/host_cost.py --output-file host-cost.json
 """
@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -36,19 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launcher import LaunchedServer, free_port, radixserve_command, source_revision  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pysrc"))
+from radixserve.bench import server_steps  # noqa: E402
 from radixserve.bench.presets import build_preset  # noqa: E402
 
 # the one-layer, width-64 shape (the preset's vocabulary and tokenizer stay)
 TINY = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
             num_key_value_heads=1, head_dim=32)
-
-
-def counter(text: str, name: str) -> float:
-    """The value of counter `name` (any prefix, any labels) in a Prometheus text page."""
-    m = re.search(r"^\S*" + name + r"_total(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
-    if m is None:
-        raise RuntimeError(f"/metrics has no {name}_total")
-    return float(m.group(1))
 
 
 async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, args,
@@ -76,16 +68,17 @@ async def one_run(url: str, args, stream: bool, seed: int) -> dict:
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=args.concurrency + 8)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        m0 = (await client.get(url + "/metrics")).text
+        before = await server_steps.scrape(url)
         t0 = time.perf_counter()
         await asyncio.gather(*[one_request(client, url, rng, args, stream)
                                for _ in range(args.concurrency)])
         wall = time.perf_counter() - t0
-        m1 = (await client.get(url + "/metrics")).text
-    cpu = counter(m1, "loop_thread_cpu_seconds") - counter(m0, "loop_thread_cpu_seconds")
-    tokens = counter(m1, "generation_tokens") - counter(m0, "generation_tokens")
-    return {"stream": stream, "tokens": int(tokens), "wall_s": round(wall, 3),
-            "loop_cpu_s": round(cpu, 4), "loop_cpu_us_per_token": round(1e6 * cpu / tokens, 2)}
+        steps = server_steps.over_run(before, await server_steps.scrape(url), wall)
+    if steps is None or "loop_cpu_us_per_token" not in steps:
+        raise RuntimeError("the server's /metrics has no loop_thread_cpu_seconds counter")
+    return {"stream": stream, "tokens": steps["generation_tokens"], "wall_s": round(wall, 3),
+            "loop_cpu_s": round(steps["loop_cpu_s"], 4),
+            "loop_cpu_us_per_token": round(steps["loop_cpu_us_per_token"], 2)}
 
 
 def main(argv=None) -> int:
