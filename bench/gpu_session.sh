@@ -648,19 +648,21 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
       # FP8 + FP8 KV servers at fixed 1024/1024 then SGLang's default lengths (SERVHOST_RATIOS),
       # then a py-spy profile of the FP8 server's threads mid-run (the py-spy wheel carried in
       # .whl-spy/, git-excluded: `pip download py-spy --no-deps -d .whl-spy`)
+      # SERVHOST_CONFIGS: names fp8-kv, bf16, each with -ep for --engine-process
       F="--quantization fp8 --kv-cache-dtype fp8_e4m3"
       for r in ${SERVHOST_RATIOS:-1 0}; do
-        for cfg in "fp8-kv:$F" "bf16:"; do
-          n=${cfg%%:*}; a=${cfg#*:}
+        for n in ${SERVHOST_CONFIGS:-fp8-kv bf16}; do
+          a=""; case $n in fp8-kv*) a="$F";; esac
+          case $n in *-ep) a="$a --engine-process";; esac
           timeout 150 python3 bench/serving.py --preset llama-3.1-8b --launch --server-args "$a" \
             --dataset random --random-input-len 1024 --random-output-len 1024 \
             --random-range-ratio $r --num-prompts 200 --request-rate 16 --no-plots --disable-tqdm \
             --server-log-dir "$OUT/servhost-$n-r$r" --output-file "$OUT/serving-$n-r$r.json" 2>&1 \
-            | grep -E "^(Output token|Failed|Server mean|Server loop|Server tokens|Median ITL)" \
+            | grep -E "^(Output token|Failed|Server mean|Server loop|Server process|Server tokens|Median ITL)" \
             | sed "s/^/[$n r$r] /"
         done
       done
-      if ls .whl-spy/*.whl >/dev/null 2>&1; then
+      if [ -z "${SERVHOST_NO_SPY:-}" ] && ls .whl-spy/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-deps --target /tmp/spy .whl-spy/*.whl 2>&1 | tail -1
         P=/tmp/preset-8b; python3 -m radixserve bench presets llama-3.1-8b --out $P > /dev/null
         python3 -m radixserve.launch_server --model-path $P --load-format dummy --port 30124 $F \

@@ -78,7 +78,10 @@ async def one_run(url: str, args, stream: bool, seed: int) -> dict:
         raise RuntimeError("the server's /metrics has no loop_thread_cpu_seconds counter")
     return {"stream": stream, "tokens": steps["generation_tokens"], "wall_s": round(wall, 3),
             "loop_cpu_s": round(steps["loop_cpu_s"], 4),
-            "loop_cpu_us_per_token": round(steps["loop_cpu_us_per_token"], 2)}
+            "loop_cpu_us_per_token": round(steps["loop_cpu_us_per_token"], 2),
+            # --engine-process: the server process's CPU apart from the engine's loop thread
+            **({"server_cpu_us_per_token": round(steps["server_cpu_us_per_token"], 2)}
+               if "server_cpu_us_per_token" in steps else {})}
 
 
 def main(argv=None) -> int:

@@ -423,6 +423,10 @@ class ServerArgs:
         "replica whose earlier requests share the longest prefix with this one, unless load is "
         "imbalanced), round_robin, power_of_two (the less loaded of two random replicas), "
         "random", choices=("cache_aware", "round_robin", "power_of_two", "random"))
+    engine_process: bool = _flag(
+        False, "run the engine (model, scheduler, detokenizers) in a process of its own and "
+        "HTTP in this one, as SGLang and vLLM split them: the two no longer share one GIL, so "
+        "streaming many requests does not slow the steps (not with --enable-dashboard)")
     # runtime
     random_seed: int = _flag(0, "seed of the generator that seeds requests sent without a seed",
                              metavar="SEED", group="runtime")
@@ -739,6 +743,9 @@ class ServerArgs:
             if self.tp_size > have:
                 raise ValueError(f"--tp-size {self.tp_size} needs {self.tp_size} GPUs (one per "
                                  f"rank); this host has {have}")
+        if self.engine_process and self.enable_dashboard:
+            raise ValueError("--enable-dashboard reads the engine's radix tree in this process, "
+                             "so it does not run with --engine-process; drop one of the two")
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, not {self.dp_size}")
         if self.dp_size > 1 and self.resolved_device().startswith("cuda"):

@@ -151,3 +151,24 @@ def test_tensor_parallel_server_matches_hf_transformers(tmp_path_factory, prompt
     assert r.status_code == 200, r.text
     for i, (out, ref) in enumerate(zip(r.json(), hf_refs)):
         assert out["output_ids"] == ref, f"prompt {i}: tp=3 {out['output_ids']} != HF {ref}"
+
+
+def test_engine_process_server_matches_hf_transformers(tmp_path_factory, prompt_ids, hf_refs):
+    """--engine-process (the engine in a process of its own, engine/process.py): the 8 prompts
+    in one batch give HF transformers' greedy tokens, and a streamed request's events add up
+    to its greedy tokens alone, as in one process."""
+    with launched_server(tmp_path_factory.mktemp("engine-process"), ["--engine-process"]) as srv:
+        r = httpx.post(srv.url + "/generate", timeout=600, json={
+            "input_ids": prompt_ids, "sampling_params": _greedy_params(MAX_NEW)})
+        body = {"input_ids": prompt_ids[0], "stream": True,
+                "sampling_params": _greedy_params(MAX_NEW)}
+        events = []
+        with httpx.stream("POST", srv.url + "/generate", json=body, timeout=600) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: "):]))
+    assert r.status_code == 200, r.text
+    for i, (out, ref) in enumerate(zip(r.json(), hf_refs)):
+        assert out["output_ids"] == ref, f"prompt {i}: {out['output_ids']} != HF {ref}"
+    assert len(events) > 1 and events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert events[-1]["output_ids"] == hf_refs[0]     # /generate's chunks are cumulative

@@ -656,6 +656,7 @@ def test_async_engine_capacity_counts_the_waiting_queue():
 
     fake = SimpleNamespace(scheduler=SimpleNamespace(waiting=[object()] * 3),
                            server_args=SimpleNamespace(max_queued_requests=4), _draining=False)
+    fake.waiting_count = lambda: AsyncEngine.waiting_count(fake)    # the scheduler's queue
     AsyncEngine.check_capacity(fake, 1)                    # 3 + 1 <= 4
     with pytest.raises(EngineOverloaded, match="3 sequences are waiting"):
         AsyncEngine.check_capacity(fake, 2)

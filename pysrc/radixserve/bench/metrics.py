@@ -108,6 +108,8 @@ def print_metrics(name: str, m: Dict) -> None:
                  ("Server idle before decode (s)", steps["idle_before_decode_s"])]
         if "loop_cpu_us_per_token" in steps:
             rows.append(("Server loop CPU per token (us)", steps["loop_cpu_us_per_token"]))
+        if "server_cpu_us_per_token" in steps:      # --engine-process: the HTTP side's
+            rows.append(("Server process CPU per token (us)", steps["server_cpu_us_per_token"]))
         if "decode_step_per_token_ms" in steps:
             rows += [("Server decode step per token (ms)", steps["decode_step_per_token_ms"]),
                      ("Median ITL / decode step per token", steps["median_itl_over_decode_step"])]

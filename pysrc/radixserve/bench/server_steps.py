@@ -14,6 +14,9 @@ on GET /metrics (server/metrics.py) scraped before and after the run, as deltas.
     loop_cpu_us_per_token                loop_cpu_s per generated token, in microseconds: the
                                          host's per-token cost (HTTP, detokenizing, streaming,
                                          scheduling), which bounds a fast device's throughput
+    server_cpu_s, server_cpu_us_per_token
+                                         with --engine-process, the server process's CPU (HTTP,
+                                         rendering, streaming) apart from the engine's loop
     decode_step_per_token_ms             the decode step a generated token waited for, averaged
                                          over tokens (decode_row_device_seconds over
                                          decode_rows): the pure decode step at the run's own
@@ -58,6 +61,7 @@ ENGINE_KEYS = {
 HOST_KEYS = {
     "loop_thread_cpu_seconds": "loop_cpu_s",
     "forward_thread_cpu_seconds": "forward_cpu_s",
+    "server_process_cpu_seconds": "server_cpu_s",       # --engine-process only
     "decode_row_device_seconds": "decode_row_device_s",
     "decode_rows": "decode_rows",
 }
@@ -116,6 +120,8 @@ def over_run(before: Optional[Dict[str, float]], after: Optional[Dict[str, float
             d[key] = after[key] - before[key]
     if "loop_cpu_s" in d and d["generation_tokens"]:
         d["loop_cpu_us_per_token"] = 1e6 * d["loop_cpu_s"] / d["generation_tokens"]
+    if d.get("server_cpu_s") and d["generation_tokens"]:       # 0 without --engine-process
+        d["server_cpu_us_per_token"] = 1e6 * d["server_cpu_s"] / d["generation_tokens"]
     if d.get("decode_rows"):
         d["decode_rows"] = int(round(d["decode_rows"]))
         d["decode_step_per_token_ms"] = 1e3 * d["decode_row_device_s"] / d["decode_rows"]

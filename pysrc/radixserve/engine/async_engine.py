@@ -31,32 +31,13 @@ from radixserve.constrained import GrammarBackend
 from radixserve.engine import validation
 from radixserve.engine.io import GenerateOutput, GenerateReqInput
 from radixserve.engine.pipeline import ThreadedExecutor
-from radixserve.engine.pooling import (POOLING_METHODS, rerank_label_ids,
-                                       resolve_pooling_method)
+from radixserve.engine.pooling import rerank_label_ids, resolve_pooling_method
 from radixserve.engine.req import FinishReason, Req
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.surface import EngineSurface, deliver, merge_outputs  # noqa: F401
 from radixserve.engine.thread_cpu import ThreadCPU
-from radixserve.errors import EngineOverloaded, RequestError
 
 logger = logging.getLogger(__name__)
-
-
-def merge_outputs(a: GenerateOutput, b: GenerateOutput) -> GenerateOutput:
-    """b's fields, with a's deltas in front of b's (b is the later output of the same request);
-    b's rollback eats into a's ids first."""
-    kept = max(len(a.output_ids_delta) - b.output_ids_rollback, 0)
-    rollback = a.output_ids_rollback + max(b.output_ids_rollback - len(a.output_ids_delta), 0)
-    return dataclasses.replace(
-        b, text_delta=a.text_delta + b.text_delta,
-        output_ids_delta=a.output_ids_delta[:kept] + b.output_ids_delta,
-        output_ids_rollback=rollback,
-        output_token_logprobs_delta=a.output_token_logprobs_delta + b.output_token_logprobs_delta,
-        output_top_logprobs_delta=a.output_top_logprobs_delta + b.output_top_logprobs_delta,
-        input_token_logprobs=a.input_token_logprobs if a.input_token_logprobs is not None
-        else b.input_token_logprobs,
-        input_top_logprobs=a.input_top_logprobs if a.input_top_logprobs is not None
-        else b.input_top_logprobs,
-        queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s)
 
 
 # Allocations between young-generation collections while an engine runs (CPython's default:
@@ -121,7 +102,10 @@ def check_context_length(requested: Optional[int], model_config: ModelConfig) ->
     return requested or limit
 
 
-class AsyncEngine:
+class AsyncEngine(EngineSurface):
+    """The engine: model, KV pool, scheduler and their loop (the module's docstring); its request
+    validation is EngineSurface's."""
+
     def __init__(self, server_args: ServerArgs):
         """Blocking: resolves the model, loads tokenizer, config, weights, KV pool, scheduler."""
         from radixserve.model.loader import resolve_model_path
@@ -287,108 +271,19 @@ class AsyncEngine:
             raise
 
     # ------------------------------------------------------------------ requests
-    def validate(self, req: GenerateReqInput, prompt_checked: bool = False) -> None:
-        """Raise ValueError (a RequestError naming the field) with an actionable message for a
-        request the engine cannot run. Its SamplingParams are verified unless they were already
-        (SamplingParams.verified); its prompt is checked (engine/validation.check_prompt: the
-        id scan, the context-length rule) unless `prompt_checked`: the caller checked this
-        req's input_ids and max_new_tokens with check_prompt already (the server's routes
-        do, in the client's words). A priority on a server without
-        --enable-priority-scheduling is ignored, or refused with --abort-on-priority-when-disabled
-        (SGLang's rule; its type was checked where the request was parsed)."""
-        args = self.server_args
-        if req.priority is not None and not args.enable_priority_scheduling and \
-                args.abort_on_priority_when_disabled:
-            raise RequestError("priority is not accepted by this server: priority scheduling is "
-                               "off (--enable-priority-scheduling) and "
-                               "--abort-on-priority-when-disabled refuses requests that set it; "
-                               "send the request without a priority", param="priority")
-        sp = req.sampling_params
-        if not sp.verified:
-            sp.verify()
-        self._check_pool(req)
-        ids = req.input_ids
-        n = len(ids)
-        vocab = self.model_config.vocab_size
-        if not prompt_checked:
-            validation.check_prompt(ids, vocab, self.context_len, sp.max_new_tokens)
-        pool = self.runner.max_total_tokens
-        if n >= pool:
-            raise ValueError(f"prompt has {n} tokens; the KV pool holds {pool}: shorten the prompt "
-                             f"or raise --max-total-tokens")
-        if sp.max_new_tokens is not None and n + sp.max_new_tokens > pool:
-            # it could be admitted, then never finish: refuse it now, not under pressure later
-            raise ValueError(f"prompt has {n} tokens and max_new_tokens is {sp.max_new_tokens}: "
-                             f"{n + sp.max_new_tokens} KV slots, but the KV pool holds {pool} "
-                             f"({n + sp.max_new_tokens - pool} too many); lower max_new_tokens to "
-                             f"at most {pool - n} or raise --max-total-tokens")
-        bad_bias = next((t for t in (sp.logit_bias or {}) if not 0 <= t < vocab), None)
-        if bad_bias is not None:
-            raise RequestError(f"logit_bias names token id {bad_bias}, outside the vocabulary "
-                               f"[0, {vocab})", param="logit_bias")
-        if req.return_logprob:
-            if req.logprob_start_len < -1:
-                raise ValueError("logprob_start_len must be -1 (no prompt logprobs) or >= 0")
-            if not 0 <= req.top_logprobs_num <= vocab:
-                raise ValueError(f"top_logprobs_num must be in [0, {vocab}]")
+    @property
+    def max_total_tokens(self) -> int:
+        return self.runner.max_total_tokens
 
-    def _check_pool(self, req: GenerateReqInput) -> None:
-        """A pooling request (req.pool) only with --is-embedding, and nothing else with it; its
-        PoolParams within the model (dimensions, label token ids) and no tokens to generate."""
-        pool, embedding = req.pool, self.server_args.is_embedding
-        if pool is None and embedding:
-            raise RequestError(f"{self.served_model_name} is served for embeddings "
-                               f"(--is-embedding): generation is off; use /v1/embeddings or "
-                               f"/v1/rerank")
-        if pool is None:
-            return
-        if not embedding:
-            raise RequestError("embeddings and reranking need a server started with "
-                               "--is-embedding")
-        if pool.method not in POOLING_METHODS:
-            raise RequestError(f"pooling method {pool.method!r} is not one of "
-                               f"{', '.join(POOLING_METHODS)}", param="pool")
-        hidden = self.model_config.hidden_size
-        if pool.dimensions is not None and not 1 <= pool.dimensions <= hidden:
-            raise RequestError(f"dimensions must be between 1 and the model's hidden size "
-                               f"{hidden}, got {pool.dimensions}", param="dimensions")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in pool.label_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"label token id {bad} is outside the vocabulary [0, {vocab})",
-                               param="label_ids")
-        if pool.label_ids and not self.lm_head_loaded:
-            raise RequestError("the checkpoint has no LM head (an embedding model's backbone): "
-                               "no logits can be read", param="label_ids")
-        if req.sampling_params.max_new_tokens != 0:
-            raise RequestError("a pooling request generates no tokens: max_new_tokens must be "
-                               "0", param="max_new_tokens")
+    def waiting_count(self) -> int:
+        return len(self.scheduler.waiting)
 
-    def check_capacity(self, num_new: int) -> None:
-        """Raise EngineOverloaded when num_new more sequences would take the waiting queue past
-        --max-queued-requests, or the server is draining for shutdown (checked before any of a
-        request's sequences starts)."""
-        if self._draining:
-            raise EngineOverloaded("the server is shutting down; send the request to another "
-                                   "replica or retry after it restarts", retry_after_s=5)
-        limit = self.server_args.max_queued_requests
-        waiting = len(self.scheduler.waiting)
-        if waiting + num_new > limit:
-            raise EngineOverloaded(f"the server is busy: {waiting} sequences are waiting and "
-                                   f"--max-queued-requests is {limit}; retry shortly",
-                                   retry_after_s=1)
-
-    async def generate(self, req: GenerateReqInput,
-                       validated: bool = False) -> AsyncIterator[GenerateOutput]:
-        """Yield one GenerateOutput per step that produced tokens (deltas; the last has
-        finished=True); with --stream-interval N > 1, after the first one, one per N new
-        tokens. Raises ValueError before yielding anything for a bad request. Closing the
-        iterator early (client gone, task cancelled) aborts the request. validated: the
-        caller ran validate(req) on this req and has not changed it since (Engine does, to
-        refuse a bad batch before any of it runs; the server's routes do, through
-        validate_all), so it is not walked twice."""
-        if not validated:
-            self.validate(req)
+    def submit_nowait(self, req: GenerateReqInput, sink: Callable[[GenerateOutput], None],
+                      grammar: Any = None) -> None:
+        """Queue `req` (validated already) in the scheduler; every output of it goes to
+        `sink` (called on the loop thread, once per step that produced tokens; the last has
+        finished=True). grammar: its compiled matcher (submit compiles it). ValueError for an
+        rid in use, RuntimeError when the engine is not running. Loop thread."""
         if self._task is None:
             raise RuntimeError("AsyncEngine.start() has not been called")
         if self._loop_error is not None:
@@ -396,40 +291,46 @@ class AsyncEngine:
         sp = req.sampling_params
         max_new = (sp.max_new_tokens if sp.max_new_tokens is not None   # None: all that fits
                    else min(self.context_len, self.runner.max_total_tokens) - len(req.input_ids))
-        grammar = None
-        if sp.grammar_key is not None:      # compiled in the pool; only this request waits
-            grammar = self.grammars.matcher(await self.grammars.compile_async(sp.grammar_key))
-        queue: asyncio.Queue = asyncio.Queue()
         r = Req(req.rid, req.input_ids, sp, max_new, return_logprob=req.return_logprob,
                 logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                 top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                 return_text_in_logprobs=req.return_text_in_logprobs, stream=req.stream,
-                sink=queue.put_nowait, client_id=req.client_id, cache_salt=req.cache_salt,
+                sink=sink, client_id=req.client_id, cache_salt=req.cache_salt,
                 pool=req.pool, priority=req.priority)
         r.grammar = grammar
         self.scheduler.add_request(r)
         self._wakeup.set()
+
+    async def submit(self, req: GenerateReqInput,
+                     sink: Callable[[GenerateOutput], None]) -> None:
+        """submit_nowait, after compiling req's grammar (in the grammar pool; only this request
+        waits; ValueError for a grammar that does not compile)."""
+        grammar = None
+        key = req.sampling_params.grammar_key
+        if key is not None:
+            grammar = self.grammars.matcher(await self.grammars.compile_async(key))
+        self.submit_nowait(req, sink, grammar)
+
+    async def generate(self, req: GenerateReqInput,
+                       validated: bool = False) -> AsyncIterator[GenerateOutput]:
+        """Yield one GenerateOutput per step that produced tokens (deltas; the last has
+        finished=True); with --stream-interval N > 1, after the first one, one per N new
+        tokens (surface.deliver). Raises ValueError before yielding anything for a bad request.
+        Closing the iterator early (client gone, task cancelled) aborts the request.
+        validated: the caller ran validate(req) on this req and has not changed it since
+        (Engine does, to refuse a bad batch before any of it runs; the server's routes do,
+        through validate_all), so it is not walked twice."""
+        if not validated:
+            self.validate(req)
+        if self._task is None:
+            raise RuntimeError("AsyncEngine.start() has not been called")
+        queue: asyncio.Queue = asyncio.Queue()
+        await self.submit(req, queue.put_nowait)
         finished = False
-        interval = self.server_args.stream_interval
-        held: Optional[GenerateOutput] = None       # --stream-interval: tokens not yet yielded
-        sent_tokens: Optional[int] = None           # completion_tokens at the last yield
         try:
-            while True:
-                out: GenerateOutput = await queue.get()
-                while not out.finished and not queue.empty():
-                    # the consumer fell behind the steps: one merged delta, not one per step
-                    out = merge_outputs(out, queue.get_nowait())
-                if held is not None:
-                    out, held = merge_outputs(held, out), None
-                if (interval > 1 and not out.finished and sent_tokens is not None
-                        and out.completion_tokens - sent_tokens < interval):
-                    held = out                      # the first output and the last go at once
-                    continue
-                sent_tokens = out.completion_tokens
+            async for out in deliver(queue, self.server_args.stream_interval):
                 finished = out.finished
                 yield out
-                if finished:
-                    return
         finally:
             if not finished:
                 self.abort(req.rid)

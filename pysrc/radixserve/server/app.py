@@ -1,5 +1,6 @@
 """The starlette app over one AsyncEngine, and `serve`: uvicorn and the engine's scheduling task
-in ONE process and ONE uvloop event loop.
+in ONE process and ONE uvloop event loop (with --engine-process, the engine in a second process
+and engine/client.EngineClient in its place here).
 
 The app's lifespan starts the engine (engine.start() creates its scheduling task in the
 running loop) and shuts it down. Every request first passes the door (server/security.py:
@@ -174,9 +175,12 @@ def serve(server_args: ServerArgs) -> int:
     engine's scheduling task. Returns the process exit status when the server stops: 0 after
     SIGINT / SIGTERM, 1 when the engine's loop died (the server stops itself then, so a
     supervisor watching the process restarts it, instead of a live process answering 503)."""
-    from radixserve.engine.async_engine import AsyncEngine
-
-    engine = AsyncEngine(server_args)
+    if server_args.engine_process:      # the engine in its own process (engine/process.py)
+        from radixserve.engine.client import EngineClient
+        engine = EngineClient(server_args)
+    else:
+        from radixserve.engine.async_engine import AsyncEngine
+        engine = AsyncEngine(server_args)
     app = create_app(engine)
     _log_door(server_args, app.state.door_policy)
     # http "auto" is httptools (a dependency) where it imports, else h11: with httptools the

@@ -127,6 +127,11 @@ _COUNTERS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "forward_thread_cpu_seconds": (("forward_thread_cpu_seconds_total",),
                                    "CPU seconds of the forward worker thread (step launches; "
                                    "on the CPU the forward itself)"),
+    # --engine-process: the server's own process (engine/client.py), apart from the engine's
+    "server_process_cpu_seconds": (("server_process_cpu_seconds_total",),
+                                   "CPU seconds of the server's process when the engine runs in "
+                                   "a process of its own (--engine-process: HTTP, rendering, "
+                                   "streaming; the loop thread's counter is then the engine's)"),
 }
 _GAUGES: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "num_running_reqs": (("num_running_reqs",), "Requests running"),

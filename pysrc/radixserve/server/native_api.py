@@ -300,6 +300,7 @@ async def get_loads(request: Request, engine) -> Response:
     (SGLang's sections; unknown ones are a 400) and ?dp_rank=N (another rank: no loads)."""
     from radixserve.version import __version__
     include, rank = _load_query(request)
+    await refresh_metrics(engine)
     loads = [] if rank not in (None, 0) else [load_snapshot(engine, include)]
     agg = {"total_running_reqs": sum(x["num_running_reqs"] for x in loads),
            "total_waiting_reqs": sum(x["num_waiting_reqs"] for x in loads),
@@ -319,6 +320,7 @@ async def get_load(request: Request, engine) -> Response:
     a list with one entry per DP rank, {dp_rank, num_reqs (running + waiting),
     num_waiting_reqs, num_tokens (KV tokens in use), num_pending_tokens (0: no pending
     prefill is counted), ts_tic}."""
+    await refresh_metrics(engine)
     s = load_snapshot(engine, ("core",))
     return JSONResponse([{"dp_rank": 0, "num_reqs": s["num_total_reqs"],
                           "num_waiting_reqs": s["num_waiting_reqs"],
@@ -355,6 +357,15 @@ def metrics_registry(engine) -> MetricsRegistry:
     return MetricsRegistry(engine)
 
 
+async def refresh_metrics(engine) -> None:
+    """Bring engine.metrics() up to date where the engine runs in another process
+    (engine/client.EngineClient.refresh_metrics); an in-process engine's are always current."""
+    refresh = getattr(engine, "refresh_metrics", None)
+    if refresh is not None:
+        await refresh()
+
+
 async def metrics(request: Request, engine) -> Response:
+    await refresh_metrics(engine)
     return Response(generate_latest(request.app.state.metrics_registry),
                     media_type=CONTENT_TYPE_LATEST)
