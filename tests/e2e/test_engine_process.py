@@ -2,7 +2,7 @@
 the engine in the same process. A bad request is refused before it crosses to the engine and
 changes nothing; a grammar that does not compile is a 400 from the engine's compiler; a client
 that leaves aborts its request there (the engine goes idle, its KV freed); /metrics reads the
-engine's counters and the server process's CPU; SIGTERM stops both processes, exit 0. If the
+engine's counters and the server process's CPU; SIGTERM to both stops both, exit 0. If the
 engine process dies, the live request ends with finish reason abort and the server stops with
 status 1, as when the engine's loop dies in one process (test_loop_death.py)."""
 import json
@@ -107,8 +107,11 @@ def test_metrics_are_the_engines_and_the_server_process_cpu(srv):
 
 
 def test_sigterm_stops_both_processes(tmp_path):
+    """SIGTERM to both (as a supervisor's signal to the process group arrives): the engine
+    process ignores it and the server stops it after draining; exit 0, nothing left behind."""
     with launched_server(tmp_path, ARGS) as s:
         engine = _engine_pid(s.proc.pid)
+        os.kill(engine, signal.SIGTERM)
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(timeout=60) == 0
     deadline = time.monotonic() + 30

@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import logging
 import operator
+import signal
 import socket
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -261,9 +262,14 @@ async def _serve(server_args: Any, conn: Any) -> int:
 
 
 def engine_main(server_args: Any, conn: Any, log_config: Tuple[int, str, Optional[str]]) -> None:
-    """The engine process's entry point (client.EngineClient spawns it): log as the server
-    does (log_config: level, format, date format), load the engine, serve it on a uvloop loop
-    of its own until told to stop. Exits 0, or 1 when loading failed or the loop died."""
+    """The engine process's entry point (client.EngineClient spawns it): ignore SIGINT and
+    SIGTERM (the server stops it), log as the server does (log_config: level, format, date
+    format), load the engine, serve it on a uvloop loop of its own until told to stop or the
+    pipe closes. Exits 0, or 1 when loading failed or the loop died."""
+    # Ctrl-C and a supervisor's SIGTERM reach the whole process group: the server drains, then
+    # stops this process over the pipe (or this one stops at the pipe's end if the server died)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     level, fmt, datefmt = log_config
     logging.basicConfig(level=level, format=fmt, datefmt=datefmt, force=True)
     widen_socket_buffers(conn)
