@@ -36,7 +36,8 @@ mean TTFT / ITL ratios from that one run. NAME radix (the default): radix cache 
 --disable-radix-cache, radix cache + lpm; NAME overlap: overlap scheduling,
 --disable-overlap-schedule; NAME schedule: the server's step order (one prefill step, one
 decode step), --enable-mixed-chunk (decodes ride in the prefill's forward), --step-order
-prefill-first (SGLang's order). --launch does the same for one server; --preset NAME serves
+prefill-first (SGLang's order); NAME engine-process: --engine-process (the engine in a process
+of its own) against one process. --launch does the same for one server; --preset NAME serves
 the model directory of `radixserve bench presets NAME` with --load-format dummy.
 --sweep-concurrency 1,2,4,... runs the workload at each max-concurrency.
 
@@ -292,6 +293,9 @@ COMPARE_SETS: Dict[str, List[Tuple[str, List[str]]]] = {
     # CPython's own 5 ms
     "switch": [("switch-200us", []),
                ("switch-5ms", ["--debug-switch-interval-us", "5000"])],
+    # the engine in a process of its own (--engine-process) against one process
+    "engine-process": [("engine-process", ["--engine-process"]),
+                       ("one-process", [])],
     # issue 39: n-gram speculation on a workload it cannot help (its gates must keep it off)
     "spec": [("spec-off", []),
              ("spec-ngram", ["--speculative-algorithm", "ngram"])],
@@ -306,6 +310,7 @@ COMPARE_PAIRS: Dict[str, List[Tuple[str, str, str]]] = {
     "fp8": [("fp8_over_bf16", "fp8", "bf16"), ("fp8_kv_over_bf16", "fp8-kv", "bf16")],
     "spec": [("spec_over_off", "spec-ngram", "spec-off")],
     "switch": [("switch_200us_over_5ms", "switch-200us", "switch-5ms")],
+    "engine-process": [("engine_process_over_one_process", "engine-process", "one-process")],
 }
 # kept for callers of the old module-level name
 COMPARE_CONFIGS = COMPARE_SETS["radix"]
