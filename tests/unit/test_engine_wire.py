@@ -127,3 +127,43 @@ def test_engine_process_refuses_the_dashboard():
     with pytest.raises(ValueError, match="--engine-process"):
         ServerArgs(device="cpu", engine_process=True, enable_dashboard=True).check()
     ServerArgs(device="cpu", engine_process=True).check()
+
+
+def test_deliver_merges_backlog_honours_the_interval_and_raises_refusals():
+    from radixserve.engine.surface import deliver
+
+    def out(n, done=False):
+        return GenerateOutput("r", f"{n} ", [n], done, completion_tokens=n)
+
+    async def main():
+        q = asyncio.Queue()
+        for n in (1, 2, 3):
+            q.put_nowait(out(n))
+        q.put_nowait(out(4, done=True))
+        got = [o async for o in deliver(q, 1)]              # all queued: one merged output
+        assert [(o.output_ids_delta, o.text_delta, o.finished) for o in got] == \
+            [([1, 2, 3, 4], "1 2 3 4 ", True)]
+
+        q = asyncio.Queue()
+        agen = deliver(q, 3)                                # --stream-interval 3
+        seen = []
+
+        async def consume():
+            async for o in agen:
+                seen.append(o.output_ids_delta)
+
+        task = asyncio.ensure_future(consume())
+        for n in range(1, 9):
+            q.put_nowait(out(n, done=n == 8))
+            await asyncio.sleep(0)                          # one step at a time
+        await asyncio.wait_for(task, 5)
+        assert seen == [[1], [2, 3, 4], [5, 6, 7], [8]]    # first at once, then every 3, last
+
+        q = asyncio.Queue()
+        q.put_nowait(out(1))
+        q.put_nowait(RequestError("rid in use", param="rid"))
+        with pytest.raises(RequestError, match="rid in use"):
+            async for _ in deliver(q, 1):
+                pass
+
+    asyncio.run(main())
