@@ -142,3 +142,29 @@ def test_a_dead_engine_process_ends_live_requests_and_stops_the_server(tmp_path)
         assert finals[-1]["meta_info"]["finish_reason"]["type"] == "abort", finals[-1]
         assert "engine process exited" in finals[-1]["meta_info"]["finish_reason"]["message"]
         assert s.proc.wait(timeout=60) == 1
+
+
+def test_a_load_error_in_the_engine_process_is_raised_in_the_server(tmp_path, default_model_path):
+    """What only the engine's loader finds (an unsupported quantization_config) stops the
+    start with the loader's own ValueError, as in one process, and leaves no process behind."""
+    import shutil
+
+    from radixserve.config import ServerArgs
+    from radixserve.engine.client import EngineClient
+
+    model = tmp_path / "awq"
+    shutil.copytree(default_model_path, model)
+    with open(model / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    with open(model / "config.json", "w") as f:
+        json.dump(config, f)
+    before = set(_children(os.getpid()))
+    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+        EngineClient(ServerArgs(model_path=str(model), device="cpu", engine_process=True))
+    deadline = time.monotonic() + 10
+    while set(_children(os.getpid())) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    leftover = [p for p in set(_children(os.getpid())) - before
+                if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert not leftover, f"engine process left behind: {leftover}"
