@@ -665,12 +665,19 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
       if [ -z "${SERVHOST_NO_SPY:-}" ] && ls .whl-spy/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-deps --target /tmp/spy .whl-spy/*.whl 2>&1 | tail -1
         P=/tmp/preset-8b; python3 -m radixserve bench presets llama-3.1-8b --out $P > /dev/null
+        # SERVHOST_SPY_EP=1: the server runs --engine-process and py-spy records the engine
+        # process (its forward worker and loop), not the HTTP one
+        ep=""; [ -n "${SERVHOST_SPY_EP:-}" ] && ep="--engine-process"
         python3 -m radixserve.launch_server --model-path $P --load-format dummy --port 30124 $F \
-          > "$OUT/servhost-spy-server.log" 2>&1 &
+          $ep > "$OUT/servhost-spy-server.log" 2>&1 &
         pid=$!
         for i in $(seq 200); do curl -sf localhost:30124/health >/dev/null && break; sleep 1; done
-        (sleep 10; timeout 40 /tmp/spy/bin/py-spy record -p $pid -d 12 -r 200 --threads --native \
-          --format raw -o "$OUT/spy-fp8kv.txt" > "$OUT/spy.log" 2>&1) &
+        target=$pid
+        if [ -n "$ep" ]; then
+          target=$(pgrep -P $pid -f spawn_main | head -1); echo "[spy] engine process $target"
+        fi
+        (sleep 10; timeout 40 /tmp/spy/bin/py-spy record -p $target -d 12 -r 200 --threads \
+          --native --format raw -o "$OUT/spy-fp8kv${ep:+-ep}.txt" > "$OUT/spy.log" 2>&1) &
         sp=$!
         timeout 100 python3 bench/serving.py --port 30124 --dataset random --random-range-ratio 1 \
           --random-input-len 1024 --random-output-len 1024 --num-prompts 200 --request-rate 16 \
