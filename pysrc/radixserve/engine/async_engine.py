@@ -290,7 +290,7 @@ class AsyncEngine(EngineSurface):
             raise RuntimeError(f"the engine's scheduling loop failed: {self._loop_error}")
         sp = req.sampling_params
         max_new = (sp.max_new_tokens if sp.max_new_tokens is not None   # None: all that fits
-                   else min(self.context_len, self.runner.max_total_tokens) - len(req.input_ids))
+                   else min(self.context_len, self.max_total_tokens) - len(req.input_ids))
         r = Req(req.rid, req.input_ids, sp, max_new, return_logprob=req.return_logprob,
                 logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                 top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,

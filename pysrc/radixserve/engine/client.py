@@ -341,6 +341,4 @@ class EngineClient(EngineSurface):
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(RuntimeError(why))
-        if self._proc.exitcode is None and not self._proc.is_alive():
-            self._proc.join(1)
 

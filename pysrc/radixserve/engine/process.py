@@ -224,7 +224,7 @@ class EngineHost:
             return
         try:
             self.conn.send(msg)
-        except (OSError, EOFError, BrokenPipeError):   # the server is gone
+        except (OSError, EOFError):         # the server is gone (BrokenPipeError among them)
             self._broken = True
             self._stop()
 
