@@ -658,7 +658,7 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
             --dataset random --random-input-len 1024 --random-output-len 1024 \
             --random-range-ratio $r --num-prompts 200 --request-rate 16 --no-plots --disable-tqdm \
             --server-log-dir "$OUT/servhost-$n-r$r" --output-file "$OUT/serving-$n-r$r.json" 2>&1 \
-            | grep -E "^(Output token|Failed|Server mean|Server loop|Server process|Server tokens|Median ITL)" \
+            | grep -E "^(Output token|Failed|Server mean|Server loop|Server process|Server tokens|Median ITL|Duration /)" \
             | sed "s/^/[$n r$r] /"
         done
       done
