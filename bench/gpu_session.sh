@@ -653,7 +653,7 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
       for r in ${SERVHOST_RATIOS:-1 0}; do
         for n in ${SERVHOST_CONFIGS:-fp8-kv bf16}; do
           a=""; case $n in fp8-kv*) a="$F";; esac
-          case $n in *-ep) a="$a --engine-process";; esac
+          case $n in *-ep) a="$a --engine-process";; *) a="$a --no-engine-process";; esac
           timeout 150 python3 bench/serving.py --preset llama-3.1-8b --launch --server-args "$a" \
             --dataset random --random-input-len 1024 --random-output-len 1024 \
             --random-range-ratio $r --num-prompts 200 --request-rate 16 --no-plots --disable-tqdm \
@@ -667,17 +667,17 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
         P=/tmp/preset-8b; python3 -m radixserve bench presets llama-3.1-8b --out $P > /dev/null
         # SERVHOST_SPY_EP=1: the server runs --engine-process and py-spy records the engine
         # process (its forward worker and loop), not the HTTP one
-        ep=""; [ -n "${SERVHOST_SPY_EP:-}" ] && ep="--engine-process"
+        ep="--no-engine-process"; [ -n "${SERVHOST_SPY_EP:-}" ] && ep="--engine-process"
         python3 -m radixserve.launch_server --model-path $P --load-format dummy --port 30124 $F \
           $ep > "$OUT/servhost-spy-server.log" 2>&1 &
         pid=$!
         for i in $(seq 200); do curl -sf localhost:30124/health >/dev/null && break; sleep 1; done
         target=$pid
-        if [ -n "$ep" ]; then
+        if [ "$ep" = --engine-process ]; then
           target=$(pgrep -P $pid -f spawn_main | head -1); echo "[spy] engine process $target"
         fi
         (sleep 10; timeout 40 /tmp/spy/bin/py-spy record -p $target -d 12 -r 200 --threads \
-          --native --format raw -o "$OUT/spy-fp8kv${ep:+-ep}.txt" > "$OUT/spy.log" 2>&1) &
+          --native --format raw -o "$OUT/spy-fp8kv${SERVHOST_SPY_EP:+-ep}.txt" > "$OUT/spy.log" 2>&1) &
         sp=$!
         timeout 100 python3 bench/serving.py --port 30124 --dataset random --random-range-ratio 1 \
           --random-input-len 1024 --random-output-len 1024 --num-prompts 200 --request-rate 16 \

@@ -423,10 +423,12 @@ class ServerArgs:
         "replica whose earlier requests share the longest prefix with this one, unless load is "
         "imbalanced), round_robin, power_of_two (the less loaded of two random replicas), "
         "random", choices=("cache_aware", "round_robin", "power_of_two", "random"))
-    engine_process: bool = _flag(
-        False, "run the engine (model, scheduler, detokenizers) in a process of its own and "
+    engine_process: Optional[bool] = _flag(
+        None, "run the engine (model, scheduler, detokenizers) in a process of its own and "
         "HTTP in this one, as SGLang and vLLM split them: the two no longer share one GIL, so "
-        "streaming many requests does not slow the steps (not with --enable-dashboard)")
+        "streaming many requests does not slow the steps; --no-engine-process: one process "
+        "(default: a process of its own on a GPU, one process on the CPU and with "
+        "--enable-dashboard, which reads the radix tree in this process)")
     # runtime
     random_seed: int = _flag(0, "seed of the generator that seeds requests sent without a seed",
                              metavar="SEED", group="runtime")
@@ -596,6 +598,15 @@ class ServerArgs:
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def resolved_engine_process(self) -> bool:
+        """Whether the engine runs in a process of its own (engine/process.py): --engine-process /
+        --no-engine-process where given, else on a GPU unless --enable-dashboard (which reads the
+        radix tree in the server's process). On the CPU one process: the model's threads and a
+        second interpreter would share the same few cores."""
+        if self.engine_process is not None:
+            return self.engine_process
+        return self.resolved_device().startswith("cuda") and not self.enable_dashboard
+
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
@@ -743,7 +754,7 @@ class ServerArgs:
             if self.tp_size > have:
                 raise ValueError(f"--tp-size {self.tp_size} needs {self.tp_size} GPUs (one per "
                                  f"rank); this host has {have}")
-        if self.engine_process and self.enable_dashboard:
+        if self.engine_process is True and self.enable_dashboard:
             raise ValueError("--enable-dashboard reads the engine's radix tree in this process, "
                              "so it does not run with --engine-process; drop one of the two")
         if self.dp_size < 1:
@@ -867,6 +878,10 @@ class ServerArgs:
             if f.type in ("bool", bool):     # on by default: --no-<flag> turns it off
                 group.add_argument(*flags, action=argparse.BooleanOptionalAction if f.default
                                    else "store_true", **kw)
+                continue
+            if f.type in ("Optional[bool]", Optional[bool]) and not meta.get("type"):
+                # None: decided at start (resolved_*); --flag / --no-flag decide
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
                 continue
             hidden = meta.get("hidden", False)
             if meta.get("repeat"):

@@ -127,6 +127,23 @@ def test_engine_process_refuses_the_dashboard():
     with pytest.raises(ValueError, match="--engine-process"):
         ServerArgs(device="cpu", engine_process=True, enable_dashboard=True).check()
     ServerArgs(device="cpu", engine_process=True).check()
+    ServerArgs(device="cpu", enable_dashboard=True).check()   # the default picks one process
+
+
+@pytest.mark.parametrize("argv, device, dashboard, expected", [
+    ([], "cuda", False, True),            # a GPU server: the engine in a process of its own
+    ([], "cpu", False, False),            # the CPU: one process
+    ([], "cuda", True, False),            # the dashboard reads the radix tree in-process
+    (["--no-engine-process"], "cuda", False, False),
+    (["--engine-process"], "cpu", False, True),
+])
+def test_engine_process_default_and_flags(argv, device, dashboard, expected):
+    import argparse
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    args.device, args.enable_dashboard = device, dashboard
+    assert args.resolved_engine_process() is expected
 
 
 def test_deliver_merges_backlog_honours_the_interval_and_raises_refusals():

@@ -295,7 +295,7 @@ COMPARE_SETS: Dict[str, List[Tuple[str, List[str]]]] = {
                ("switch-5ms", ["--debug-switch-interval-us", "5000"])],
     # the engine in a process of its own (--engine-process) against one process
     "engine-process": [("engine-process", ["--engine-process"]),
-                       ("one-process", [])],
+                       ("one-process", ["--no-engine-process"])],
     # issue 39: n-gram speculation on a workload it cannot help (its gates must keep it off)
     "spec": [("spec-off", []),
              ("spec-ngram", ["--speculative-algorithm", "ngram"])],

@@ -175,7 +175,7 @@ def serve(server_args: ServerArgs) -> int:
     engine's scheduling task. Returns the process exit status when the server stops: 0 after
     SIGINT / SIGTERM, 1 when the engine's loop died (the server stops itself then, so a
     supervisor watching the process restarts it, instead of a live process answering 503)."""
-    if server_args.engine_process:      # the engine in its own process (engine/process.py)
+    if server_args.resolved_engine_process():   # the engine in its own process (engine/process.py)
         from radixserve.engine.client import EngineClient
         engine = EngineClient(server_args)
     else:
