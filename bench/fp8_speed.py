@@ -3,7 +3,9 @@ decode steps and a 4k-token prefill, each against the same model shape in bf16.
 
 For each configuration (default: bf16, fp8 = `--quantization fp8` quantizing the dummy bf16
 weights at load, per-output-channel e4m3; fp8-kv = the same plus `--kv-cache-dtype fp8_e4m3`;
-fp8-mma / fp8-cc = fp8 with the skinny GEMM's tensor-core / CUDA-core kernel forced),
+fp8-mma / fp8-cc = fp8 with the skinny GEMM's tensor-core / CUDA-core kernel forced;
+fp8-mm-fast / -swap / -swap-fast = fp8 with the W8A8 GEMM's torch._scaled_mm called so,
+RADIXSERVE_FP8_SCALED_MM),
 in turn, one model at a time on the device:
   decode   step_ms of the real step pipeline (the overlap loop, CUDA graphs on) at each batch
            size of --batch-sizes, prompts of --prompt-len random tokens (decode_steps.measure)
@@ -44,6 +46,11 @@ CONFIGS = {
     # batch, or CUDA cores up to 4 rows; "fp8" runs the op's default
     "fp8-mma": {"quantization": "fp8", "fp8_cuda_core_rows": 0},
     "fp8-cc": {"quantization": "fp8", "fp8_cuda_core_rows": 4},
+    # the W8A8 GEMM's call of torch._scaled_mm (knob RADIXSERVE_FP8_SCALED_MM, ops.
+    # scaled_mm_rowwise): fast accumulation, the weight as the first operand, both
+    "fp8-mm-fast": {"quantization": "fp8", "debug_fp8_scaled_mm": "fast"},
+    "fp8-mm-swap": {"quantization": "fp8", "debug_fp8_scaled_mm": "swap"},
+    "fp8-mm-swap-fast": {"quantization": "fp8", "debug_fp8_scaled_mm": "swap-fast"},
 }
 
 

@@ -684,6 +684,18 @@ build_preset('llama-3.1-8b', '/tmp/preset-llama-3.1-8b')"
           --disable-tqdm --no-plots 2>&1 | grep -E "^(Output token|Server loop)" | sed "s/^/[spy] /"
         wait $sp; tail -1 "$OUT/spy.log"; kill $pid; wait $pid 2>/dev/null
       fi ;;
+    scaledmm)
+      # issue 35's W8A8 GEMMs at serving batches (~0.57 of copy bandwidth at batch 128 in
+      # h100-2026-12-07-late.md): torch._scaled_mm called four ways over the 8B step's GEMMs
+      # (bench/scaled_mm_variants.py), the variants' GPU test, then the decode step at 16-128 rows
+      # under each (bench/fp8_speed.py, knob RADIXSERVE_FP8_SCALED_MM)
+      python3 bench/scaled_mm_variants.py --rows ${SMM_ROWS:-16,32,48,64,128,256} \
+        --out "$OUT/scaled-mm-variants.json" 2>&1 | tee "$OUT/scaled-mm-variants.txt" | tail -30
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_linear_cuda.py 2>&1 | tail -3
+      python3 bench/fp8_speed.py --preset llama-3.1-8b \
+        --configs ${SMM_CONFIGS:-fp8,fp8-mm-fast,fp8-mm-swap,fp8-mm-swap-fast} \
+        --batch-sizes ${SMM_BS:-16,32,64,128} --prefill-reps 1 --out "$OUT/fp8-speed-scaledmm.json" \
+        2>&1 | tail -30 ;;
     servprof)
       # issue 35's serving gap: where a decode step at a serving-like batch and context goes
       # (bench/decode_profile.py under CUDA graphs, batch 128 x 1,536 tokens, as the fixed-length

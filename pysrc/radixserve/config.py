@@ -586,6 +586,7 @@ class ServerArgs:
     # debug: the A/B switches of knobs.KNOBS as hidden flags (not in --help; `radixserve env`
     # lists them); each, when given, beats its environment variable (knob_overrides)
     debug_decode_kernel: Optional[str] = _debug_flag("RADIXSERVE_DECODE_KERNEL", group="debug")
+    debug_fp8_scaled_mm: Optional[str] = _debug_flag("RADIXSERVE_FP8_SCALED_MM")
     debug_extend_kernel: Optional[str] = _debug_flag("RADIXSERVE_EXTEND_KERNEL")
     debug_decode_no_split_tokens: Optional[int] = _debug_flag("RADIXSERVE_DECODE_NO_SPLIT_TOKENS")
     debug_graph_context_classes: Optional[bool] = _debug_flag("RADIXSERVE_GRAPH_CONTEXT_CLASSES")

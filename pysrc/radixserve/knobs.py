@@ -119,6 +119,15 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
          "sm_80 path, for comparisons and tests). Passed to paged_extend_attention per call",
          ("ops.paged_extend_attention", "ops.extend_attention_kernel"),
          _choice("auto", "mma"), "--debug-extend-kernel"),
+    Knob("RADIXSERVE_FP8_SCALED_MM", "plain|fast|swap|swap-fast", "plain",
+         "how the W8A8 GEMM calls torch._scaled_mm (ops.fp8_scaled_mm): plain = x [M, K] times "
+         "the weight's transpose, fp32 accumulation; fast = with use_fast_accum (the tensor "
+         "cores' own accumulation, as vLLM's Hopper FP8 kernels run); swap = the weight as the "
+         "first operand (out.t() = w x.t(), so the library tiles the long N side; rows M % 16 "
+         "!= 0 run plain); swap-fast = both. For A/B runs (bench/scaled_mm_variants.py, "
+         "bench/fp8_speed.py). Read per call (a CUDA graph keeps what it captured)",
+         ("ops.fp8_scaled_mm",), _choice("plain", "fast", "swap", "swap-fast"),
+         "--debug-fp8-scaled-mm"),
     Knob("RADIXSERVE_DECODE_NO_SPLIT_TOKENS", "N", None,
          "decode requests of at most N KV tokens are never split across CTAs; 0 = split at any "
          "length (the earlier plan, for A/B runs). Passed to paged_decode_attention per call",

@@ -75,6 +75,31 @@ def test_shapes_scaled_mm_cannot_take_run_the_reference(counted_scaled_mm):
     _close(got, ref.fp8_linear(x, wq, ws, None, "dynamic", None), rel=1e-3)
 
 
+@pytest.mark.parametrize("variant", ["plain", "fast", "swap", "swap-fast"])
+@pytest.mark.parametrize("m", [1, 16, 17, 48, 256])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_every_scaled_mm_variant_tracks_the_reference(counted_scaled_mm, variant, m, per_channel):
+    """RADIXSERVE_FP8_SCALED_MM (ops.scaled_mm_rowwise): each way of calling torch._scaled_mm
+    gives the reference's product (swap at M % 16 == 0 takes the weight as the first operand,
+    elsewhere plain), contiguous [M, N]."""
+    from radixserve import knobs
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 576, generator=g, device="cuda").to(torch.bfloat16)
+    w = torch.randn(1040, 576, generator=g, device="cuda") / 24
+    if per_channel:
+        wq, ws = quantize_weight_per_channel(w)
+    else:
+        ws = (w.abs().amax() / 448).reshape(1)
+        wq = (w / ws).clamp(-448, 448).to(torch.float8_e4m3fn)
+    xq, xs = ops.fp8_quantize(x)
+    with knobs.override("RADIXSERVE_FP8_SCALED_MM", variant):
+        got = ops.fp8_scaled_mm(xq, xs, wq, ws, None, torch.bfloat16)
+    assert got.shape == (m, 1040) and got.is_contiguous()
+    swapped = variant.startswith("swap") and m % 16 == 0
+    assert counted_scaled_mm == [wq.shape if swapped else xq.shape]   # the first operand
+    _close(got, ref.fp8_scaled_mm(xq, xs, wq, ws, None, torch.bfloat16))
+
+
 def test_fp8_w8a8_in_a_cuda_graph():
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(24, 256, generator=g, device="cuda").to(torch.bfloat16)

@@ -121,6 +121,40 @@ def test_fp8_scaled_mm_reference_is_the_fp64_product(per_channel, out_dtype):
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+def _cpu_scaled_mm() -> bool:
+    try:
+        one = torch.ones(16, 16).to(E4M3)
+        torch._scaled_mm(one, one.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+@pytest.mark.skipif(not _cpu_scaled_mm(), reason="this torch has no CPU torch._scaled_mm")
+@pytest.mark.parametrize("variant", ["plain", "fast", "swap", "swap-fast"])
+@pytest.mark.parametrize("m", [5, 32])
+def test_scaled_mm_rowwise_variants_are_the_same_product(variant, m):
+    """ops.scaled_mm_rowwise (the GPU's W8A8 call, RADIXSERVE_FP8_SCALED_MM) on torch's CPU
+    _scaled_mm: every variant is the fp64 product of the quantized operands, [M, N] contiguous
+    (swap transposes its [N, M] result back; at M % 16 != 0 it runs plain); per-tensor weight
+    scales are spread over the rows."""
+    x = _randn(m, 96, seed=7)
+    w = _randn(48, 96, seed=8, scale=0.1)
+    xq, xs = ops.fp8_quantize(x)
+    for per_channel in (True, False):
+        if per_channel:
+            wq, ws = quantize_weight_per_channel(w)
+        else:
+            ws = (w.abs().amax() / 448).reshape(1)
+            wq = (w / ws).clamp(-448, 448).to(E4M3)
+        got = ops.scaled_mm_rowwise(xq, xs, wq, ws, variant)
+        assert got.shape == (m, 48) and got.dtype == torch.bfloat16 and got.is_contiguous()
+        want = _fp64_scaled_mm(xq, xs, wq, ws, None)
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -8,
+                                   atol=2 ** -8 * want.abs().max().item())
+
+
 def test_fp8_linear_modes():
     x = _randn(7, 64, seed=6, dtype=torch.bfloat16)
     w = _randn(24, 64, seed=7, scale=0.05)

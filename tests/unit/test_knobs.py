@@ -224,6 +224,7 @@ def test_each_flagged_knob_has_its_hidden_field():
         assert "--" + field.replace("_", "-") == flagged[name]
     assert set(flagged) == {"RADIXSERVE_DECODE_KERNEL", "RADIXSERVE_EXTEND_KERNEL",
                             "RADIXSERVE_DECODE_NO_SPLIT_TOKENS", "RADIXSERVE_GC_GEN0",
+                            "RADIXSERVE_FP8_SCALED_MM",
                             "RADIXSERVE_GRAPH_CONTEXT_CLASSES", "RADIXSERVE_SPEC_OVERLAP",
                             "RADIXSERVE_SWITCH_INTERVAL_US"}
 

@@ -481,21 +481,47 @@ def fp8_scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tens
     weight_scale: [N] fp32 per output channel, or [1] per tensor
     bias:         None or [N] in out_dtype
     returns       [M, N] out_dtype
-    CUDA (sm_90+, fp8_scaled_mm_fits): torch._scaled_mm with rowwise scales (scale_a = x_scale
-    [M, 1], scale_b = weight_scale as [1, N], second operand weight.t() column-major, bf16
-    output; an fp16/fp32 out_dtype is converted from it, and the bias is added after the GEMM
-    in out_dtype, so it is rounded twice where the reference rounds once). Elsewhere the
-    reference: fp32 math, rounded once into out_dtype.
+    CUDA (sm_90+, fp8_scaled_mm_fits): torch._scaled_mm with rowwise scales, called as the
+    knob RADIXSERVE_FP8_SCALED_MM says (scaled_mm_rowwise), bf16 output; an fp16/fp32 out_dtype
+    is converted from it, and the bias is added after the GEMM in out_dtype, so it is rounded
+    twice where the reference rounds once. Elsewhere the reference: fp32 math, rounded once into
+    out_dtype.
     """
     if x_fp8.shape[0] and fp8_scaled_mm_fits(x_fp8, weight):
-        n = weight.shape[0]
-        scale_b = weight_scale.float().reshape(1, -1).expand(1, n).contiguous()      # [1, N]
-        out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale.float().reshape(-1, 1),
-                               scale_b=scale_b, out_dtype=torch.bfloat16)
+        out = scaled_mm_rowwise(x_fp8, x_scale, weight, weight_scale,
+                                knobs.value("RADIXSERVE_FP8_SCALED_MM"))
         if out_dtype != torch.bfloat16:
             out = out.to(out_dtype)
         return out if bias is None else out.add_(bias.to(out_dtype))
     return ref.fp8_scaled_mm(x_fp8, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+def scaled_mm_rowwise(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                      weight_scale: torch.Tensor, variant: str = "plain") -> torch.Tensor:
+    """torch._scaled_mm of x_fp8 [M, K] e4m3 (scales x_scale [M, 1] fp32) and weight [N, K] e4m3
+    (weight_scale [N] or [1] fp32) -> [M, N] bf16 contiguous, as variant (the knob
+    RADIXSERVE_FP8_SCALED_MM) calls it:
+      plain      _scaled_mm(x_fp8, weight.t()), scale_a x_scale [M, 1], scale_b [1, N]
+      fast       the same with use_fast_accum=True
+      swap       _scaled_mm(weight, x_fp8.t()) -> [N, M] (scale_a [N, 1], scale_b [1, M]),
+                 transposed back by a copy; plain where M % 16 != 0 (the second operand's
+                 columns must be a multiple of 16)
+      swap-fast  swap with use_fast_accum=True
+    The same sums in every variant; fast accumulation may round them differently."""
+    m, n = x_fp8.shape[0], weight.shape[0]
+    fast = variant in ("fast", "swap-fast")
+    ws = weight_scale.float().reshape(-1)
+    if ws.numel() != n:
+        ws = ws.expand(n)
+    xs = x_scale.float()
+    if variant in ("swap", "swap-fast") and m % 16 == 0:
+        out_t = torch._scaled_mm(weight, x_fp8.t(), scale_a=ws.reshape(n, 1).contiguous(),
+                                 scale_b=xs.reshape(1, m).contiguous(), out_dtype=torch.bfloat16,
+                                 use_fast_accum=fast)                            # [N, M]
+        return out_t.t().contiguous()
+    return torch._scaled_mm(x_fp8, weight.t(), scale_a=xs.reshape(m, 1),
+                            scale_b=ws.reshape(1, n).contiguous(), out_dtype=torch.bfloat16,
+                            use_fast_accum=fast)
 
 
 # fp8_skinny_linear (csrc/include/radixserve/fp8_gemv.cuh) serves up to this many rows.
