@@ -5,7 +5,9 @@ bandwidth, FLOPs / peak), prefills ride the next step, nothing waits), beside th
 duration (each token at the batch-1 weight floor and nothing else) that issue 33's bar uses.
 
 Per result it prints: floor-bound duration, roofline duration, the measured duration over each,
-and the roofline over the floor bound (the share of a floor-bound bar the hardware itself takes).
+the roofline over the floor bound (the share of a floor-bound bar the hardware itself takes),
+and the roofline with each prompt prefilled in a step of its own (the server's
+--step-order alternate) instead of riding the decode step.
 Inputs, all from the result: the workload (regenerated from its args as the client drew it:
 lengths and arrival gaps from numpy RandomState(seed); the nominal schedule, so both bounds here
 may differ by the client's send jitter from the run's own floor_bound_duration_s, which pairs
@@ -67,8 +69,10 @@ def analyse(result: dict, peak_bf16: float, peak_fp8: float) -> dict:
     ins, outs, arrivals = workload(args)
     floor_bound = floor_bound_duration(arrivals, outs, floor_s)
     roof, nsteps = roofline_duration(arrivals, ins, outs, cost)
+    apart, _ = roofline_duration(arrivals, ins, outs, cost, prefill_apart=True)
     duration = metrics["duration"]
     return {"floor_bound_s": floor_bound, "roofline_s": roof, "roofline_steps": nsteps,
+            "roofline_prefill_apart_s": apart,
             "duration_s": duration, "duration_over_floor_bound": duration / floor_bound,
             "duration_over_roofline": duration / roof, "roofline_over_floor_bound": roof / floor_bound,
             "bandwidth_bytes_per_s": bandwidth, "peak_flops": peak, "fp8_weights": fp8,
@@ -96,7 +100,8 @@ def main(argv=None) -> int:
         print(f"{os.path.basename(path)}: duration {r['duration_s']:.2f} s, floor-bound "
               f"{r['floor_bound_s']:.2f} s ({r['duration_over_floor_bound']:.3f}x), roofline "
               f"{r['roofline_s']:.2f} s ({r['duration_over_roofline']:.3f}x); roofline / "
-              f"floor-bound {r['roofline_over_floor_bound']:.3f} "
+              f"floor-bound {r['roofline_over_floor_bound']:.3f}; prefills in steps of "
+              f"their own {r['roofline_prefill_apart_s']:.2f} s "
               f"(bandwidth {r['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s)")
     if args.out:
         with open(args.out, "w") as f:

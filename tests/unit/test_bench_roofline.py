@@ -38,6 +38,25 @@ def test_arrivals_join_the_next_step_and_share_it():
     assert end >= floor_bound_duration([2.0, 3.5], [3, 2], 1.0)
 
 
+def test_prefill_apart_stalls_the_running_decodes_for_one_step():
+    # A (4 tokens) arrives at 0, B (3 tokens) at 1.5, during A's second step
+    cost = StepCost(weights_s=1.0, kv_s_per_token=0.0, flop_s_per_token=0.0)
+    # mixed: steps end at 1 (A's prefill), 2, 3 (A decodes, B's prefill rides), 4 (A's last),
+    # 5 (B's last)
+    assert roofline_duration([0.0, 1.5], [5, 5], [4, 3], cost) == (pytest.approx(5.0), 5)
+    # apart: 1 (A's prefill), 2, 3 (B's prefill alone: A waits), 4 (both), 5 (both end)
+    assert roofline_duration([0.0, 1.5], [5, 5], [4, 3], cost, prefill_apart=True) == \
+        (pytest.approx(5.0), 5)
+    # with FLOPs the prompt's step costs 2.5 s alone, and A's wait shows in the end time
+    slow = StepCost(weights_s=1.0, kv_s_per_token=0.0, flop_s_per_token=0.5)
+    mixed = roofline_duration([0.0, 1.5], [5, 5], [4, 3], slow)[0]
+    apart = roofline_duration([0.0, 1.5], [5, 5], [4, 3], slow, prefill_apart=True)[0]
+    # (B now arrives during A's 2.5 s prefill step)
+    # mixed: 2.5 (A's prefill), 5.5 (A's row + B's 5 prompt tokens: 3.0), 6.5, 7.5 (both end)
+    # apart: 2.5, 5.0 (B's prefill alone), 6.0, 7.0 (B ends), 8.0 (A ends: it lost a step)
+    assert (mixed, apart) == (pytest.approx(7.5), pytest.approx(8.0))
+
+
 def test_requests_of_at_most_one_token_end_with_their_prefill():
     cost = StepCost(weights_s=1.0, kv_s_per_token=0.5, flop_s_per_token=0.0)
     assert roofline_duration([0.0, 0.0], [7, 9], [0, 1], cost) == (pytest.approx(1.0), 1)

@@ -35,10 +35,14 @@ class StepCost:
 
 
 def roofline_duration(arrivals: Sequence[float], input_lens: Sequence[int],
-                      output_lens: Sequence[int], cost: StepCost) -> Tuple[float, int]:
+                      output_lens: Sequence[int], cost: StepCost,
+                      prefill_apart: bool = False) -> Tuple[float, int]:
     """(seconds from the first arrival's time origin until the last token, steps) of the ideal
     schedule in the module docstring. arrivals: each request's send time (s, same origin as the
-    result's); a request with 0 or 1 output tokens ends with its prefill step."""
+    result's); a request with 0 or 1 output tokens ends with its prefill step.
+    prefill_apart: the arrivals waiting at a step boundary are prefilled in a step of their own
+    (weights and their FLOPs, no KV read), then the running requests decode in the next, as the
+    server's --step-order alternate runs them; default: they ride the running requests' step."""
     order = sorted(range(len(arrivals)), key=lambda i: arrivals[i])
     running: Dict[int, List[int]] = {}         # request -> [context tokens, tokens still to come]
     t, end, steps, nxt = 0.0, 0.0, 0, 0
@@ -49,8 +53,14 @@ def roofline_duration(arrivals: Sequence[float], input_lens: Sequence[int],
         while nxt < len(order) and arrivals[order[nxt]] <= t:
             new.append(order[nxt])
             nxt += 1
+        prompt_tokens = sum(input_lens[i] for i in new)
+        if prefill_apart and new and running:
+            t += cost.step_s(0, prompt_tokens)    # the prefill step; the decodes wait
+            steps += 1
+            end = _admit(new, running, input_lens, output_lens, t, end)
+            new, prompt_tokens = [], 0            # they decode in the step below
         kv = sum(ctx for ctx, _ in running.values())
-        t += cost.step_s(kv, len(running) + sum(input_lens[i] for i in new))
+        t += cost.step_s(kv, len(running) + prompt_tokens)
         steps += 1
         for i in list(running):
             running[i][0] += 1
@@ -58,12 +68,20 @@ def roofline_duration(arrivals: Sequence[float], input_lens: Sequence[int],
             if running[i][1] == 0:
                 del running[i]
                 end = t
-        for i in new:
-            if output_lens[i] <= 1:
-                end = max(end, t)
-            else:
-                running[i] = [input_lens[i] + 1, output_lens[i] - 1]
+        end = _admit(new, running, input_lens, output_lens, t, end)
     return end, steps
+
+
+def _admit(new: List[int], running: Dict[int, List[int]], input_lens: Sequence[int],
+           output_lens: Sequence[int], t: float, end: float) -> float:
+    """Requests `new`, prefilled by the step that ended at t, join `running` (their first token
+    came from that step); those with at most one token end there. Returns the latest end."""
+    for i in new:
+        if output_lens[i] <= 1:
+            end = max(end, t)
+        else:
+            running[i] = [input_lens[i] + 1, output_lens[i] - 1]
+    return end
 
 
 @dataclass(frozen=True)
