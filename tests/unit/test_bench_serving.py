@@ -360,3 +360,35 @@ def test_latency_ratios_from_decode_rows_weight_floor_and_send_times():
     assert "weight_floor_ms" not in server_steps.over_run(cpu, cpu, 4.0)
     old = server_steps.over_run(server_steps.parse(base), server_steps.parse(base), 4.0)
     assert server_steps.latency_ratios(m, old) == {}
+
+
+def test_memory_bound_duration_from_the_servers_weight_and_kv_bytes():
+    """With the server's streamed weight bytes and KV bytes per token on /metrics, the run's
+    schedule on the ideal server that also reads every running request's KV (roofline.py,
+    memory traffic only): one request of 100 prompt and 3 output tokens, weight floor 5 ms over
+    1e9 bytes, so each cached token costs 1e6 bytes x 5e-12 s."""
+    from radixserve.bench import server_steps
+    from radixserve.bench.backends import RequestResult
+    from radixserve.bench.metrics import summarize
+    base = METRICS_TEXT.format(p="radixserve:", decode=10.0, dev=1.0, tokens=40.0, loop=7.0)
+    gauges = ROWS_TEXT.format(rows_s=1.0, rows=100) + (
+        'radixserve:streamed_weight_bytes{model_name="m"} 1e9\n'
+        'radixserve:kv_cache_bytes_per_token{model_name="m"} 1e6\n')
+    d = server_steps.over_run(server_steps.parse(base + gauges),
+                              server_steps.parse(base + gauges), duration=0.02)
+    assert (d["streamed_weight_bytes"], d["kv_bytes_per_token"]) == (10 ** 9, 10 ** 6)
+    m = summarize([RequestResult(success=True, prompt_len=100, output_len=3, start=7.0,
+                                 ttft=0.005, latency=0.016, itl=[0.005, 0.005])],
+                  duration=0.02, t0=7.0)
+    assert m["per_request"]["input_len"] == [100]
+    r = server_steps.latency_ratios(m, d)
+    # the prefill step reads the weights (5 ms), then 2 decode steps over 101 and 102 cached
+    # tokens: 5 ms + 0.505 ms, 5 ms + 0.51 ms
+    assert r["memory_bound_duration_s"] == pytest.approx(0.005 + 0.005505 + 0.00551)
+    assert r["duration_over_memory_bound"] == pytest.approx(0.02 / 0.016015)
+    assert r["floor_bound_duration_s"] == pytest.approx(0.015)
+    # a server without the byte gauges: the floor bound alone
+    plain = server_steps.over_run(server_steps.parse(base + ROWS_TEXT.format(rows_s=1.0, rows=100)),
+                                  server_steps.parse(base + ROWS_TEXT.format(rows_s=1.0, rows=100)),
+                                  duration=0.02)
+    assert "memory_bound_duration_s" not in server_steps.latency_ratios(m, plain)

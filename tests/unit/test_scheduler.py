@@ -278,3 +278,7 @@ def test_decode_rows_count_every_decode_row(make_scheduler):
     assert m["decode_row_device_seconds"] == pytest.approx(sum(n * t for n, t in steps))
     assert m["decode_row_device_seconds"] > 0
     assert m["weight_floor_seconds"] == 0.0          # measured on CUDA only
+    assert m["streamed_weight_bytes"] == 0
+    pool = sched.kv_pool                             # K and V, every layer, the pool's dtype
+    assert m["kv_cache_bytes_per_token"] == 2 * pool.num_layers * pool.num_kv_heads * \
+        pool.head_dim * pool.k_buffers[0].element_size()

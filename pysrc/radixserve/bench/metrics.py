@@ -36,6 +36,7 @@ def _per_request(ok: List[RequestResult], t0: float) -> Dict[str, list]:
     return {"arrival_s": [round(r.start - t0, 6) for r in ok],
             "ttft_ms": [round(r.ttft * 1e3, 3) for r in ok],
             "latency_ms": [round(r.latency * 1e3, 3) for r in ok],
+            "input_len": [r.prompt_len for r in ok],
             "output_len": [r.output_len for r in ok],
             "itl_ms": [[round(x * 1e3, 3) for x in r.itl] for r in ok]}
 
@@ -117,6 +118,9 @@ def print_metrics(name: str, m: Dict) -> None:
             rows += [("Server weight floor, batch 1 (ms)", steps["weight_floor_ms"]),
                      ("Floor-bound duration (s)", steps["floor_bound_duration_s"]),
                      ("Duration / floor-bound duration", steps["duration_over_floor_bound"])]
+        if "memory_bound_duration_s" in steps:
+            rows += [("Memory-bound duration (s)", steps["memory_bound_duration_s"]),
+                     ("Duration / memory-bound duration", steps["duration_over_memory_bound"])]
     for label, v in rows:
         print(f"{label:<40}{v:>14.3f}" if isinstance(v, float) else f"{label:<40}{v:>14}")
     for reason, count in (m.get("failure_reasons") or {}).items():

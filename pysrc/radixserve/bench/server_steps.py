@@ -32,6 +32,11 @@ and, from the client's own record of the run (latency_ratios), issue 33's two ra
                                          duration of this arrival schedule if every token cost
                                          the batch-1 floor and nothing else
     duration_over_floor_bound            the run's duration over floor_bound_duration_s
+    memory_bound_duration_s              the same schedule on an ideal server that also reads
+                                         every running request's KV each step (roofline.py,
+                                         memory traffic only; the server's streamed weight bytes
+                                         and KV bytes per token from /metrics)
+    duration_over_memory_bound           the run's duration over memory_bound_duration_s
 
 They say where a serving run's time went on the server: a device busy well below 1 with
 requests waiting, or idle before decode steps, points at the host loop, not the kernels. Only a
@@ -43,6 +48,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from radixserve.bench.roofline import StepCost, roofline_duration
 
 # engine.metrics() key (the scheduler's running totals) -> key of the result. /metrics exposes
 # each as the counter `<prefix><key>_total` (server/metrics.py); bench offline reads them from
@@ -66,7 +73,9 @@ HOST_KEYS = {
     "decode_rows": "decode_rows",
 }
 # Gauges read as they stand after the run (not as deltas).
-GAUGE_KEYS = {"weight_floor_seconds": "weight_floor_s"}
+GAUGE_KEYS = {"weight_floor_seconds": "weight_floor_s",
+              "streamed_weight_bytes": "streamed_weight_bytes",
+              "kv_cache_bytes_per_token": "kv_bytes_per_token"}
 
 
 def engine_totals(metrics: Dict[str, float]) -> Dict[str, float]:
@@ -127,6 +136,9 @@ def over_run(before: Optional[Dict[str, float]], after: Optional[Dict[str, float
         d["decode_step_per_token_ms"] = 1e3 * d["decode_row_device_s"] / d["decode_rows"]
     if after.get("weight_floor_s"):
         d["weight_floor_ms"] = 1e3 * after["weight_floor_s"]
+    for key in ("streamed_weight_bytes", "kv_bytes_per_token"):
+        if after.get(key):
+            d[key] = int(after[key])
     return d
 
 
@@ -151,4 +163,23 @@ def latency_ratios(metrics: Dict, steps: Dict[str, float]) -> Dict[str, float]:
         bound = floor_bound_duration(per["arrival_s"], per["output_len"], floor_ms / 1e3)
         out["floor_bound_duration_s"] = bound
         out["duration_over_floor_bound"] = metrics["duration"] / bound if bound else 0.0
+        if steps.get("streamed_weight_bytes") and steps.get("kv_bytes_per_token") \
+                and per.get("input_len"):
+            memory = memory_bound_duration(per["arrival_s"], per["input_len"],
+                                           per["output_len"], floor_ms / 1e3,
+                                           steps["streamed_weight_bytes"],
+                                           steps["kv_bytes_per_token"])
+            out["memory_bound_duration_s"] = memory
+            out["duration_over_memory_bound"] = metrics["duration"] / memory if memory else 0.0
     return out
+
+
+def memory_bound_duration(arrivals: List[float], input_lens: List[int], output_lens: List[int],
+                          floor_s: float, weight_bytes: int, kv_bytes_per_token: int) -> float:
+    """The run's arrival schedule on bench/roofline.py's ideal server with its memory traffic
+    alone (every step reads the weights and every running request's KV; FLOPs not counted):
+    the floor bound plus the KV reads no server avoids. The KV bytes cost what the server's
+    weight bytes cost (bandwidth = weight_bytes / floor_s, the server's own)."""
+    cost = StepCost(weights_s=floor_s, kv_s_per_token=kv_bytes_per_token * floor_s / weight_bytes,
+                    flop_s_per_token=0.0)
+    return roofline_duration(arrivals, input_lens, output_lens, cost)[0]

@@ -49,7 +49,9 @@ the run (device busy fraction, decode steps and their mean device time, idle bef
 steps; server_steps.py), which say whether a run was bound by the kernels or by the host loop,
 and issue 33's latency ratios: the median ITL over the decode step a token waited for, and the
 duration over the floor-bound duration of the run's own arrival schedule (each request's send
-time + its output tokens x the server's measured batch-1 weight floor; GPU servers only).
+time + its output tokens x the server's measured batch-1 weight floor; GPU servers only), and
+over its memory-bound duration (the same schedule on an ideal server whose every step also reads
+the running requests' KV cache: roofline.py, from the server's weight and KV bytes).
 
 Failed requests (an HTTP error, an error chunk, an abort, a stream without a finish reason, fewer
 tokens than asked under ignore_eos: backends.py) are counted per reason in the summary

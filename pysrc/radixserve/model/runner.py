@@ -206,9 +206,11 @@ class ModelRunner:
         # the batch-1 decode floor, measured here before the KV pool takes the free memory
         # (weight_floor.py; None on the CPU)
         self.weight_floor_s: Optional[float] = None
+        self.streamed_weight_bytes = 0         # the floor's numerator (CUDA only, as the floor)
         if self.device.type == "cuda":
-            from radixserve.model.weight_floor import weight_floor_seconds
+            from radixserve.model.weight_floor import streamed_weight_bytes, weight_floor_seconds
             self.weight_floor_s = weight_floor_seconds(self.model, self.device)
+            self.streamed_weight_bytes = streamed_weight_bytes(self.model)
             logger.info("batch-1 decode floor (weights over copy bandwidth): %.3f ms",
                         self.weight_floor_s * 1e3)
         self.max_running_requests = (server_args.max_running_requests

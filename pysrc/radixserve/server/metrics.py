@@ -150,6 +150,12 @@ _GAUGES: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "weight_floor_seconds": (("weight_floor_seconds",),
                              "The batch-1 decode floor measured at start: streamed weight bytes "
                              "over the device's copy bandwidth (0 on the CPU)"),
+    "streamed_weight_bytes": (("streamed_weight_bytes",),
+                              "The weight bytes a decode step streams (the floor's numerator; 0 "
+                              "on the CPU)"),
+    "kv_cache_bytes_per_token": (("kv_cache_bytes_per_token",),
+                                 "K and V bytes of one cached token over all layers, on one "
+                                 "device, in the KV cache's dtype"),
 }
 _RESERVED = frozenset([n for names, _ in (*_COUNTERS.values(), *_GAUGES.values()) for n in names]
                       + ["cache_query_tokens_total", "cache_hit_tokens_total", "cache_hit_rate"])

@@ -421,8 +421,16 @@ class Scheduler:
                  num_used_tokens=self.num_used_tokens(), max_total_tokens=self.kv_pool.num_slots,
                  evictable_tokens=self.cache.evictable_size())
         m.update(self.stats.device_metrics())
-        m.update(weight_floor_seconds=getattr(self.runner, "weight_floor_s", None) or 0.0)
+        m.update(weight_floor_seconds=getattr(self.runner, "weight_floor_s", None) or 0.0,
+                 streamed_weight_bytes=getattr(self.runner, "streamed_weight_bytes", 0) or 0,
+                 kv_cache_bytes_per_token=self.kv_bytes_per_token())
         return m
+
+    def kv_bytes_per_token(self) -> int:
+        """K + V bytes of one cached token over all layers, as one device holds them (a tensor-
+        parallel rank: its KV heads), in the pool's dtype."""
+        pool = self.kv_pool
+        return KVPool.bytes_per_token(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
 
     def check_integrity(self) -> None:
         """Every slot is free, cache-owned, or owned by one live request; exactly once each.
