@@ -22,9 +22,11 @@ Peak: --peak-tflops (default H100 SXM dense: 989 bf16, 1979 FP8).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -33,19 +35,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from radixserve.bench.presets import PRESETS  # noqa: E402
 from radixserve.bench.roofline import StepCost, llama_bytes, roofline_duration  # noqa: E402
 from radixserve.bench.server_steps import floor_bound_duration  # noqa: E402
-from radixserve.bench.workloads import random_lengths  # noqa: E402
+from radixserve.bench.workloads import random_lengths, set_gaps  # noqa: E402
 
 
 def workload(args: dict):
     """(input lens, output lens, nominal arrivals) of a random-dataset run's args, drawn as the
-    client drew them (bench/workloads.build_workload: lengths, then one gap per request)."""
+    client drew them (bench/workloads.build_workload: random_lengths, then set_gaps; a
+    request is sent its predecessor's gap after it)."""
     stream = np.random.RandomState(args["seed"])
     ins, outs = random_lengths(stream, args["num_prompts"], args["random_input_len"],
                                args["random_output_len"], args["random_range_ratio"])
-    arrivals, t = [], 0.0
-    for _ in range(args["num_prompts"]):
-        arrivals.append(t)
-        t += float(stream.exponential(1.0 / args["request_rate"]))
+    items = [SimpleNamespace(gap=0.0) for _ in range(args["num_prompts"])]
+    set_gaps(items, stream, args["request_rate"])
+    arrivals = list(itertools.accumulate((item.gap for item in items[:-1]), initial=0.0))
     return [int(x) for x in ins], [int(x) for x in outs], arrivals
 
 

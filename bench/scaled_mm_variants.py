@@ -2,8 +2,9 @@
 at serving batches of 16-256 rows the FP8 GEMMs streamed their weights at ~0.57 of copy
 bandwidth, bench/results/h100-2026-12-07-late.md, while the step is weight-streaming bound).
 
-For each row count M of --rows, one CUDA graph runs the four projections of every layer of the
-Llama-3.1-8B shape (--layers x [q|k|v 6144 x 4096, o 4096 x 4096, gate|up 28672 x 4096, down
+Each GEMM is ops.scaled_mm_rowwise, the call ops.fp8_scaled_mm makes under the knob
+RADIXSERVE_FP8_SCALED_MM. For each row count M of --rows, one CUDA graph runs the four
+projections of every layer of the Llama-3.1-8B shape (--layers x [q|k|v 6144 x 4096, o 4096 x 4096, gate|up 28672 x 4096, down
 4096 x 14336], each layer its own e4m3 weights, so nothing is reused from L2), as:
   plain       _scaled_mm(x [M, K], w.t() [K, N]), rowwise scales: what ops.fp8_scaled_mm does
   fast        the same with use_fast_accum=True (the tensor cores' own accumulation over K, as
@@ -23,41 +24,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pysrc"))
+
+from radixserve import ops  # noqa: E402
+from radixserve.model.weight_floor import copy_bandwidth  # noqa: E402
+
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 VARIANTS = ("plain", "fast", "swap", "swap-fast")
-
-
-def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted once each, as the weight
-    floor counts a read)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 2 * nbytes * reps / (start.elapsed_time(end) / 1e3)
-
-
-def gemm(variant: str, x8, xs, w, ws_col, ws_row):
-    """One W8A8 GEMM -> [M, N] bf16. x8 [M, K] e4m3, xs [M, 1] fp32; w [N, K] e4m3; ws_col
-    [N, 1] and ws_row [1, N] fp32: the weight scales in both orientations."""
-    fast = variant.endswith("fast")
-    if variant.startswith("swap"):
-        out_t = torch._scaled_mm(w, x8.t(), scale_a=ws_col, scale_b=xs.t(), out_dtype=torch.bfloat16,
-                                 use_fast_accum=fast)                  # [N, M]
-        return out_t.t().contiguous()
-    return torch._scaled_mm(x8, w.t(), scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16,
-                            use_fast_accum=fast)
 
 
 def main(argv=None) -> int:
@@ -76,10 +55,10 @@ def main(argv=None) -> int:
         for name, n, k in SHAPES:
             w = (torch.randn(n, k, device=dev) * 0.5).to(torch.float8_e4m3fn)
             ws = torch.rand(n, device=dev) * 0.01 + 0.001
-            layer.append((name, w, ws.reshape(n, 1).contiguous(), ws.reshape(1, n).contiguous()))
+            layer.append((name, w, ws))
         layers.append(layer)
-    weight_bytes = sum(w.numel() for layer in layers for _, w, _, _ in layer)
-    bw = copy_bandwidth()
+    weight_bytes = sum(w.numel() for layer in layers for _, w, _ in layer)
+    bw = copy_bandwidth(dev)
     floor_ms = weight_bytes / bw * 1e3
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"{weight_bytes / 1e9:.2f} GB of FP8 weights, floor {floor_ms:.3f} ms a step")
@@ -102,9 +81,9 @@ def main(argv=None) -> int:
             def step():
                 outs = []
                 for layer in layers:
-                    for name, w, wc, wr in layer:
+                    for name, w, ws in layer:
                         x8, xsc = acts[w.shape[1]]
-                        outs.append(gemm(variant, x8, xsc, w, wc, wr))
+                        outs.append(ops.scaled_mm_rowwise(x8, xsc, w, ws, variant))
                 return outs[:4]               # layer 0's outputs, for the comparison
             try:
                 first = step()
